@@ -1,0 +1,329 @@
+//! `run-remote [OPTIONS] -- <executable> [args...]`: runs a command on a gateway and
+//! behaves like the command: its output on our stdout and stderr, its exit code ours.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+
+use clap::Parser;
+use tokio_util::sync::CancellationToken;
+
+use super::exit_codes as code;
+use crate::contract::{ErrorCode, Event, ExitInfo, RunRequest};
+use crate::exec::remote::RemoteExecutor;
+
+const AFTER_HELP: &str = "\
+Environment:
+  RUN_REMOTE_SERVER  the gateway's /raw URL, e.g. http://127.0.0.1:8080/raw (required unless --server)
+  RUN_REMOTE_TOKEN   bearer token sent to the gateway, if it requires one
+
+Exit status: the remote command's exit code; 128+N if signal N killed it; 124 if the gateway's
+timeout killed it. run-remote's own failures: 64 usage, 65 rejected by the gateway, 69 gateway
+unreachable, 70 failure on the gateway after the start, 74 output error, 76 protocol error,
+78 configuration error.";
+
+/// Run a command on an mcp-run gateway, streaming its output and mirroring its exit code.
+///
+/// The current directory is sent as the command's working directory. No environment
+/// variable is sent unless named with --keep-env.
+#[derive(Debug, Parser)]
+#[command(name = "run-remote", version, about, after_help = AFTER_HELP)]
+pub struct Args {
+    /// Send this variable of the local environment with the command (repeatable). Fails
+    /// before sending when any of them is unset.
+    #[arg(long = "keep-env", value_name = "NAME")]
+    pub keep_env: Vec<String>,
+    /// Kill the command after this many seconds (the gateway bounds it).
+    #[arg(long, value_name = "SECS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub timeout: Option<u64>,
+    /// The gateway's /raw URL; overrides RUN_REMOTE_SERVER.
+    #[arg(long, value_name = "URL")]
+    pub server: Option<String>,
+    /// The command and its arguments, after `--`.
+    #[arg(last = true, required = true, value_name = "COMMAND")]
+    pub command: Vec<String>,
+}
+
+/// Runs the client and returns its exit code.
+pub fn main() -> i32 {
+    let args = match Args::try_parse() {
+        Ok(a) => a,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() { code::USAGE } else { 0 };
+        }
+    };
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("run-remote: cannot start the runtime: {e}");
+            return code::IO_ERROR;
+        }
+    };
+    rt.block_on(run(args))
+}
+
+/// A failure of run-remote itself: the message and the exit code.
+#[derive(Debug)]
+pub struct Failure {
+    pub code: i32,
+    pub message: String,
+}
+
+fn fail(code: i32, message: impl Into<String>) -> Failure {
+    Failure {
+        code,
+        message: message.into(),
+    }
+}
+
+/// Builds the request from the command line and the environment, checking everything that
+/// can be checked before anything is sent.
+pub fn build_request(
+    args: &Args,
+    env: impl Fn(&str) -> Option<String>,
+    cwd: std::io::Result<std::path::PathBuf>,
+) -> Result<(String, RunRequest), Failure> {
+    let server = args.server.clone().or_else(|| env("RUN_REMOTE_SERVER")).ok_or_else(|| {
+        fail(
+            code::CONFIG,
+            "RUN_REMOTE_SERVER is not set: set it to the gateway's /raw URL, e.g. http://127.0.0.1:8080/raw",
+        )
+    })?;
+    crate::exec::remote::parse_server_url(&server)
+        .map_err(|e| fail(code::CONFIG, format!("RUN_REMOTE_SERVER: {e}")))?;
+    let (executable, rest) = args
+        .command
+        .split_first()
+        .ok_or_else(|| fail(code::USAGE, "no command given after `--`"))?;
+    let mut env_out = BTreeMap::new();
+    let mut missing = Vec::new();
+    for name in &args.keep_env {
+        if !crate::contract::is_valid_env_name(name) {
+            return Err(fail(
+                code::USAGE,
+                format!("--keep-env {name:?} is not a valid variable name"),
+            ));
+        }
+        match env(name) {
+            Some(v) => {
+                env_out.insert(name.clone(), v);
+            }
+            None => missing.push(name.as_str()),
+        }
+    }
+    if !missing.is_empty() {
+        return Err(fail(
+            code::CONFIG,
+            format!(
+                "--keep-env names variables that are not set: {}",
+                missing.join(", ")
+            ),
+        ));
+    }
+    let cwd = cwd.map_err(|e| {
+        fail(
+            code::CONFIG,
+            format!("cannot read the current directory: {e}"),
+        )
+    })?;
+    let cwd = cwd
+        .to_str()
+        .ok_or_else(|| {
+            fail(
+                code::CONFIG,
+                format!("the current directory {cwd:?} is not valid UTF-8"),
+            )
+        })?
+        .to_owned();
+    let request = RunRequest {
+        executable: executable.clone(),
+        args: rest.to_vec(),
+        cwd: Some(cwd),
+        env: env_out,
+        timeout_secs: args.timeout,
+        profile: None,
+    };
+    Ok((server, request))
+}
+
+/// The exit code that mirrors how the remote command ended.
+pub fn mirror_exit(info: &ExitInfo) -> i32 {
+    if info.timed_out {
+        code::TIMED_OUT
+    } else {
+        info.shell_status()
+    }
+}
+
+/// The exit code for a rejection before the stream began.
+pub fn rejection_code(c: ErrorCode) -> i32 {
+    match c {
+        ErrorCode::GatewayUnreachable => code::UNAVAILABLE,
+        ErrorCode::ProtocolError => code::PROTOCOL,
+        _ => code::REJECTED,
+    }
+}
+
+async fn run(args: Args) -> i32 {
+    let (server, request) =
+        match build_request(&args, |k| std::env::var(k).ok(), std::env::current_dir()) {
+            Ok(r) => r,
+            Err(f) => {
+                eprintln!("run-remote: {}", f.message);
+                return f.code;
+            }
+        };
+    let token = std::env::var("RUN_REMOTE_TOKEN")
+        .ok()
+        .filter(|t| !t.is_empty());
+    let remote = match RemoteExecutor::new(&server, token) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("run-remote: {e}");
+            return code::CONFIG;
+        }
+    };
+    let mut execution = match remote.run(&request, CancellationToken::new()).await {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("run-remote: {} ({})", e.message, e.code);
+            return rejection_code(e.code);
+        }
+    };
+    let mut stdout = std::io::stdout().lock();
+    let mut stderr = std::io::stderr().lock();
+    while let Some(event) = execution.next().await {
+        let written = match &event {
+            Event::Stdout { data } => stdout.write_all(data).and_then(|()| stdout.flush()),
+            Event::Stderr { data } => stderr.write_all(data).and_then(|()| stderr.flush()),
+            Event::Exit(info) => {
+                if info.timed_out {
+                    eprintln!("run-remote: the command timed out and was killed");
+                }
+                return mirror_exit(info);
+            }
+            Event::Error { code: c, message } => {
+                eprintln!("run-remote: {message} ({c})");
+                return if *c == ErrorCode::ProtocolError {
+                    code::PROTOCOL
+                } else {
+                    code::REMOTE_ERROR
+                };
+            }
+            _ => Ok(()),
+        };
+        if let Err(e) = written {
+            // Dropping the execution closes the connection; the gateway kills the command.
+            if e.kind() == std::io::ErrorKind::BrokenPipe {
+                return code::BROKEN_PIPE;
+            }
+            let _ = writeln!(stderr, "run-remote: cannot write the output: {e}");
+            return code::IO_ERROR;
+        }
+    }
+    code::PROTOCOL
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(v: &[&str]) -> Result<Args, clap::Error> {
+        Args::try_parse_from(std::iter::once("run-remote").chain(v.iter().copied()))
+    }
+
+    #[test]
+    fn double_dash_is_required() {
+        assert!(args(&["ls"]).is_err());
+        assert!(args(&[]).is_err());
+        let a = args(&["--keep-env", "A", "--", "ls", "--keep-env", "-l"]).unwrap();
+        assert_eq!(a.command, ["ls", "--keep-env", "-l"]);
+        assert_eq!(a.keep_env, ["A"]);
+    }
+
+    #[test]
+    fn missing_env_lists_every_name() {
+        let a = args(&[
+            "--keep-env",
+            "A",
+            "--keep-env",
+            "B",
+            "--keep-env",
+            "C",
+            "--",
+            "true",
+        ])
+        .unwrap();
+        let env = |k: &str| match k {
+            "RUN_REMOTE_SERVER" => Some("http://127.0.0.1:1/raw".to_owned()),
+            "B" => Some("b".to_owned()),
+            _ => None,
+        };
+        let f = build_request(&a, env, Ok("/tmp".into())).unwrap_err();
+        assert_eq!(f.code, code::CONFIG);
+        assert!(f.message.contains("A, C"), "{}", f.message);
+    }
+
+    #[test]
+    fn server_must_be_set_and_a_url() {
+        let a = args(&["--", "true"]).unwrap();
+        assert_eq!(
+            build_request(&a, |_| None, Ok("/".into()))
+                .unwrap_err()
+                .code,
+            code::CONFIG
+        );
+        let bad = |_: &str| Some("localhost:8080".to_owned());
+        assert_eq!(
+            build_request(&a, bad, Ok("/".into())).unwrap_err().code,
+            code::CONFIG
+        );
+    }
+
+    #[test]
+    fn request_carries_cwd_and_only_kept_env() {
+        let a = args(&["--keep-env", "B", "--timeout", "5", "--", "echo", "a b"]).unwrap();
+        let env = |k: &str| match k {
+            "RUN_REMOTE_SERVER" => Some("http://127.0.0.1:1/raw".to_owned()),
+            "B" => Some("b".to_owned()),
+            "SECRET" => Some("s".to_owned()),
+            _ => None,
+        };
+        let (_, r) = build_request(&a, env, Ok("/work".into())).unwrap();
+        assert_eq!(r.cwd.as_deref(), Some("/work"));
+        assert_eq!(r.env.len(), 1);
+        assert_eq!(r.args, ["a b"]);
+        assert_eq!(r.timeout_secs, Some(5));
+    }
+
+    #[test]
+    fn exit_mirroring() {
+        assert_eq!(
+            mirror_exit(&ExitInfo {
+                code: Some(3),
+                ..Default::default()
+            }),
+            3
+        );
+        assert_eq!(
+            mirror_exit(&ExitInfo {
+                code: None,
+                signal: Some(15),
+                ..Default::default()
+            }),
+            143
+        );
+        assert_eq!(
+            mirror_exit(&ExitInfo {
+                code: None,
+                signal: Some(9),
+                timed_out: true,
+                ..Default::default()
+            }),
+            code::TIMED_OUT
+        );
+    }
+}

@@ -1,0 +1,226 @@
+//! The gateway's configuration: one type, loaded from one YAML file and validated in one
+//! place. Command-line flags override the file. `docs/configuration.md` documents every key.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::exec::local::DEFAULT_INHERIT_ENV;
+
+/// A configuration problem, naming the file and the field.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("invalid configuration in {path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("invalid configuration{}: `{field}` {message}", path.as_ref().map(|p| format!(" in {}", p.display())).unwrap_or_default())]
+    Invalid {
+        path: Option<PathBuf>,
+        field: String,
+        message: String,
+    },
+}
+
+/// Which backend runs commands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    /// Child processes of the gateway.
+    #[default]
+    Local,
+}
+
+/// The whole configuration file.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub limits: Limits,
+    pub local: LocalConfig,
+    /// The file this was loaded from, for error messages.
+    #[serde(skip)]
+    pub source: Option<PathBuf>,
+}
+
+/// The HTTP listener and its behaviour.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    pub backend: BackendKind,
+    /// Seconds of silence after which a `keepalive` event is sent on a `/raw` stream.
+    pub keepalive_secs: u64,
+    /// On SIGTERM/SIGINT, how long running commands may go on before they are killed.
+    pub shutdown_grace_secs: u64,
+    /// The largest request body accepted, in bytes.
+    pub max_body_bytes: usize,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            backend: BackendKind::Local,
+            keepalive_secs: 15,
+            shutdown_grace_secs: 30,
+            max_body_bytes: 1024 * 1024,
+        }
+    }
+}
+
+/// Limits applied to every execution.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    /// The timeout of a request that does not set `timeout_secs`.
+    pub default_timeout_secs: u64,
+    /// The largest `timeout_secs` a request may ask for.
+    pub max_timeout_secs: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            default_timeout_secs: 600,
+            max_timeout_secs: 3600,
+        }
+    }
+}
+
+/// The local backend.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LocalConfig {
+    /// Variables of the gateway's environment that every command inherits.
+    pub inherit_env: Vec<String>,
+}
+
+impl Default for LocalConfig {
+    fn default() -> Self {
+        Self {
+            inherit_env: DEFAULT_INHERIT_ENV.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+}
+
+impl Config {
+    /// Loads and validates a configuration file (YAML; JSON is YAML too).
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Self::parse(&text, Some(path))
+    }
+
+    /// Parses and validates configuration text; `path` is only used in messages.
+    pub fn parse(text: &str, path: Option<&Path>) -> Result<Self, ConfigError> {
+        let mut config: Config = if text.trim().is_empty() {
+            Config::default()
+        } else {
+            yaml_serde::from_str(text).map_err(|e| ConfigError::Parse {
+                path: path
+                    .map(Path::to_owned)
+                    .unwrap_or_else(|| PathBuf::from("<config>")),
+                message: e.to_string(),
+            })?
+        };
+        config.source = path.map(Path::to_owned);
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks the rules that types alone do not express.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |field: &str, message: String| ConfigError::Invalid {
+            path: self.source.clone(),
+            field: field.into(),
+            message,
+        };
+        let l = &self.limits;
+        if l.max_timeout_secs == 0 {
+            return Err(invalid(
+                "limits.max_timeout_secs",
+                "must be at least 1".into(),
+            ));
+        }
+        if l.default_timeout_secs == 0 || l.default_timeout_secs > l.max_timeout_secs {
+            return Err(invalid(
+                "limits.default_timeout_secs",
+                format!(
+                    "must be between 1 and limits.max_timeout_secs ({})",
+                    l.max_timeout_secs
+                ),
+            ));
+        }
+        if self.server.keepalive_secs == 0 {
+            return Err(invalid(
+                "server.keepalive_secs",
+                "must be at least 1".into(),
+            ));
+        }
+        if self.server.max_body_bytes < 1024 {
+            return Err(invalid(
+                "server.max_body_bytes",
+                "must be at least 1024".into(),
+            ));
+        }
+        for name in &self.local.inherit_env {
+            if !crate::contract::is_valid_env_name(name) {
+                return Err(invalid(
+                    "local.inherit_env",
+                    format!("contains an invalid variable name {name:?}"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn keepalive(&self) -> Duration {
+        Duration::from_secs(self.server.keepalive_secs)
+    }
+
+    pub fn shutdown_grace(&self) -> Duration {
+        Duration::from_secs(self.server.shutdown_grace_secs)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_file_is_defaults() {
+        let c = Config::parse("", None).unwrap();
+        assert_eq!(c.limits.default_timeout_secs, 600);
+        assert_eq!(c.server.listen.port(), 8080);
+    }
+
+    #[test]
+    fn errors_name_file_and_field() {
+        let e = Config::parse(
+            "limits:\n  max_timeout_secs: 0\n",
+            Some(Path::new("/etc/mcp-run.yaml")),
+        )
+        .unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.contains("/etc/mcp-run.yaml") && msg.contains("limits.max_timeout_secs"),
+            "{msg}"
+        );
+        let e = Config::parse("limitz: {}\n", Some(Path::new("c.yaml")))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("c.yaml") && e.contains("limitz"), "{e}");
+        let e = Config::parse("local:\n  inherit_env: ['A-B']\n", None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("local.inherit_env"), "{e}");
+    }
+}

@@ -1,0 +1,465 @@
+//! The wire contract shared by the gateway and its clients: the `/raw` request
+//! (`RunNetworkToolInput`), the NDJSON events of a run, and the JSON error body.
+//!
+//! Everything that crosses the network is defined here once, so that the server,
+//! `run-remote` and the `remote` backend cannot drift apart. `docs/protocol.md` is the
+//! prose version of this module.
+
+use std::collections::BTreeMap;
+
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+/// The body of `POST /raw` and the arguments of the MCP tool `run_network_tool`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RunRequest {
+    /// The program to run: a name looked up in `PATH`, or a path. Never interpreted by a shell.
+    pub executable: String,
+    /// Arguments passed to the program as they are, one argv entry each.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub args: Vec<String>,
+    /// Absolute working directory of the command.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cwd: Option<String>,
+    /// Environment variables set for the command, in addition to the backend's base environment.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    /// Kill the command after this many seconds (bounded by the server's maximum).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_secs: Option<u64>,
+    /// Runner profile (Kubernetes backend); `default` when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub profile: Option<String>,
+}
+
+/// The `RunNetworkToolInput` name used by the reference design for the same JSON.
+pub type RunNetworkToolInput = RunRequest;
+
+impl RunRequest {
+    /// Checks what can be checked without knowing the server's configuration.
+    /// Server limits (maximum timeout, profiles) are checked by the gateway.
+    pub fn validate(&self) -> Result<(), ErrorBody> {
+        if self.executable.is_empty() {
+            return Err(ErrorBody::new(
+                ErrorCode::InvalidRequest,
+                "`executable` must not be empty",
+            ));
+        }
+        check_nul("executable", &self.executable)?;
+        for (i, arg) in self.args.iter().enumerate() {
+            check_nul(&format!("args[{i}]"), arg)?;
+        }
+        if let Some(cwd) = &self.cwd {
+            check_nul("cwd", cwd)?;
+            if !cwd.starts_with('/') {
+                return Err(ErrorBody::new(
+                    ErrorCode::InvalidRequest,
+                    format!("`cwd` must be an absolute path, got {cwd:?}"),
+                ));
+            }
+        }
+        for (name, value) in &self.env {
+            if !is_valid_env_name(name) {
+                return Err(ErrorBody::new(
+                    ErrorCode::InvalidRequest,
+                    format!(
+                        "invalid environment variable name {name:?}: names must match [A-Za-z_][A-Za-z0-9_]*"
+                    ),
+                ));
+            }
+            check_nul(&format!("env.{name}"), value)?;
+        }
+        if self.timeout_secs == Some(0) {
+            return Err(ErrorBody::new(
+                ErrorCode::InvalidRequest,
+                "`timeout_secs` must be at least 1",
+            ));
+        }
+        if let Some(p) = &self.profile {
+            check_nul("profile", p)?;
+        }
+        Ok(())
+    }
+
+    /// The command line as a person would read it (for logs and renderings only; never executed).
+    pub fn command_line(&self) -> String {
+        std::iter::once(&self.executable)
+            .chain(&self.args)
+            .map(|s| shell_quote(s))
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+}
+
+fn check_nul(field: &str, s: &str) -> Result<(), ErrorBody> {
+    if s.contains('\0') {
+        return Err(ErrorBody::new(
+            ErrorCode::InvalidRequest,
+            format!("`{field}` contains a NUL byte"),
+        ));
+    }
+    Ok(())
+}
+
+/// POSIX portable environment names (also what Kubernetes accepts for container env).
+pub fn is_valid_env_name(name: &str) -> bool {
+    let mut bytes = name.bytes();
+    matches!(bytes.next(), Some(b'A'..=b'Z' | b'a'..=b'z' | b'_'))
+        && bytes.all(|b| b.is_ascii_alphanumeric() || b == b'_')
+}
+
+/// Quotes a word for display the way a POSIX shell would need it.
+pub fn shell_quote(s: &str) -> String {
+    let safe = !s.is_empty()
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_./=:,+@%".contains(&b));
+    if safe {
+        s.to_owned()
+    } else {
+        format!("'{}'", s.replace('\'', r"'\''"))
+    }
+}
+
+/// Where a command runs. One shape for every backend; fields a backend does not know are absent.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct RunContext {
+    /// `local` or `kubernetes` (a `remote` backend reports what the gateway reported).
+    pub backend: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pid: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub profile: Option<String>,
+    /// How long the pod took from creation to Running, in milliseconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_start_ms: Option<u64>,
+}
+
+/// How a command ended.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
+pub struct ExitInfo {
+    /// The exit code, or null when the command was killed by a signal.
+    pub code: Option<i32>,
+    /// The signal that killed the command, if any.
+    pub signal: Option<i32>,
+    pub duration_ms: u64,
+    /// True when the gateway killed the command because `timeout_secs` passed.
+    pub timed_out: bool,
+}
+
+impl ExitInfo {
+    /// The exit status a shell would report: the code, or 128 + signal.
+    pub fn shell_status(&self) -> i32 {
+        match (self.code, self.signal) {
+            (Some(c), _) => c,
+            (None, Some(s)) => 128 + s,
+            (None, None) => 255,
+        }
+    }
+
+    pub fn success(&self) -> bool {
+        self.code == Some(0) && !self.timed_out
+    }
+}
+
+/// One line of the NDJSON stream of `POST /raw`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Event {
+    /// First event: the command has been started, and where.
+    Started { context: RunContext },
+    /// Bytes the command wrote to stdout (base64 on the wire).
+    Stdout {
+        #[serde(with = "b64")]
+        data: Bytes,
+    },
+    /// Bytes the command wrote to stderr (base64 on the wire).
+    Stderr {
+        #[serde(with = "b64")]
+        data: Bytes,
+    },
+    /// Sent while the command is silent, so that idle proxies keep the connection open.
+    Keepalive,
+    /// Terminal: the command ended.
+    Exit(ExitInfo),
+    /// Terminal: the run failed after the stream began.
+    Error { code: ErrorCode, message: String },
+    /// Any event type this version does not know; clients skip it.
+    #[serde(other)]
+    Unknown,
+}
+
+impl Event {
+    pub fn is_terminal(&self) -> bool {
+        matches!(self, Event::Exit(_) | Event::Error { .. })
+    }
+
+    /// The event as one NDJSON line, newline included.
+    pub fn to_line(&self) -> Bytes {
+        // Serialising these types cannot fail: every map key is a string.
+        let mut v = serde_json::to_vec(self).unwrap_or_else(|_| b"{\"type\":\"unknown\"}".to_vec());
+        v.push(b'\n');
+        Bytes::from(v)
+    }
+}
+
+mod b64 {
+    use super::*;
+
+    pub fn serialize<S: serde::Serializer>(data: &Bytes, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&BASE64.encode(data))
+    }
+
+    pub fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Bytes, D::Error> {
+        let s = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+        BASE64
+            .decode(s.as_bytes())
+            .map(Bytes::from)
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+/// Machine-readable error codes, used in HTTP error bodies and in `error` events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    /// Malformed JSON, wrong types, unknown fields, invalid values (400).
+    InvalidRequest,
+    /// The named profile does not exist (400).
+    UnknownProfile,
+    /// The request body exceeds the server's limit (413).
+    PayloadTooLarge,
+    /// The request is not `application/json` (415).
+    UnsupportedMediaType,
+    /// Missing or invalid bearer token (401).
+    Unauthorized,
+    /// The execution policy forbids the request (403).
+    PolicyViolation,
+    /// Too many executions at once, or rate limited (429).
+    TooManyRequests,
+    /// Not found (404).
+    NotFound,
+    /// The method is not allowed on this path (405).
+    MethodNotAllowed,
+    /// The gateway is shutting down (503).
+    ShuttingDown,
+    /// The backend is not reachable or not ready (503).
+    BackendUnavailable,
+    /// The runner image could not be pulled (502 before the stream, or an `error` event).
+    ImagePullFailed,
+    /// No node can take the runner pod.
+    Unschedulable,
+    /// The runner container's configuration is invalid.
+    ContainerConfigError,
+    /// The runner pod did not become ready within the start timeout (504).
+    PodStartTimeout,
+    /// The runner pod failed or disappeared while the command ran.
+    PodFailed,
+    /// The command could not be started for a reason other than the above.
+    StartFailed,
+    /// A backend failure after the stream began.
+    BackendError,
+    /// An unexpected failure in the gateway.
+    Internal,
+    /// Client side only, never sent by a gateway: the gateway cannot be reached.
+    GatewayUnreachable,
+    /// Client side only, never sent by a gateway: the gateway's answer broke the protocol
+    /// (malformed event, stream cut before the terminal event).
+    ProtocolError,
+    /// A code this version does not know.
+    #[serde(other)]
+    Unknown,
+}
+
+impl ErrorCode {
+    /// The wire name (the same string serde writes).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::InvalidRequest => "invalid_request",
+            ErrorCode::UnknownProfile => "unknown_profile",
+            ErrorCode::PayloadTooLarge => "payload_too_large",
+            ErrorCode::UnsupportedMediaType => "unsupported_media_type",
+            ErrorCode::Unauthorized => "unauthorized",
+            ErrorCode::PolicyViolation => "policy_violation",
+            ErrorCode::TooManyRequests => "too_many_requests",
+            ErrorCode::NotFound => "not_found",
+            ErrorCode::MethodNotAllowed => "method_not_allowed",
+            ErrorCode::ShuttingDown => "shutting_down",
+            ErrorCode::BackendUnavailable => "backend_unavailable",
+            ErrorCode::ImagePullFailed => "image_pull_failed",
+            ErrorCode::Unschedulable => "unschedulable",
+            ErrorCode::ContainerConfigError => "container_config_error",
+            ErrorCode::PodStartTimeout => "pod_start_timeout",
+            ErrorCode::PodFailed => "pod_failed",
+            ErrorCode::StartFailed => "start_failed",
+            ErrorCode::BackendError => "backend_error",
+            ErrorCode::Internal => "internal",
+            ErrorCode::GatewayUnreachable => "gateway_unreachable",
+            ErrorCode::ProtocolError => "protocol_error",
+            ErrorCode::Unknown => "unknown",
+        }
+    }
+
+    /// The HTTP status used when this error rejects a request before its stream begins.
+    pub fn http_status(self) -> u16 {
+        match self {
+            ErrorCode::InvalidRequest | ErrorCode::UnknownProfile => 400,
+            ErrorCode::Unauthorized => 401,
+            ErrorCode::PolicyViolation => 403,
+            ErrorCode::NotFound => 404,
+            ErrorCode::MethodNotAllowed => 405,
+            ErrorCode::PayloadTooLarge => 413,
+            ErrorCode::UnsupportedMediaType => 415,
+            ErrorCode::TooManyRequests => 429,
+            ErrorCode::ImagePullFailed
+            | ErrorCode::Unschedulable
+            | ErrorCode::ContainerConfigError
+            | ErrorCode::PodFailed
+            | ErrorCode::StartFailed
+            | ErrorCode::BackendError => 502,
+            ErrorCode::ShuttingDown
+            | ErrorCode::BackendUnavailable
+            | ErrorCode::GatewayUnreachable => 503,
+            ErrorCode::ProtocolError => 502,
+            ErrorCode::PodStartTimeout => 504,
+            ErrorCode::Internal | ErrorCode::Unknown => 500,
+        }
+    }
+}
+
+impl std::fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The JSON body of every HTTP error: `{"error":{"code":"...","message":"..."}}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("{code}: {message}")]
+pub struct ErrorBody {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+impl ErrorBody {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+/// The envelope around [`ErrorBody`] on the wire.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ErrorResponse {
+    pub error: ErrorBody,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn events_round_trip_as_documented() {
+        let e = Event::Stdout {
+            data: Bytes::from_static(b"hi\n\xff"),
+        };
+        assert_eq!(
+            e.to_line(),
+            Bytes::from_static(b"{\"type\":\"stdout\",\"data\":\"aGkK/w==\"}\n")
+        );
+        let exit = Event::Exit(ExitInfo {
+            code: Some(3),
+            signal: None,
+            duration_ms: 12,
+            timed_out: false,
+        });
+        let line = String::from_utf8(exit.to_line().to_vec()).unwrap();
+        assert_eq!(
+            line,
+            "{\"type\":\"exit\",\"code\":3,\"signal\":null,\"duration_ms\":12,\"timed_out\":false}\n"
+        );
+        let back: Event = serde_json::from_str(&line).unwrap();
+        assert_eq!(back, exit);
+        let unknown: Event = serde_json::from_str(r#"{"type":"future_thing","x":1}"#).unwrap();
+        assert_eq!(unknown, Event::Unknown);
+        let err: Event =
+            serde_json::from_str(r#"{"type":"error","code":"brand_new","message":"m"}"#).unwrap();
+        assert_eq!(
+            err,
+            Event::Error {
+                code: ErrorCode::Unknown,
+                message: "m".into()
+            }
+        );
+    }
+
+    #[test]
+    fn request_rejects_unknown_fields_and_bad_values() {
+        assert!(serde_json::from_str::<RunRequest>(r#"{"executable":"ls","bogus":1}"#).is_err());
+        let ok: RunRequest = serde_json::from_str(r#"{"executable":"ls","args":["-l"]}"#).unwrap();
+        assert!(ok.validate().is_ok());
+        for bad in [
+            r#"{"executable":""}"#,
+            r#"{"executable":"a\u0000b"}"#,
+            r#"{"executable":"ls","args":["x\u0000"]}"#,
+            r#"{"executable":"ls","env":{"1A":"x"}}"#,
+            r#"{"executable":"ls","env":{"A=B":"x"}}"#,
+            r#"{"executable":"ls","cwd":"relative"}"#,
+            r#"{"executable":"ls","timeout_secs":0}"#,
+        ] {
+            let r: RunRequest = serde_json::from_str(bad).unwrap();
+            assert_eq!(
+                r.validate().unwrap_err().code,
+                ErrorCode::InvalidRequest,
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn error_code_names_match_serde() {
+        for code in [
+            ErrorCode::InvalidRequest,
+            ErrorCode::PodStartTimeout,
+            ErrorCode::ImagePullFailed,
+        ] {
+            assert_eq!(serde_json::to_value(code).unwrap(), code.as_str());
+        }
+    }
+
+    #[test]
+    fn quoting_for_display() {
+        assert_eq!(shell_quote("ls"), "ls");
+        assert_eq!(shell_quote("a b"), "'a b'");
+        assert_eq!(shell_quote("it's"), r"'it'\''s'");
+        assert_eq!(shell_quote(""), "''");
+    }
+
+    #[test]
+    fn shell_status() {
+        let e = ExitInfo {
+            code: None,
+            signal: Some(9),
+            ..Default::default()
+        };
+        assert_eq!(e.shell_status(), 137);
+    }
+}

@@ -1,0 +1,284 @@
+//! The execution interface: one trait, several backends.
+//!
+//! A backend turns an [`ExecSpec`] into a running [`Execution`]: where it runs
+//! ([`RunContext`]) and a bounded channel of [`Event`]s (`stdout`, `stderr`, then exactly one
+//! terminal `exit` or `error`). Everything that is the same for every backend lives here
+//! and in [`crate::runner`], written once: the timeout, cancellation when the consumer goes
+//! away, the guarantee of exactly one terminal event.
+//!
+//! Contract for backends:
+//! - send output in the order it was read, per stream, on a bounded channel, awaiting
+//!   capacity (that is the back-pressure from the client down to the command's pipes);
+//! - when the [`CancellationToken`] fires, kill the command (and its pod), then still send
+//!   the `exit` event if the receiver is there;
+//! - when the receiver is gone, kill the command and clean up.
+
+pub mod local;
+pub mod remote;
+
+use std::collections::BTreeMap;
+use std::pin::Pin;
+use std::time::{Duration, Instant};
+
+use futures_util::future::BoxFuture;
+use tokio::sync::mpsc;
+use tokio::time::Sleep;
+use tokio_util::sync::{CancellationToken, DropGuard};
+use tokio_util::task::task_tracker::TaskTrackerToken;
+
+use crate::contract::{ErrorBody, ErrorCode, Event, ExitInfo, RunContext};
+
+/// How many events a backend may queue ahead of the consumer. With 64 KiB reads this bounds
+/// the memory of one execution to about half a MiB whatever the output size.
+pub const EVENT_BUFFER: usize = 8;
+
+/// The size of one read from a command's output.
+pub const READ_CHUNK: usize = 64 * 1024;
+
+/// What to run, after the gateway resolved defaults and checked limits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExecSpec {
+    pub executable: String,
+    pub args: Vec<String>,
+    pub cwd: Option<String>,
+    pub env: BTreeMap<String, String>,
+    pub timeout: Duration,
+    /// The runner profile; `None` means the backend's default.
+    pub profile: Option<String>,
+}
+
+/// A backend that runs commands.
+pub trait Executor: Send + Sync + 'static {
+    /// The backend's name as reported in `started` contexts: `local`, `kubernetes`, `remote`.
+    fn name(&self) -> &'static str;
+
+    /// Starts a command. An `Err` means nothing ran; it becomes an HTTP error before any
+    /// stream. `cancel` fires when the caller gives up (client gone, shutdown): a backend that
+    /// is still preparing (creating a pod) must stop and clean up.
+    fn start(
+        &self,
+        spec: ExecSpec,
+        cancel: CancellationToken,
+    ) -> BoxFuture<'_, Result<Execution, ErrorBody>>;
+
+    /// Whether the backend can run commands now (`/readyz`).
+    fn ready(&self) -> BoxFuture<'_, Result<(), ErrorBody>> {
+        Box::pin(async { Ok(()) })
+    }
+
+    /// Checks a request's backend-specific fields (such as the profile) before it starts.
+    fn check(&self, _spec: &ExecSpec) -> Result<(), ErrorBody> {
+        Ok(())
+    }
+
+    /// Extra time allowed beyond the timeout before the gateway gives up on a backend that
+    /// enforces the timeout itself (a remote gateway).
+    fn timeout_slack(&self) -> Duration {
+        Duration::ZERO
+    }
+
+    /// Called once at shutdown after every execution was cancelled: release what is left.
+    fn shutdown(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async {})
+    }
+}
+
+/// A running command, as seen by whoever consumes its events.
+///
+/// Dropping an `Execution` cancels it: the backend kills the command. That is how a client
+/// that disconnects gets its command killed.
+pub struct Execution {
+    context: RunContext,
+    events: mpsc::Receiver<Event>,
+    cancel: CancellationToken,
+    _cancel_on_drop: DropGuard,
+    deadline: Option<Pin<Box<Sleep>>>,
+    /// After the timeout fired, how long to wait for the backend's `exit` before giving up.
+    kill_grace: Option<Pin<Box<Sleep>>>,
+    timed_out: bool,
+    finished: bool,
+    started: Instant,
+    /// Counts this execution as running, for graceful shutdown.
+    _tracked: Option<TaskTrackerToken>,
+}
+
+/// How long a backend has to report the exit of a command it was told to kill.
+const KILL_GRACE: Duration = Duration::from_secs(10);
+
+impl Execution {
+    /// Used by backends: `events` carries output and the terminal event; `cancel` is the
+    /// token the backend watches to kill the command.
+    pub fn new(
+        context: RunContext,
+        events: mpsc::Receiver<Event>,
+        cancel: CancellationToken,
+    ) -> Self {
+        Self {
+            context,
+            events,
+            _cancel_on_drop: cancel.clone().drop_guard(),
+            cancel,
+            deadline: None,
+            kill_grace: None,
+            timed_out: false,
+            finished: false,
+            started: Instant::now(),
+            _tracked: None,
+        }
+    }
+
+    /// An execution that already ended, for failures reported the way a shell reports them
+    /// (command not found is exit 127 with a message on stderr).
+    pub fn finished(context: RunContext, stderr: String, code: i32) -> Self {
+        let (tx, rx) = mpsc::channel(2);
+        // Capacity 2 holds both events; the sends cannot fail.
+        let _ = tx.try_send(Event::Stderr {
+            data: stderr.into(),
+        });
+        let _ = tx.try_send(Event::Exit(ExitInfo {
+            code: Some(code),
+            signal: None,
+            duration_ms: 0,
+            timed_out: false,
+        }));
+        Self::new(context, rx, CancellationToken::new())
+    }
+
+    /// Kills the command after `timeout`; its `exit` event then says `timed_out: true`.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.deadline = Some(Box::pin(tokio::time::sleep(timeout)));
+        self
+    }
+
+    /// Counts this execution as running until it is dropped.
+    pub fn tracked(mut self, token: TaskTrackerToken) -> Self {
+        self._tracked = Some(token);
+        self
+    }
+
+    pub fn context(&self) -> &RunContext {
+        &self.context
+    }
+
+    /// Kills the command; its events still arrive, ending with `exit`.
+    pub fn kill(&self) {
+        self.cancel.cancel();
+    }
+
+    /// The next event: output, then exactly one terminal event, then `None`.
+    pub async fn next(&mut self) -> Option<Event> {
+        if self.finished {
+            return None;
+        }
+        loop {
+            tokio::select! {
+                ev = self.events.recv() => {
+                    let ev = match ev {
+                        Some(Event::Exit(mut info)) => {
+                            info.timed_out |= self.timed_out;
+                            Event::Exit(info)
+                        }
+                        Some(ev) => ev,
+                        None => Event::Error {
+                            code: ErrorCode::BackendError,
+                            message: "the backend ended the run without reporting an exit status".into(),
+                        },
+                    };
+                    self.finished = ev.is_terminal();
+                    return Some(ev);
+                }
+                _ = sleep_opt(&mut self.deadline), if !self.timed_out => {
+                    tracing::debug!("timeout reached, killing the command");
+                    self.timed_out = true;
+                    self.kill_grace = Some(Box::pin(tokio::time::sleep(KILL_GRACE)));
+                    self.cancel.cancel();
+                }
+                _ = sleep_opt(&mut self.kill_grace) => {
+                    self.finished = true;
+                    return Some(Event::Exit(ExitInfo {
+                        code: None,
+                        signal: None,
+                        duration_ms: self.started.elapsed().as_millis() as u64,
+                        timed_out: true,
+                    }));
+                }
+            }
+        }
+    }
+}
+
+/// Waits for an optional timer; an absent timer never fires.
+async fn sleep_opt(timer: &mut Option<Pin<Box<Sleep>>>) {
+    match timer {
+        Some(t) => t.await,
+        None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn closed_channel_yields_one_error_then_none() {
+        let (tx, rx) = mpsc::channel(1);
+        drop(tx);
+        let mut e = Execution::new(RunContext::default(), rx, CancellationToken::new());
+        assert!(matches!(
+            e.next().await,
+            Some(Event::Error {
+                code: ErrorCode::BackendError,
+                ..
+            })
+        ));
+        assert_eq!(e.next().await, None);
+    }
+
+    #[tokio::test]
+    async fn drop_cancels() {
+        let (_tx, rx) = mpsc::channel(1);
+        let token = CancellationToken::new();
+        let e = Execution::new(RunContext::default(), rx, token.clone());
+        drop(e);
+        assert!(token.is_cancelled());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn timeout_cancels_and_marks_exit() {
+        let (tx, rx) = mpsc::channel(1);
+        let token = CancellationToken::new();
+        let mut e = Execution::new(RunContext::default(), rx, token.clone())
+            .with_timeout(Duration::from_secs(5));
+        let backend = tokio::spawn(async move {
+            token.cancelled().await;
+            tx.send(Event::Exit(ExitInfo {
+                code: None,
+                signal: Some(9),
+                duration_ms: 5000,
+                timed_out: false,
+            }))
+            .await
+            .unwrap();
+        });
+        match e.next().await {
+            Some(Event::Exit(info)) => assert!(info.timed_out && info.signal == Some(9)),
+            other => panic!("unexpected {other:?}"),
+        }
+        backend.await.unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_backend_that_ignores_the_kill_still_ends() {
+        let (_tx, rx) = mpsc::channel::<Event>(1);
+        let mut e = Execution::new(RunContext::default(), rx, CancellationToken::new())
+            .with_timeout(Duration::from_secs(1));
+        assert!(matches!(
+            e.next().await,
+            Some(Event::Exit(ExitInfo {
+                timed_out: true,
+                ..
+            }))
+        ));
+        assert_eq!(e.next().await, None);
+    }
+}

@@ -1,0 +1,266 @@
+//! The remote backend: runs commands on a gateway through its `/raw` endpoint. `run-remote`
+//! and `mcp-run stdio --backend remote` use it, so that a machine without cluster
+//! credentials runs its commands where the gateway runs them.
+
+use std::time::{Duration, Instant};
+
+use bytes::{Buf, Bytes, BytesMut};
+use futures_util::StreamExt;
+use futures_util::future::BoxFuture;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::{EVENT_BUFFER, ExecSpec, Execution, Executor};
+use crate::contract::{ErrorBody, ErrorCode, ErrorResponse, Event, ExitInfo, RunRequest};
+
+/// The longest NDJSON line accepted from a gateway (a 64 KiB chunk is about 90 KB).
+const MAX_LINE: usize = 16 * 1024 * 1024;
+
+/// How much longer than the request's timeout to wait for the gateway's own timeout.
+const TIMEOUT_SLACK: Duration = Duration::from_secs(15);
+
+/// Runs commands on a remote gateway.
+pub struct RemoteExecutor {
+    client: reqwest::Client,
+    url: reqwest::Url,
+    token: Option<String>,
+}
+
+/// Checks that `server` is a full `http(s)://host[:port]/path` URL.
+pub fn parse_server_url(server: &str) -> Result<reqwest::Url, String> {
+    let hint = "it must be a full URL such as http://127.0.0.1:8080/raw";
+    let url = reqwest::Url::parse(server)
+        .map_err(|e| format!("invalid gateway URL {server:?} ({e}): {hint}"))?;
+    if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none_or(str::is_empty) {
+        return Err(format!("invalid gateway URL {server:?}: {hint}"));
+    }
+    Ok(url)
+}
+
+impl RemoteExecutor {
+    /// `url` is the gateway's `/raw` URL; `token`, when set, is sent as a bearer token.
+    pub fn new(url: &str, token: Option<String>) -> Result<Self, String> {
+        let url = parse_server_url(url)?;
+        // reqwest is built without a default crypto provider; the first caller installs ring.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let client = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(10))
+            .tcp_keepalive(Duration::from_secs(30))
+            .user_agent(concat!("mcp-run/", env!("CARGO_PKG_VERSION")))
+            .build()
+            .map_err(|e| format!("cannot build the HTTP client: {e}"))?;
+        Ok(Self { client, url, token })
+    }
+
+    pub fn url(&self) -> &reqwest::Url {
+        &self.url
+    }
+
+    /// Sends a request and returns once the gateway reported `started`.
+    pub async fn run(
+        &self,
+        req: &RunRequest,
+        cancel: CancellationToken,
+    ) -> Result<Execution, ErrorBody> {
+        let body = serde_json::to_vec(req).map_err(|e| {
+            ErrorBody::new(
+                ErrorCode::InvalidRequest,
+                format!("cannot encode the request: {e}"),
+            )
+        })?;
+        let mut builder = self
+            .client
+            .post(self.url.clone())
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .header(reqwest::header::ACCEPT, "application/x-ndjson")
+            .body(body);
+        if let Some(token) = &self.token {
+            builder = builder.bearer_auth(token);
+        }
+        let resp = tokio::select! {
+            r = builder.send() => r.map_err(|e| ErrorBody::new(
+                ErrorCode::GatewayUnreachable,
+                format!("cannot reach the gateway at {}: {}", self.url, error_chain(&e)),
+            ))?,
+            _ = cancel.cancelled() => return Err(ErrorBody::new(ErrorCode::ShuttingDown, "cancelled")),
+        };
+        let status = resp.status();
+        if !status.is_success() {
+            let text = resp.text().await.unwrap_or_default();
+            return Err(match serde_json::from_str::<ErrorResponse>(&text) {
+                Ok(r) => r.error,
+                Err(_) => ErrorBody::new(
+                    ErrorCode::ProtocolError,
+                    format!(
+                        "the gateway answered {status} without an error body: {}",
+                        text.trim()
+                    ),
+                ),
+            });
+        }
+        let mut lines = Lines {
+            body: Box::pin(resp.bytes_stream()),
+            buf: BytesMut::new(),
+        };
+        let context = match lines.next().await {
+            Ok(Some(Event::Started { context })) => context,
+            Ok(Some(Event::Error { code, message })) => return Err(ErrorBody::new(code, message)),
+            Ok(other) => {
+                return Err(ErrorBody::new(
+                    ErrorCode::ProtocolError,
+                    format!("the gateway's stream did not begin with `started` but with {other:?}"),
+                ));
+            }
+            Err(e) => return Err(e),
+        };
+        let (tx, rx) = mpsc::channel(EVENT_BUFFER);
+        let own = cancel.child_token();
+        tokio::spawn(pump(lines, tx, own.clone()));
+        Ok(Execution::new(context, rx, own))
+    }
+}
+
+/// Forwards the gateway's events until the terminal one. Dropping the response (consumer
+/// gone, or cancelled) closes the connection, and the gateway kills the command.
+async fn pump(mut lines: Lines, tx: mpsc::Sender<Event>, cancel: CancellationToken) {
+    let started = Instant::now();
+    loop {
+        let next = tokio::select! {
+            n = lines.next() => n,
+            _ = cancel.cancelled() => {
+                drop(lines);
+                let _ = tx.send(Event::Exit(ExitInfo {
+                    code: None,
+                    signal: Some(nix::libc::SIGKILL),
+                    duration_ms: started.elapsed().as_millis() as u64,
+                    timed_out: false,
+                })).await;
+                return;
+            }
+        };
+        let event = match next {
+            Ok(Some(Event::Keepalive | Event::Unknown | Event::Started { .. })) => continue,
+            Ok(Some(event)) => event,
+            Ok(None) => Event::Error {
+                code: ErrorCode::ProtocolError,
+                message: "the gateway's stream ended before the command's exit was reported".into(),
+            },
+            Err(e) => Event::Error {
+                code: e.code,
+                message: e.message,
+            },
+        };
+        let terminal = event.is_terminal();
+        if tx.send(event).await.is_err() || terminal {
+            return;
+        }
+    }
+}
+
+/// Splits a byte stream into NDJSON events.
+struct Lines {
+    body: std::pin::Pin<Box<dyn futures_util::Stream<Item = reqwest::Result<Bytes>> + Send>>,
+    buf: BytesMut,
+}
+
+impl Lines {
+    async fn next(&mut self) -> Result<Option<Event>, ErrorBody> {
+        loop {
+            if let Some(pos) = self.buf.iter().position(|&b| b == b'\n') {
+                let line = self.buf.split_to(pos + 1);
+                let line = &line[..pos];
+                if line.iter().all(u8::is_ascii_whitespace) {
+                    continue;
+                }
+                return serde_json::from_slice(line).map(Some).map_err(|e| {
+                    ErrorBody::new(
+                        ErrorCode::ProtocolError,
+                        format!("malformed event from the gateway: {e}"),
+                    )
+                });
+            }
+            if self.buf.len() > MAX_LINE {
+                return Err(ErrorBody::new(
+                    ErrorCode::ProtocolError,
+                    "an event line from the gateway is too long",
+                ));
+            }
+            match self.body.next().await {
+                Some(Ok(chunk)) => self.buf.extend_from_slice(chunk.chunk()),
+                Some(Err(e)) => {
+                    return Err(ErrorBody::new(
+                        ErrorCode::ProtocolError,
+                        format!("the connection to the gateway broke: {}", error_chain(&e)),
+                    ));
+                }
+                None if self.buf.is_empty() => return Ok(None),
+                None => {
+                    return Err(ErrorBody::new(
+                        ErrorCode::ProtocolError,
+                        "the gateway's stream ended mid-line",
+                    ));
+                }
+            }
+        }
+    }
+}
+
+/// An error with its causes, which reqwest keeps in the source chain.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        s.push_str(": ");
+        s.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    s
+}
+
+impl Executor for RemoteExecutor {
+    fn name(&self) -> &'static str {
+        "remote"
+    }
+
+    fn start(
+        &self,
+        spec: ExecSpec,
+        cancel: CancellationToken,
+    ) -> BoxFuture<'_, Result<Execution, ErrorBody>> {
+        Box::pin(async move {
+            let req = RunRequest {
+                executable: spec.executable,
+                args: spec.args,
+                cwd: spec.cwd,
+                env: spec.env,
+                timeout_secs: Some(spec.timeout.as_secs().max(1)),
+                profile: spec.profile,
+            };
+            self.run(&req, cancel).await
+        })
+    }
+
+    fn timeout_slack(&self) -> Duration {
+        TIMEOUT_SLACK
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn server_url_must_be_full() {
+        assert!(parse_server_url("http://127.0.0.1:8080/raw").is_ok());
+        assert!(parse_server_url("https://gw.example/raw").is_ok());
+        for bad in [
+            "127.0.0.1:8080",
+            "localhost:8080/raw",
+            "ftp://x/raw",
+            "",
+            "http://",
+        ] {
+            assert!(parse_server_url(bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,195 @@
+//! The gateway's HTTP surface: `POST /raw` (NDJSON streaming), `GET /healthz`, `GET /readyz`.
+//! Every error is a JSON body `{"error":{"code","message"}}` with a matching status.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use futures_util::StreamExt;
+use futures_util::stream::{self, Stream};
+use tokio::net::TcpListener;
+
+use crate::contract::{ErrorBody, ErrorCode, ErrorResponse, Event, RunRequest};
+use crate::exec::Execution;
+use crate::runner::Runner;
+
+/// Shared state of the HTTP handlers.
+#[derive(Clone)]
+pub struct AppState {
+    pub runner: Arc<Runner>,
+    pub keepalive: Duration,
+}
+
+impl IntoResponse for ErrorBody {
+    fn into_response(self) -> Response {
+        let status = StatusCode::from_u16(self.code.http_status())
+            .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let retry = matches!(
+            self.code,
+            ErrorCode::TooManyRequests | ErrorCode::ShuttingDown
+        );
+        let mut resp = (status, axum::Json(ErrorResponse { error: self })).into_response();
+        if retry {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        resp
+    }
+}
+
+/// The router with every endpoint; `max_body_bytes` bounds request bodies.
+pub fn router(state: AppState, max_body_bytes: usize) -> Router {
+    Router::new()
+        .route("/raw", post(raw))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .fallback(|| async { ErrorBody::new(ErrorCode::NotFound, "no such endpoint") })
+        .method_not_allowed_fallback(|| async {
+            ErrorBody::new(
+                ErrorCode::MethodNotAllowed,
+                "method not allowed on this endpoint",
+            )
+        })
+        .layer(DefaultBodyLimit::max(max_body_bytes))
+        .with_state(state)
+}
+
+/// Serves `router` on `listener` until `shutdown` fires, then drains: new connections are
+/// refused, running commands get `grace` to finish, then they are killed.
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    runner: Arc<Runner>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    grace: Duration,
+) -> std::io::Result<()> {
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let server = axum::serve(listener, router).with_graceful_shutdown(async move {
+        shutdown.await;
+        let _ = tx.send(());
+    });
+    let drain = async move {
+        if rx.await.is_ok() {
+            tracing::info!(running = runner.in_flight(), "shutting down");
+            runner.shutdown(grace).await;
+        }
+    };
+    // The server future ends when every connection has closed, which is after the runner
+    // ended the streams; both must finish.
+    let (served, ()) = tokio::join!(server.into_future(), drain);
+    served
+}
+
+async fn healthz() -> impl IntoResponse {
+    axum::Json(serde_json::json!({"status": "ok"}))
+}
+
+async fn readyz(State(state): State<AppState>) -> Response {
+    if state.runner.is_shutting_down() {
+        return ErrorBody::new(ErrorCode::ShuttingDown, "the gateway is shutting down")
+            .into_response();
+    }
+    match state.runner.executor().ready().await {
+        Ok(()) => axum::Json(serde_json::json!({
+            "status": "ready",
+            "backend": state.runner.executor().name(),
+        }))
+        .into_response(),
+        Err(e) => ErrorBody::new(ErrorCode::BackendUnavailable, e.message).into_response(),
+    }
+}
+
+/// Parses a `/raw` request body, mapping every failure to its status and code.
+pub fn parse_request(
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<RunRequest, ErrorBody> {
+    let is_json = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .map(|mime| mime.trim().eq_ignore_ascii_case("application/json"))
+        .unwrap_or(false);
+    if !is_json {
+        return Err(ErrorBody::new(
+            ErrorCode::UnsupportedMediaType,
+            "the request body must be JSON with `Content-Type: application/json`",
+        ));
+    }
+    let body = body.map_err(|rejection| {
+        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ErrorBody::new(
+                ErrorCode::PayloadTooLarge,
+                "the request body is larger than the server accepts",
+            )
+        } else {
+            ErrorBody::new(
+                ErrorCode::InvalidRequest,
+                format!("cannot read the request body: {rejection}"),
+            )
+        }
+    })?;
+    serde_json::from_slice::<RunRequest>(&body)
+        .map_err(|e| ErrorBody::new(ErrorCode::InvalidRequest, format!("invalid request: {e}")))
+}
+
+async fn raw(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let req = match parse_request(&headers, body) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    let command = req.command_line();
+    match state.runner.start(req).await {
+        Ok(execution) => {
+            tracing::debug!(%command, context = ?execution.context(), "started");
+            let mut resp = Response::new(Body::from_stream(ndjson(execution, state.keepalive)));
+            let h = resp.headers_mut();
+            h.insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/x-ndjson"),
+            );
+            h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+            // Tells nginx-style proxies not to buffer the stream.
+            h.insert("x-accel-buffering", HeaderValue::from_static("no"));
+            resp
+        }
+        Err(e) => {
+            tracing::info!(%command, code = %e.code, message = %e.message, "rejected");
+            e.into_response()
+        }
+    }
+}
+
+/// The NDJSON body of a run: `started`, output, keep-alives while silent, one terminal
+/// event. The execution lives inside the stream, so a client that goes away drops it, and
+/// dropping it kills the command.
+pub fn ndjson(
+    execution: Execution,
+    keepalive: Duration,
+) -> impl Stream<Item = Result<Bytes, Infallible>> + Send {
+    let first = Event::Started {
+        context: execution.context().clone(),
+    }
+    .to_line();
+    let rest = stream::unfold(Some(execution), move |state| async move {
+        let mut execution = state?;
+        let event = match tokio::time::timeout(keepalive, execution.next()).await {
+            Ok(Some(event)) => event,
+            Ok(None) => return None,
+            Err(_) => Event::Keepalive,
+        };
+        Some((Ok(event.to_line()), Some(execution)))
+    });
+    stream::once(async move { Ok(first) }).chain(rest)
+}
