@@ -348,3 +348,61 @@ async fn remote_backend_cancel_kills_the_remote_command() {
         "remote command {pid} still alive"
     );
 }
+
+/// A client that stops reading stops the command: the gateway reads the pipes only as fast
+/// as the client reads the response, so memory stays bounded whatever the output size.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_client_back_pressures_the_command() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let gw = Gateway::start(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let marker = dir.path().join("finished");
+    let script = format!("head -c 200000000 /dev/zero; touch {}", marker.display());
+    let body = json!({"executable": "sh", "args": ["-c", script]}).to_string();
+    let mut sock = tokio::net::TcpStream::connect(gw.base.trim_start_matches("http://"))
+        .await
+        .unwrap();
+    let req = format!(
+        "POST /raw HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    sock.write_all(req.as_bytes()).await.unwrap();
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut total = 0usize;
+    while total < 1024 * 1024 {
+        total += sock.read(&mut buf).await.unwrap();
+    }
+    // The client pauses: the command must be blocked on its pipe, far from done.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(
+        !marker.exists(),
+        "the command ran ahead of a client that stopped reading"
+    );
+    // Reading on lets it finish.
+    let t = Instant::now();
+    let mut tail = Vec::new();
+    loop {
+        // `Connection: close`: the server closes the connection after the last event.
+        let n = tokio::time::timeout(Duration::from_secs(60), sock.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        if n == 0 {
+            break;
+        }
+        total += n;
+        tail.extend_from_slice(&buf[..n]);
+        let keep = tail.len().saturating_sub(256);
+        tail.drain(..keep);
+        assert!(t.elapsed() < Duration::from_secs(120));
+    }
+    assert!(
+        String::from_utf8_lossy(&tail).contains("\"type\":\"exit\",\"code\":0"),
+        "ends with exit 0"
+    );
+    assert!(
+        total > 200_000_000,
+        "all output arrived ({total} bytes with framing)"
+    );
+    assert!(wait_until(Duration::from_secs(5), || marker.exists()));
+}
