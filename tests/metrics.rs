@@ -44,13 +44,12 @@ fn start_gateway() -> Gateway {
     std::thread::spawn(move || {
         let mut sent = false;
         for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            if !sent {
-                if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) {
-                    if let Some(addr) = v["fields"]["addr"].as_str() {
-                        let _ = tx.send(addr.to_owned());
-                        sent = true;
-                    }
-                }
+            let addr = serde_json::from_str::<serde_json::Value>(&line)
+                .ok()
+                .and_then(|v| v["fields"]["addr"].as_str().map(str::to_owned));
+            if let (false, Some(addr)) = (sent, addr) {
+                let _ = tx.send(addr);
+                sent = true;
             }
         }
     });
@@ -160,13 +159,13 @@ fn parse(text: &str) -> Exposition {
 }
 
 fn check_histograms(e: &Exposition) {
+    let le = Regex::new(r#"le="([^"]+)""#).unwrap();
     for (family, kind) in &e.types {
         if kind != "histogram" {
             continue;
         }
         // Group buckets by their other labels.
         let mut series: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
-        let le = Regex::new(r#"le="([^"]+)""#).unwrap();
         for (key, value) in &e.samples {
             if let Some(rest) = key.strip_prefix(&format!("{family}_bucket")) {
                 let bound = le.captures(rest).expect("bucket without le")[1].to_owned();
