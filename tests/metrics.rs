@@ -1,71 +1,13 @@
 //! `GET /metrics` of the real gateway binary: the text format parses, and running commands
 //! moves the counters the way the requests say.
 
+mod support;
+
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use regex::Regex;
-
-/// A gateway process on a loopback port, killed on drop.
-struct Gateway {
-    child: Child,
-    base: String,
-}
-
-impl Drop for Gateway {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Starts `mcp-run serve` on an ephemeral port and learns the port from its JSON log.
-fn start_gateway() -> Gateway {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_mcp-run"))
-        .args([
-            "serve",
-            "--backend",
-            "local",
-            "--listen",
-            "127.0.0.1:0",
-            "--log-format",
-            "json",
-        ])
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = child.stderr.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut sent = false;
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let addr = serde_json::from_str::<serde_json::Value>(&line)
-                .ok()
-                .and_then(|v| v["fields"]["addr"].as_str().map(str::to_owned));
-            if let (false, Some(addr)) = (sent, addr) {
-                let _ = tx.send(addr);
-                sent = true;
-            }
-        }
-    });
-    let addr = rx
-        .recv_timeout(Duration::from_secs(30))
-        .expect("the gateway did not log its address");
-    Gateway {
-        child,
-        base: format!("http://{addr}"),
-    }
-}
-
-fn client() -> reqwest::Client {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    reqwest::Client::new()
-}
+use support::{Gateway, http, raw, raw_bytes};
 
 /// One parsed exposition: sample (name with sorted labels) -> value, and family -> type.
 #[derive(Debug, Default)]
@@ -204,28 +146,18 @@ fn check_histograms(e: &Exposition) {
     }
 }
 
-async fn scrape(c: &reqwest::Client, base: &str) -> Exposition {
-    let resp = c.get(format!("{base}/metrics")).send().await.unwrap();
+async fn scrape(gw: &Gateway) -> Exposition {
+    let resp = http().get(gw.url("/metrics")).send().await.unwrap();
     assert_eq!(resp.status(), 200);
     let ct = resp.headers()["content-type"].to_str().unwrap().to_owned();
     assert!(ct.starts_with("text/plain; version=0.0.4"), "{ct}");
     parse(&resp.text().await.unwrap())
 }
 
-async fn run(c: &reqwest::Client, base: &str, body: serde_json::Value) -> reqwest::Response {
-    c.post(format!("{base}/raw"))
-        .header("content-type", "application/json")
-        .body(serde_json::to_vec(&body).unwrap())
-        .send()
-        .await
-        .unwrap()
-}
-
 #[tokio::test]
 async fn counters_move_with_the_requests() {
-    let gw = start_gateway();
-    let c = client();
-    let before = scrape(&c, &gw.base).await;
+    let gw = Gateway::start(&["--backend", "local"]);
+    let before = scrape(&gw).await;
     assert_eq!(before.types["mcp_run_executions_total"], "counter");
     assert_eq!(
         before.types["mcp_run_execution_duration_seconds"],
@@ -239,39 +171,28 @@ async fn counters_move_with_the_requests() {
     assert_eq!(before.types["mcp_run_streamed_bytes_total"], "counter");
     assert_eq!(before.types["mcp_run_rejections_total"], "counter");
 
-    let ok = run(
-        &c,
-        &gw.base,
+    let ok = raw(
+        &gw,
         serde_json::json!({"executable": "printf", "args": ["hello"]}),
     )
     .await;
-    assert_eq!(ok.status(), 200);
-    ok.bytes().await.unwrap();
-    let fail = run(
-        &c,
-        &gw.base,
+    assert_eq!((ok.code(), ok.stdout_str().as_str()), (Some(0), "hello"));
+    let fail = raw(
+        &gw,
         serde_json::json!({"executable": "sh", "args": ["-c", "printf ab >&2; exit 3"]}),
     )
     .await;
-    assert_eq!(fail.status(), 200);
-    fail.bytes().await.unwrap();
-    let bad = c
-        .post(format!("{}/raw", gw.base))
-        .header("content-type", "application/json")
-        .body("{not json")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(bad.status(), 400);
-    let too_long = run(
-        &c,
-        &gw.base,
+    assert_eq!(fail.code(), Some(3));
+    let bad = raw_bytes(&gw, b"{not json".to_vec(), "application/json").await;
+    assert_eq!(bad.status, 400);
+    let too_long = raw(
+        &gw,
         serde_json::json!({"executable": "true", "timeout_secs": 999_999}),
     )
     .await;
-    assert_eq!(too_long.status(), 400);
+    assert_eq!(too_long.status, 400);
 
-    let after = scrape(&c, &gw.base).await;
+    let after = scrape(&gw).await;
     let delta = |key: &str| after.get(key) - before.get(key);
     assert_eq!(
         delta(r#"mcp_run_executions_total{backend="local",result="success"}"#),
@@ -306,19 +227,19 @@ async fn counters_move_with_the_requests() {
 
 #[tokio::test]
 async fn a_client_that_goes_away_is_counted_as_cancelled() {
-    let gw = start_gateway();
-    let c = client();
-    let before = scrape(&c, &gw.base).await;
-    let mut resp = run(
-        &c,
-        &gw.base,
-        serde_json::json!({"executable": "sleep", "args": ["30"]}),
-    )
-    .await;
+    let gw = Gateway::start(&["--backend", "local"]);
+    let before = scrape(&gw).await;
+    let mut resp = http()
+        .post(gw.raw_url())
+        .header("content-type", "application/json")
+        .body(r#"{"executable": "sleep", "args": ["30"]}"#)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 200);
     // The `started` event: the command runs.
     resp.chunk().await.unwrap().unwrap();
-    let running = scrape(&c, &gw.base).await;
+    let running = scrape(&gw).await;
     assert_eq!(
         running.get(r#"mcp_run_executions_in_flight{backend="local"}"#),
         1.0
@@ -327,7 +248,7 @@ async fn a_client_that_goes_away_is_counted_as_cancelled() {
     let key = r#"mcp_run_executions_total{backend="local",result="cancelled"}"#;
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let now = scrape(&c, &gw.base).await;
+        let now = scrape(&gw).await;
         if now.get(key) - before.get(key) == 1.0 {
             assert_eq!(
                 now.get(r#"mcp_run_executions_in_flight{backend="local"}"#),
