@@ -11,7 +11,9 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Secret, Service, ServiceAccount};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, Namespace, PodSpec, Secret, Service, ServiceAccount, Volume, VolumeMount,
+};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
@@ -143,6 +145,34 @@ fn labels_match(selector: &BTreeMap<String, String>, labels: &BTreeMap<String, S
     !selector.is_empty() && selector.iter().all(|(k, v)| labels.get(k) == Some(v))
 }
 
+/// The mount of the gateway container at `path`, and its volume.
+fn mounted_at<'a>(pod: &'a PodSpec, path: &str) -> (&'a VolumeMount, &'a Volume) {
+    let mount = pod.containers[0]
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| m.mount_path == path)
+        .unwrap_or_else(|| panic!("nothing mounted at {path}"));
+    let volume = pod
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == mount.name)
+        .unwrap_or_else(|| panic!("no volume {}", mount.name));
+    (mount, volume)
+}
+
+/// The NetworkPolicy whose pod selector matches `labels`.
+fn selecting<'a>(i: &'a Install, labels: &BTreeMap<String, String>) -> Option<&'a NetworkPolicy> {
+    i.network_policies.iter().find(|np| {
+        np.spec
+            .as_ref()
+            .and_then(|s| s.pod_selector.as_ref())
+            .and_then(|s| s.match_labels.as_ref())
+            .is_some_and(|m| labels_match(m, labels))
+    })
+}
+
 /// The gateway config file of the install, as YAML.
 fn gateway_config(i: &Install) -> Value {
     assert_eq!(i.config_maps.len(), 1);
@@ -229,20 +259,7 @@ fn check_hardening(i: &Install) {
         format!("0.0.0.0:{}", port.container_port)
     );
     let config_path = arg_after("--config");
-    let mount = c
-        .volume_mounts
-        .as_ref()
-        .unwrap()
-        .iter()
-        .find(|m| m.mount_path == config_path)
-        .expect("the config file is mounted");
-    let volume = pod
-        .volumes
-        .as_ref()
-        .unwrap()
-        .iter()
-        .find(|v| v.name == mount.name)
-        .unwrap();
+    let (_, volume) = mounted_at(pod, &config_path);
     assert_eq!(
         volume.config_map.as_ref().unwrap().name,
         i.config_maps[0].metadata.name.clone().unwrap()
@@ -342,19 +359,7 @@ fn check_hardening(i: &Install) {
     .into_iter()
     .map(|(k, v)| (k.to_owned(), v.to_owned()))
     .collect();
-    let runner_np = i
-        .network_policies
-        .iter()
-        .find(|np| {
-            np.spec
-                .as_ref()
-                .unwrap()
-                .pod_selector
-                .as_ref()
-                .and_then(|s| s.match_labels.as_ref())
-                .is_some_and(|m| labels_match(m, &runner_labels))
-        })
-        .expect("a NetworkPolicy selects the runner pods");
+    let runner_np = selecting(i, &runner_labels).expect("a NetworkPolicy selects the runner pods");
     assert_eq!(runner_np.metadata.namespace.as_deref(), Some(runner_ns));
     let np = runner_np.spec.as_ref().unwrap();
     assert!(
@@ -364,19 +369,7 @@ fn check_hardening(i: &Install) {
             .contains(&"Ingress".into())
     );
     assert!(np.ingress.as_ref().is_none_or(Vec::is_empty));
-    let gateway_np = i
-        .network_policies
-        .iter()
-        .find(|np| {
-            np.spec
-                .as_ref()
-                .unwrap()
-                .pod_selector
-                .as_ref()
-                .and_then(|s| s.match_labels.as_ref())
-                .is_some_and(|m| labels_match(m, &pod_labels))
-        })
-        .expect("a NetworkPolicy selects the gateway");
+    let gateway_np = selecting(i, &pod_labels).expect("a NetworkPolicy selects the gateway");
     let ingress = gateway_np.spec.as_ref().unwrap().ingress.as_ref().unwrap();
     assert!(
         ingress
@@ -445,21 +438,8 @@ fn full_render_parses_strictly_and_is_hardened() {
         .to_str()
         .unwrap()
         .to_owned();
-    let mount = c
-        .volume_mounts
-        .as_ref()
-        .unwrap()
-        .iter()
-        .find(|m| m.mount_path == dir)
-        .unwrap();
+    let (mount, volume) = mounted_at(pod, &dir);
     assert_eq!(mount.read_only, Some(true));
-    let volume = pod
-        .volumes
-        .as_ref()
-        .unwrap()
-        .iter()
-        .find(|v| v.name == mount.name)
-        .unwrap();
     assert_eq!(
         volume.secret.as_ref().unwrap().secret_name,
         i.secrets[0].metadata.name

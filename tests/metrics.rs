@@ -193,31 +193,32 @@ async fn counters_move_with_the_requests() {
     assert_eq!(too_long.status, 400);
 
     let after = scrape(&gw).await;
-    let delta = |key: &str| after.get(key) - before.get(key);
-    assert_eq!(
-        delta(r#"mcp_run_executions_total{backend="local",result="success"}"#),
-        1.0
-    );
-    assert_eq!(
-        delta(r#"mcp_run_executions_total{backend="local",result="failure"}"#),
-        1.0
-    );
-    assert_eq!(
-        delta(r#"mcp_run_streamed_bytes_total{backend="local",stream="stdout"}"#),
-        5.0
-    );
-    assert_eq!(
-        delta(r#"mcp_run_streamed_bytes_total{backend="local",stream="stderr"}"#),
-        2.0
-    );
-    assert_eq!(
-        delta(r#"mcp_run_rejections_total{reason="invalid_request"}"#),
-        2.0
-    );
-    assert_eq!(
-        delta(r#"mcp_run_execution_duration_seconds_count{backend="local"}"#),
-        2.0
-    );
+    for (key, moved) in [
+        (
+            r#"mcp_run_executions_total{backend="local",result="success"}"#,
+            1.0,
+        ),
+        (
+            r#"mcp_run_executions_total{backend="local",result="failure"}"#,
+            1.0,
+        ),
+        (
+            r#"mcp_run_streamed_bytes_total{backend="local",stream="stdout"}"#,
+            5.0,
+        ),
+        (
+            r#"mcp_run_streamed_bytes_total{backend="local",stream="stderr"}"#,
+            2.0,
+        ),
+        // The body that is not JSON and the timeout over the maximum.
+        (r#"mcp_run_rejections_total{reason="invalid_request"}"#, 2.0),
+        (
+            r#"mcp_run_execution_duration_seconds_count{backend="local"}"#,
+            2.0,
+        ),
+    ] {
+        assert_eq!(after.get(key) - before.get(key), moved, "{key}");
+    }
     assert_eq!(
         after.get(r#"mcp_run_executions_in_flight{backend="local"}"#),
         0.0
