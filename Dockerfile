@@ -3,7 +3,7 @@
 #
 #   docker build -t mcp-run:dev .
 #
-# Builder: the official Rust image on Debian bookworm, the same Debian release as the
+# Builder: the official Rust image on Debian trixie (13), the same Debian release as the
 # runtime image, so the binaries link against the glibc they will run with.
 # Runtime: distroless cc (glibc, libgcc, CA certificates, nothing else: no shell, no package
 # manager), running as the built-in non-root user 65532. The gateway reaches the API server
@@ -12,7 +12,7 @@
 
 ARG RUST_VERSION=1.95
 
-FROM rust:${RUST_VERSION}-slim-bookworm AS builder
+FROM rust:${RUST_VERSION}-slim-trixie AS builder
 WORKDIR /src
 # The whole source tree (see .dockerignore): Cargo needs every target the manifest names,
 # benches and tests included, even to build the binaries alone.
@@ -25,7 +25,7 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
     && mkdir -p /out \
     && cp target/release/mcp-run target/release/run-remote /out/
 
-FROM gcr.io/distroless/cc-debian12:nonroot
+FROM gcr.io/distroless/cc-debian13:nonroot
 LABEL org.opencontainers.image.title="mcp-run" \
       org.opencontainers.image.description="Kubernetes-native remote runner: one ephemeral pod per command, streamed over HTTP and MCP" \
       org.opencontainers.image.licenses="Apache-2.0"
