@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # End-to-end test of the deployment on a throw-away kind cluster:
-#   create the cluster -> build the image and load it -> helm install the chart -> wait for
+#   create the cluster -> build the image and load it -> check manifests/ against the API
+#   server (dry run) -> helm install the chart -> wait for
 #   readiness -> through `kubectl port-forward` to the Service: run-remote, the e2e suite
 #   (cargo test --test e2e against the installed gateway), MCP over HTTP with curl, the
 #   metrics, the NetworkPolicy -> check no runner pod is left -> delete the cluster.
@@ -73,6 +74,12 @@ kind load docker-image "$RUNNER_IMAGE" --name "$CLUSTER"
 log "client binaries"
 cargo build --locked --bins
 RUN_REMOTE="$ROOT/target/debug/run-remote"
+
+log "plain manifests: validated by the API server (server-side dry run)"
+# The namespace is created for real (Pod Security labels included) and the chart is then
+# installed into it; the rest of manifests/ is only checked, since Helm must own it.
+kubectl apply -f manifests/00-namespace.yaml
+kubectl apply --dry-run=server -f manifests/mcp-run.yaml
 
 log "helm install"
 helm upgrade --install "$RELEASE" charts/mcp-run \
