@@ -21,13 +21,20 @@
 {{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
-{{/* Labels of every object. */}}
-{{- define "mcp-run.labels" -}}
+{{/* Labels of every object, without the component. */}}
+{{- define "mcp-run.commonLabels" -}}
 helm.sh/chart: {{ include "mcp-run.chart" . }}
-{{ include "mcp-run.selectorLabels" . }}
+app.kubernetes.io/name: {{ include "mcp-run.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: mcp-run
+{{- end }}
+
+{{/* Labels of the gateway's objects. */}}
+{{- define "mcp-run.labels" -}}
+{{ include "mcp-run.commonLabels" . }}
+app.kubernetes.io/component: gateway
 {{- end }}
 
 {{/* Labels that select the gateway's pods (never change them on upgrade). */}}
