@@ -4,7 +4,8 @@
 #   server (dry run) -> helm install the chart -> wait for
 #   readiness -> through `kubectl port-forward` to the Service: run-remote, the e2e suite
 #   (cargo test --test e2e against the installed gateway), MCP over HTTP with curl, the
-#   metrics, the NetworkPolicy -> check no runner pod is left -> delete the cluster.
+#   metrics, the NetworkPolicy -> a command survives a rolling restart of the gateway ->
+#   check no runner pod is left -> delete the cluster.
 #
 # Needs: docker, kind (>= 0.24, for NetworkPolicy enforcement), kubectl, helm (3 or 4),
 # cargo, curl, jq. Run from anywhere: `e2e/kind.sh`. Environment:
@@ -166,6 +167,31 @@ if kubectl -n np-outsider run np-outside --image="$RUNNER_IMAGE" --image-pull-po
   --restart=Never --rm -i --quiet -- wget -q -T 5 -O - "$SVC" >/dev/null 2>&1; then
   fail "a pod of another namespace reached the gateway"
 fi
+
+log "graceful shutdown: a running command outlives the replacement of the gateway pod"
+# The client runs in the cluster (the image has run-remote) and goes through the Service,
+# so that the port-forward, which follows one pod, is not part of the test.
+kill "$PF_PID" 2>/dev/null || true
+PF_PID=""
+kubectl -n "$NAMESPACE" run drain --image="$IMAGE" --image-pull-policy=Never --restart=Never \
+  --command -- /usr/local/bin/run-remote --server "http://$RELEASE.$NAMESPACE.svc:8080/raw" \
+  -- sh -c 'sleep 20; echo survived'
+runner=""
+for _ in $(seq 1 60); do
+  runner="$(kubectl -n "$NAMESPACE" get pods -l app.kubernetes.io/component=runner -o name)"
+  [ -n "$runner" ] && break
+  sleep 1
+done
+[ -n "$runner" ] || fail "the drain command did not start a runner pod"
+# A new gateway pod starts; once it is ready the old one gets SIGTERM and drains for
+# config.server.shutdown_grace_secs (30 s), longer than what is left of the command.
+kubectl -n "$NAMESPACE" rollout restart "deployment/$RELEASE"
+kubectl -n "$NAMESPACE" rollout status "deployment/$RELEASE" --timeout=180s
+kubectl -n "$NAMESPACE" wait pod/drain --for=jsonpath='{.status.phase}'=Succeeded --timeout=120s \
+  || fail "the command was cut by the restart: $(kubectl -n "$NAMESPACE" logs drain 2>&1)"
+[ "$(kubectl -n "$NAMESPACE" logs drain)" = "survived" ] \
+  || fail "unexpected output: $(kubectl -n "$NAMESPACE" logs drain 2>&1)"
+kubectl -n "$NAMESPACE" delete pod drain --wait=false
 
 log "no runner pod left"
 left=""
