@@ -9,5 +9,6 @@ pub mod cli;
 pub mod config;
 pub mod contract;
 pub mod exec;
+pub mod metrics;
 pub mod runner;
 pub mod server;

@@ -65,8 +65,16 @@ impl Runner {
     }
 
     /// Starts a command. The returned execution is killed when dropped or when its timeout
-    /// passes.
+    /// passes. Refusals are counted in the metrics by error code.
     pub async fn start(&self, req: RunRequest) -> Result<Execution, ErrorBody> {
+        let started = self.start_inner(req).await;
+        if let Err(e) = &started {
+            crate::metrics::rejected(e.code);
+        }
+        started
+    }
+
+    async fn start_inner(&self, req: RunRequest) -> Result<Execution, ErrorBody> {
         if self.shutdown.is_cancelled() || self.tracker.is_closed() {
             return Err(ErrorBody::new(
                 ErrorCode::ShuttingDown,
@@ -81,7 +89,8 @@ impl Runner {
             .await?;
         Ok(execution
             .with_timeout(timeout)
-            .tracked(self.tracker.token()))
+            .tracked(self.tracker.token())
+            .observed(crate::metrics::execution_started(self.executor.name())))
     }
 
     /// How many executions are running.

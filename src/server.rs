@@ -1,4 +1,5 @@
-//! The gateway's HTTP surface: `POST /raw` (NDJSON streaming), `GET /healthz`, `GET /readyz`.
+//! The gateway's HTTP surface: `POST /raw` (NDJSON streaming), `GET /healthz`, `GET /readyz`,
+//! `GET /metrics` (Prometheus; unauthenticated, like the probes).
 //! Every error is a JSON body `{"error":{"code","message"}}` with a matching status.
 
 use std::convert::Infallible;
@@ -50,6 +51,7 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         .route("/raw", post(raw))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
         .fallback(|| async { ErrorBody::new(ErrorCode::NotFound, "no such endpoint") })
         .method_not_allowed_fallback(|| async {
             ErrorBody::new(
@@ -106,6 +108,13 @@ async fn readyz(State(state): State<AppState>) -> Response {
     }
 }
 
+async fn metrics() -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)],
+        crate::metrics::render(),
+    )
+}
+
 /// Parses a `/raw` request body, mapping every failure to its status and code.
 pub fn parse_request(
     headers: &HeaderMap,
@@ -147,7 +156,10 @@ async fn raw(
 ) -> Response {
     let req = match parse_request(&headers, body) {
         Ok(r) => r,
-        Err(e) => return e.into_response(),
+        Err(e) => {
+            crate::metrics::rejected(e.code);
+            return e.into_response();
+        }
     };
     let command = req.command_line();
     match state.runner.start(req).await {

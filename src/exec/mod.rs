@@ -100,6 +100,8 @@ pub struct Execution {
     started: Instant,
     /// Counts this execution as running, for graceful shutdown.
     _tracked: Option<TaskTrackerToken>,
+    /// Records its bytes and result in the gateway's metrics.
+    observer: Option<crate::metrics::ExecutionObserver>,
 }
 
 /// How long a backend has to report the exit of a command it was told to kill.
@@ -124,6 +126,7 @@ impl Execution {
             finished: false,
             started: Instant::now(),
             _tracked: None,
+            observer: None,
         }
     }
 
@@ -156,6 +159,12 @@ impl Execution {
         self
     }
 
+    /// Reports this execution's events to the gateway's metrics.
+    pub fn observed(mut self, observer: crate::metrics::ExecutionObserver) -> Self {
+        self.observer = Some(observer);
+        self
+    }
+
     pub fn context(&self) -> &RunContext {
         &self.context
     }
@@ -167,6 +176,14 @@ impl Execution {
 
     /// The next event: output, then exactly one terminal event, then `None`.
     pub async fn next(&mut self) -> Option<Event> {
+        let event = self.next_event().await;
+        if let (Some(event), Some(observer)) = (&event, &mut self.observer) {
+            observer.observe(event);
+        }
+        event
+    }
+
+    async fn next_event(&mut self) -> Option<Event> {
         if self.finished {
             return None;
         }

@@ -1,0 +1,83 @@
+{{/* The chart name, overridable. */}}
+{{- define "mcp-run.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The prefix of every resource name: DNS label, at most 63 characters. */}}
+{{- define "mcp-run.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "mcp-run.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels of every object, without the component. */}}
+{{- define "mcp-run.commonLabels" -}}
+helm.sh/chart: {{ include "mcp-run.chart" . }}
+app.kubernetes.io/name: {{ include "mcp-run.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: mcp-run
+{{- end }}
+
+{{/* Labels of the gateway's objects. */}}
+{{- define "mcp-run.labels" -}}
+{{ include "mcp-run.commonLabels" . }}
+app.kubernetes.io/component: gateway
+{{- end }}
+
+{{/* Labels that select the gateway's pods (never change them on upgrade). */}}
+{{- define "mcp-run.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "mcp-run.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: gateway
+{{- end }}
+
+{{/* The labels the gateway puts on every runner pod (see src/exec/kube). */}}
+{{- define "mcp-run.runnerSelectorLabels" -}}
+app.kubernetes.io/name: mcp-run
+app.kubernetes.io/component: runner
+app.kubernetes.io/managed-by: mcp-run
+{{- end }}
+
+{{- define "mcp-run.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "mcp-run.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* Where runner pods go. */}}
+{{- define "mcp-run.runnerNamespace" -}}
+{{- default .Release.Namespace .Values.runner.namespace }}
+{{- end }}
+
+{{- define "mcp-run.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{- define "mcp-run.authSecretName" -}}
+{{- default (printf "%s-auth" (include "mcp-run.fullname" .)) .Values.auth.existingSecret }}
+{{- end }}
+
+{{/* The gateway configuration file, with what the chart decides filled in. */}}
+{{- define "mcp-run.config" -}}
+{{- $cfg := deepCopy .Values.config }}
+{{- $server := merge (dict "listen" (printf "0.0.0.0:%d" (int .Values.containerPort)) "backend" "kube") (default dict $cfg.server) }}
+{{- $kube := merge (dict "namespace" (include "mcp-run.runnerNamespace" .)) (default dict $cfg.kubernetes) }}
+{{- $_ := set $cfg "server" $server }}
+{{- $_ := set $cfg "kubernetes" $kube }}
+{{- toYaml $cfg }}
+{{- end }}
