@@ -212,12 +212,60 @@ impl Event {
 
     /// The event as one NDJSON line, newline included.
     pub fn to_line(&self) -> Bytes {
+        // Output chunks are nearly all of the traffic: write them directly (base64 needs no
+        // JSON escaping) instead of through an intermediate String.
+        if let Event::Stdout { data } | Event::Stderr { data } = self {
+            let prefix = self.output_prefix();
+            let mut v = Vec::with_capacity(prefix.len() + data.len().div_ceil(3) * 4 + 3);
+            v.extend_from_slice(prefix);
+            let start = v.len();
+            v.resize(
+                start + base64::encoded_len(data.len(), true).unwrap_or(0),
+                0,
+            );
+            let n = BASE64.encode_slice(data, &mut v[start..]).unwrap_or(0);
+            v.truncate(start + n);
+            v.extend_from_slice(b"\"}\n");
+            return Bytes::from(v);
+        }
         // Serialising these types cannot fail: every map key is a string.
         let mut v = serde_json::to_vec(self).unwrap_or_else(|_| b"{\"type\":\"unknown\"}".to_vec());
         v.push(b'\n');
         Bytes::from(v)
     }
+
+    fn output_prefix(&self) -> &'static [u8] {
+        match self {
+            Event::Stderr { .. } => STDERR_PREFIX,
+            _ => STDOUT_PREFIX,
+        }
+    }
+
+    /// Parses one NDJSON line (without its newline). Output events in the exact form this
+    /// crate writes are decoded without a JSON pass; anything else goes through serde.
+    pub fn from_line(line: &[u8]) -> Result<Event, serde_json::Error> {
+        for (prefix, stdout) in [(STDOUT_PREFIX, true), (STDERR_PREFIX, false)] {
+            if let Some(rest) = line
+                .strip_prefix(prefix)
+                .and_then(|r| r.strip_suffix(b"\"}"))
+                && let Ok(data) = BASE64.decode(rest)
+            {
+                let data = Bytes::from(data);
+                return Ok(if stdout {
+                    Event::Stdout { data }
+                } else {
+                    Event::Stderr { data }
+                });
+            }
+        }
+        serde_json::from_slice(line)
+    }
 }
+
+const STDOUT_PREFIX: &[u8] = b"{\"type\":\"stdout\",\"data\":\"";
+const STDERR_PREFIX: &[u8] = b"{\"type\":\"stderr\",\"data\":\"";
+
+impl Event {}
 
 mod b64 {
     use super::*;

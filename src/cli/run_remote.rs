@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::io::Write;
+use std::os::fd::AsFd;
 
 use clap::Parser;
 use tokio_util::sync::CancellationToken;
@@ -193,12 +194,22 @@ async fn run(args: Args) -> i32 {
             return rejection_code(e.code);
         }
     };
-    let mut stdout = std::io::stdout().lock();
-    let mut stderr = std::io::stderr().lock();
+    // Unbuffered handles on our stdout and stderr: std's stdout is line-buffered, which
+    // would copy and split binary output.
+    let (mut stdout, mut stderr) = match (
+        raw_handle(std::io::stdout().as_fd()),
+        raw_handle(std::io::stderr().as_fd()),
+    ) {
+        (Ok(o), Ok(e)) => (o, e),
+        (Err(e), _) | (_, Err(e)) => {
+            eprintln!("run-remote: cannot use stdout/stderr: {e}");
+            return code::IO_ERROR;
+        }
+    };
     while let Some(event) = execution.next().await {
         let written = match &event {
-            Event::Stdout { data } => stdout.write_all(data).and_then(|()| stdout.flush()),
-            Event::Stderr { data } => stderr.write_all(data).and_then(|()| stderr.flush()),
+            Event::Stdout { data } => stdout.write_all(data),
+            Event::Stderr { data } => stderr.write_all(data),
             Event::Exit(info) => {
                 if info.timed_out {
                     eprintln!("run-remote: the command timed out and was killed");
@@ -225,6 +236,11 @@ async fn run(args: Args) -> i32 {
         }
     }
     code::PROTOCOL
+}
+
+/// A `File` on a duplicate of a standard stream's descriptor: writes go straight to it.
+fn raw_handle(fd: std::os::fd::BorrowedFd<'_>) -> std::io::Result<std::fs::File> {
+    fd.try_clone_to_owned().map(std::fs::File::from)
 }
 
 #[cfg(test)]
