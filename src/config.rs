@@ -1,6 +1,7 @@
 //! The gateway's configuration: one type, loaded from one YAML file and validated in one
 //! place. Command-line flags override the file. `docs/configuration.md` documents every key.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -8,6 +9,8 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::exec::local::DEFAULT_INHERIT_ENV;
+
+pub use crate::exec::kube::config::{KubernetesConfig, Profile};
 
 /// A configuration problem, naming the file and the field.
 #[derive(Debug, thiserror::Error)]
@@ -34,6 +37,8 @@ pub enum BackendKind {
     /// Child processes of the gateway.
     #[default]
     Local,
+    /// One ephemeral pod per request, through the Kubernetes exec API.
+    Kube,
 }
 
 /// The whole configuration file.
@@ -43,6 +48,9 @@ pub struct Config {
     pub server: ServerConfig,
     pub limits: Limits,
     pub local: LocalConfig,
+    pub kubernetes: KubernetesConfig,
+    /// Runner profiles of the Kubernetes backend; `default` is always there.
+    pub profiles: BTreeMap<String, Profile>,
     /// The file this was loaded from, for error messages.
     #[serde(skip)]
     pub source: Option<PathBuf>,
@@ -133,6 +141,7 @@ impl Config {
         };
         config.source = path.map(Path::to_owned);
         config.validate()?;
+        config.ensure_default_profile();
         Ok(config)
     }
 
@@ -171,6 +180,20 @@ impl Config {
                 "must be at least 1024".into(),
             ));
         }
+        self.kubernetes
+            .validate(&self.limits)
+            .map_err(|(f, m)| invalid(&f, m))?;
+        for (name, profile) in &self.profiles {
+            profile
+                .validate()
+                .map_err(|(f, m)| invalid(&format!("profiles.{name}.{f}"), m))?;
+        }
+        if !self.profiles.is_empty() && !self.profiles.contains_key("default") {
+            return Err(invalid(
+                "profiles",
+                "must contain a `default` profile".into(),
+            ));
+        }
         for name in &self.local.inherit_env {
             if !crate::contract::is_valid_env_name(name) {
                 return Err(invalid(
@@ -180,6 +203,11 @@ impl Config {
             }
         }
         Ok(())
+    }
+
+    /// The profiles with `default` filled in when the file has none.
+    pub fn ensure_default_profile(&mut self) {
+        self.profiles.entry("default".into()).or_default();
     }
 
     pub fn keepalive(&self) -> Duration {

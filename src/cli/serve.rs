@@ -10,6 +10,7 @@ use clap::{Parser, Subcommand};
 
 use crate::config::{BackendKind, Config};
 use crate::exec::Executor;
+use crate::exec::kube::KubeExecutor;
 use crate::exec::local::LocalExecutor;
 use crate::runner::Runner;
 use crate::server::{self, AppState};
@@ -43,6 +44,57 @@ pub struct ServeArgs {
     /// Log format on stderr.
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+    #[command(flatten)]
+    pub kube: KubeArgs,
+}
+
+/// Flags of the Kubernetes backend; each overrides its key in the config file.
+#[derive(Debug, Clone, Default, clap::Args)]
+#[command(next_help_heading = "Kubernetes backend (--backend kube)")]
+pub struct KubeArgs {
+    /// Kubeconfig file [default: in-cluster account, else KUBECONFIG or ~/.kube/config].
+    #[arg(long, value_name = "PATH")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Kubeconfig context [default: the current context].
+    #[arg(long, value_name = "NAME")]
+    pub context: Option<String>,
+    /// Namespace of the runner pods [default: the gateway's own in-cluster, else the
+    /// context's, else `default`].
+    #[arg(long, value_name = "NS")]
+    pub namespace: Option<String>,
+    /// Image of the `default` profile [default: busybox:1.36].
+    #[arg(long, value_name = "IMAGE")]
+    pub image: Option<String>,
+    /// Runner pods at once; more requests get 429 [default: 32].
+    #[arg(long, value_name = "N")]
+    pub max_concurrent_pods: Option<usize>,
+}
+
+impl KubeArgs {
+    /// Applies the flags over the file's values, then validates the result again.
+    pub fn apply(&self, config: &mut Config) -> anyhow::Result<()> {
+        let k = &mut config.kubernetes;
+        if let Some(v) = &self.kubeconfig {
+            k.kubeconfig = Some(v.clone());
+        }
+        if let Some(v) = &self.context {
+            k.context = Some(v.clone());
+        }
+        if let Some(v) = &self.namespace {
+            k.namespace = Some(v.clone());
+        }
+        if let Some(v) = self.max_concurrent_pods {
+            k.max_concurrent_pods = v;
+        }
+        config.ensure_default_profile();
+        if let Some(image) = &self.image
+            && let Some(p) = config.profiles.get_mut("default")
+        {
+            p.image = Some(image.clone());
+        }
+        config.validate()?;
+        Ok(())
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -76,10 +128,20 @@ pub fn load_config(path: Option<&std::path::Path>) -> anyhow::Result<Config> {
     })
 }
 
-/// Builds the configured backend.
-pub fn build_executor(config: &Config) -> anyhow::Result<Arc<dyn Executor>> {
+/// Builds the configured backend; the Kubernetes backend also checks its permissions and
+/// deletes what a previous run left behind.
+pub async fn build_executor(config: &Config) -> anyhow::Result<Arc<dyn Executor>> {
     Ok(match config.server.backend {
         BackendKind::Local => Arc::new(LocalExecutor::new(&config.local.inherit_env)),
+        BackendKind::Kube => {
+            let mut profiles = config.profiles.clone();
+            profiles.entry("default".into()).or_default();
+            let kube = KubeExecutor::connect(config.kubernetes.clone(), profiles)
+                .await
+                .context("Kubernetes backend")?;
+            kube.prepare().await;
+            Arc::new(kube)
+        }
     })
 }
 
@@ -91,6 +153,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(backend) = args.backend {
         config.server.backend = backend;
     }
+    args.kube.apply(&mut config)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -100,7 +163,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
 
 /// Runs the gateway until SIGTERM or SIGINT.
 pub async fn serve(config: Config) -> anyhow::Result<()> {
-    let executor = build_executor(&config)?;
+    let executor = build_executor(&config).await?;
     let runner = Arc::new(Runner::new(executor, config.limits.clone()));
     let state = AppState {
         runner: runner.clone(),
