@@ -4,6 +4,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
@@ -139,7 +140,8 @@ pub async fn build_executor(config: &Config) -> anyhow::Result<Arc<dyn Executor>
             let kube = KubeExecutor::connect(config.kubernetes.clone(), profiles)
                 .await
                 .context("Kubernetes backend")?;
-            kube.prepare().await;
+            kube.prepare(Duration::from_secs(config.limits.max_timeout_secs))
+                .await;
             Arc::new(kube)
         }
     })

@@ -145,6 +145,34 @@ pub struct Profile {
     pub volumes: Vec<Volume>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub volume_mounts: Vec<VolumeMount>,
+    /// Pods of this profile kept Running ahead of requests (docs/kubernetes.md).
+    #[serde(skip_serializing_if = "WarmPoolConfig::is_off")]
+    pub warm_pool: WarmPoolConfig,
+}
+
+/// `warm_pool:` of a profile.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WarmPoolConfig {
+    /// Idle Running pods this gateway keeps for the profile; 0 turns the pool off.
+    pub size: usize,
+    /// An idle pod older than this is replaced by a fresh one.
+    pub max_idle_secs: u64,
+}
+
+impl Default for WarmPoolConfig {
+    fn default() -> Self {
+        Self {
+            size: 0,
+            max_idle_secs: 3600,
+        }
+    }
+}
+
+impl WarmPoolConfig {
+    fn is_off(&self) -> bool {
+        *self == Self::default()
+    }
 }
 
 impl Profile {
@@ -205,6 +233,9 @@ impl Profile {
                     format!("mount {:?} names no volume of this profile", m.name),
                 );
             }
+        }
+        if self.warm_pool.size > 0 && self.warm_pool.max_idle_secs == 0 {
+            return err("warm_pool.max_idle_secs", "must be at least 1".into());
         }
         if let Some(d) = &self.working_dir
             && !d.starts_with('/')

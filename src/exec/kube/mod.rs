@@ -14,6 +14,7 @@
 
 pub mod config;
 pub mod pod;
+mod pool;
 mod reaper;
 pub mod status;
 
@@ -75,6 +76,8 @@ pub struct KubeExecutor {
     reaper: CancellationToken,
     /// Permissions the start-up access review found missing (re-checked by `/readyz`).
     missing: Mutex<Option<Vec<String>>>,
+    /// Warm pools of the profiles that have one, started by `prepare`.
+    pools: std::sync::OnceLock<BTreeMap<String, Arc<pool::WarmPool>>>,
 }
 
 /// What pod guards need after the request that armed them is gone.
@@ -155,6 +158,7 @@ impl KubeExecutor {
             config,
             reaper: CancellationToken::new(),
             missing: Mutex::new(None),
+            pools: std::sync::OnceLock::new(),
         })
     }
 
@@ -166,9 +170,20 @@ impl KubeExecutor {
         &self.profiles
     }
 
+    /// The warm pools: profile, configured size, idle pods of this gateway now.
+    pub fn warm_pools(&self) -> Vec<(String, usize, usize)> {
+        self.pools
+            .get()
+            .into_iter()
+            .flatten()
+            .map(|(name, p)| (name.clone(), p.size(), p.idle()))
+            .collect()
+    }
+
     /// Checks permissions and deletes this gateway's leftovers from a previous run, then
-    /// starts the periodic reaper. Called once before serving.
-    pub async fn prepare(&self) {
+    /// starts the periodic reaper and the warm pools. Called once before serving;
+    /// `longest_request` is the server's maximum timeout.
+    pub async fn prepare(&self, longest_request: Duration) {
         self.check_permissions().await;
         let reaper = reaper::Reaper {
             pods: self.shared.pods.clone(),
@@ -185,6 +200,23 @@ impl KubeExecutor {
             Ok(_) => {}
             Err(e) => tracing::warn!("start-up reaping failed: {e}"),
         }
+        let pools = self
+            .profiles
+            .iter()
+            .filter(|(_, p)| p.warm_pool.size > 0)
+            .map(|(name, p)| {
+                let pool = pool::WarmPool::start(
+                    self.shared.clone(),
+                    name,
+                    p,
+                    longest_request + Duration::from_secs(self.config.pod_start_timeout_secs),
+                    self.reaper.child_token(),
+                );
+                tracing::info!(profile = name, size = pool.size(), "warm pool started");
+                (name.clone(), pool)
+            })
+            .collect();
+        let _ = self.pools.set(pools);
         let interval = Duration::from_secs(self.config.reaper_interval_secs);
         let stop = self.reaper.clone();
         tokio::spawn(async move {
@@ -282,6 +314,17 @@ impl KubeExecutor {
                 ),
             )
         })?;
+        let pool = self.pools.get().and_then(|p| p.get(&profile_name)).cloned();
+        if let Some(pool) = pool {
+            let mut timings = Timings::new();
+            if let Some((name, node)) = pool.claim(spec.timeout).await {
+                timings.mark("claimed");
+                let guard = PodGuard::arm(self.shared.clone(), name, permit);
+                return self
+                    .exec_in(spec, cancel, guard, timings, node, &profile_name, &profile)
+                    .await;
+            }
+        }
         let start_timeout = Duration::from_secs(self.config.pod_start_timeout_secs);
         let deadline =
             spec.timeout.as_secs() + self.config.pod_start_timeout_secs + DEADLINE_MARGIN_SECS;
@@ -299,7 +342,7 @@ impl KubeExecutor {
             &self.shared.identity,
         );
         // Armed before the create call: whatever happens from here, the pod goes.
-        let mut guard = PodGuard::arm(self.shared.clone(), name.clone(), permit);
+        let guard = PodGuard::arm(self.shared.clone(), name.clone(), permit);
         let created = self
             .shared
             .pods
@@ -328,9 +371,25 @@ impl KubeExecutor {
                 ));
             }
         };
-        let pod_start = timings.since_start();
-        crate::metrics::observe_pod_start(pod_start);
+        crate::metrics::observe_pod_start(timings.since_start());
+        self.exec_in(spec, cancel, guard, timings, node, &profile_name, &profile)
+            .await
+    }
 
+    /// Starts the command in a running pod that `guard` owns.
+    #[allow(clippy::too_many_arguments)]
+    async fn exec_in(
+        &self,
+        spec: ExecSpec,
+        cancel: CancellationToken,
+        mut guard: PodGuard,
+        mut timings: Timings,
+        node: String,
+        profile_name: &str,
+        profile: &Profile,
+    ) -> Result<Execution, ErrorBody> {
+        let name = guard.name.clone();
+        let pod_start = timings.since_start();
         let argv = status::exec_argv(
             profile.shell(),
             &spec.executable,
@@ -364,7 +423,7 @@ impl KubeExecutor {
             node: Some(node),
             container: Some(CONTAINER.into()),
             image: Some(profile.image().to_string()),
-            profile: Some(profile_name),
+            profile: Some(profile_name.to_string()),
             pod_start_ms: Some(pod_start.as_millis() as u64),
             ..Default::default()
         };
@@ -541,10 +600,14 @@ impl Executor for KubeExecutor {
         })
     }
 
-    /// Stops the reaper and waits for every pod deletion.
+    /// Stops the reaper and the warm pools, deletes the idle pool pods, and waits for every
+    /// pod deletion.
     fn shutdown(&self) -> BoxFuture<'_, ()> {
         Box::pin(async move {
             self.reaper.cancel();
+            for pool in self.pools.get().into_iter().flat_map(|p| p.values()) {
+                pool.drain().await;
+            }
             self.shared.deletions.close();
             if tokio::time::timeout(Duration::from_secs(15), self.shared.deletions.wait())
                 .await
@@ -566,6 +629,19 @@ impl Executor for KubeExecutor {
 }
 
 impl Shared {
+    /// Marks a pod as used by this gateway (the reaper leaves it alone).
+    fn track(&self, name: &str) {
+        if let Ok(mut live) = self.live.lock() {
+            live.insert(name.to_string());
+        }
+    }
+
+    fn untrack(&self, name: &str) {
+        if let Ok(mut live) = self.live.lock() {
+            live.remove(name);
+        }
+    }
+
     /// Deletes a pod at once (grace 0), retrying transient failures; a pod already gone is
     /// fine.
     async fn delete(&self, name: &str) -> bool {
@@ -607,9 +683,7 @@ impl PodGuard {
     }
 
     fn arm(shared: Arc<Shared>, name: String, permit: OwnedSemaphorePermit) -> Self {
-        if let Ok(mut live) = shared.live.lock() {
-            live.insert(name.clone());
-        }
+        shared.track(&name);
         Self {
             shared,
             name,
@@ -628,9 +702,8 @@ impl Drop for PodGuard {
         let timings = self.timings.take();
         let already = self.deleted;
         let cleanup = async move {
-            let deleted = already || shared.delete(&name).await;
-            if deleted && let Ok(mut live) = shared.live.lock() {
-                live.remove(&name);
+            if already || shared.delete(&name).await {
+                shared.untrack(&name);
             }
             if let Some(mut t) = timings {
                 t.mark("deleted");

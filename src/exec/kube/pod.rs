@@ -23,6 +23,10 @@ pub const LABEL_INSTANCE: &str = "mcp-run.dev/instance";
 /// The gateway process lineage that created the pod (its pod name in-cluster, else the host).
 pub const LABEL_GATEWAY: &str = "mcp-run.dev/gateway";
 pub const LABEL_PROFILE: &str = "mcp-run.dev/profile";
+/// Warm pool pods: the profile whose pool they are in.
+pub const LABEL_POOL: &str = "mcp-run.dev/pool";
+/// Warm pool pods: `idle` until a request claims it, then `claimed`.
+pub const LABEL_STATE: &str = "mcp-run.dev/state";
 /// When the pod is past any use (creation + its active deadline), RFC 3339.
 pub const ANNOTATION_EXPIRES: &str = "mcp-run.dev/expires-at";
 

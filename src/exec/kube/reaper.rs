@@ -18,7 +18,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt as _;
 use kube::api::{Api, DeleteParams, ListParams};
 
-use super::pod::{ANNOTATION_EXPIRES, Identity, LABEL_GATEWAY};
+use super::pod::{ANNOTATION_EXPIRES, Identity, LABEL_GATEWAY, LABEL_STATE};
 
 pub(super) struct Reaper {
     pub pods: Api<Pod>,
@@ -99,8 +99,15 @@ pub(super) fn is_leftover(
     }
     let name = p.name_any();
     let labels = p.labels();
+    let expired = p
+        .annotations()
+        .get(ANNOTATION_EXPIRES)
+        .and_then(|t| t.parse::<Timestamp>().ok())
+        .is_some_and(|t| t <= now);
     if labels.get(LABEL_GATEWAY) == Some(&me.gateway) {
-        return !is_live(&name);
+        // Our idle warm pool pods wait for requests: only their deadline ends them.
+        let idle = labels.get(LABEL_STATE).is_some_and(|s| s == "idle");
+        return if idle { expired } else { !is_live(&name) };
     }
     let age = p
         .creation_timestamp()
@@ -109,11 +116,6 @@ pub(super) fn is_leftover(
     if age < min_age {
         return false;
     }
-    let expired = p
-        .annotations()
-        .get(ANNOTATION_EXPIRES)
-        .and_then(|t| t.parse::<Timestamp>().ok())
-        .is_some_and(|t| t <= now);
     let finished = p
         .status
         .as_ref()
