@@ -242,14 +242,20 @@ impl KubeExecutor {
     /// missing. Returns the missing permissions.
     async fn check_permissions(&self) -> Vec<String> {
         let ns = self.shared.namespace.clone();
-        let needed = [
+        // Exec over WebSocket is authorized as `get` pods/exec, and from Kubernetes 1.35 as
+        // `create` too. The warm pool claims pods with `patch`.
+        let mut needed = vec![
             ("", "create"),
             ("", "get"),
             ("", "list"),
             ("", "watch"),
             ("", "delete"),
             ("exec", "create"),
+            ("exec", "get"),
         ];
+        if self.profiles.values().any(|p| p.warm_pool.size > 0) {
+            needed.push(("", "patch"));
+        }
         let api: Api<SelfSubjectAccessReview> = Api::all(self.client.clone());
         let mut missing = Vec::new();
         for (sub, verb) in needed {
