@@ -92,26 +92,23 @@ async fn suite_against_a_real_cluster() {
     support::suite::run_all(&gw).await;
 
     let pods: Api<Pod> = Api::namespaced(client, &ns);
-    let mut left = Vec::new();
-    let clean = {
-        let deadline = std::time::Instant::now() + Duration::from_secs(60);
-        loop {
-            left = pods
-                .list(&ListParams::default().labels(&selector))
-                .await
-                .map(|l| {
-                    l.items
-                        .into_iter()
-                        .filter(|p| p.metadata.deletion_timestamp.is_none())
-                        .filter_map(|p| p.metadata.name)
-                        .collect()
-                })
-                .unwrap_or_else(|e| vec![format!("<cannot list pods: {e}>")]);
-            if left.is_empty() || std::time::Instant::now() > deadline {
-                break left.is_empty();
-            }
-            tokio::time::sleep(Duration::from_secs(1)).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let left: Vec<String> = loop {
+        let left: Vec<String> = pods
+            .list(&ListParams::default().labels(&selector))
+            .await
+            .map(|l| {
+                l.items
+                    .into_iter()
+                    .filter(|p| p.metadata.deletion_timestamp.is_none())
+                    .filter_map(|p| p.metadata.name)
+                    .collect()
+            })
+            .unwrap_or_else(|e| vec![format!("<cannot list pods: {e}>")]);
+        if left.is_empty() || std::time::Instant::now() > deadline {
+            break left;
         }
+        tokio::time::sleep(Duration::from_secs(1)).await;
     };
-    assert!(clean, "runner pods left in {ns}: {left:?}");
+    assert!(left.is_empty(), "runner pods left in {ns}: {left:?}");
 }
