@@ -463,3 +463,24 @@ async fn warm_pool_claims_are_exclusive_across_replicas() {
     assert!(sa.is_some_and(|s| s.success()) && sb.is_some_and(|s| s.success()));
     no_pods_left(&double, Duration::from_secs(5));
 }
+
+/// An API server that only speaks `v4.channel.k8s.io`: the backend falls back to it, with
+/// the same results (v4 has no stream-close frames; stdout, stderr and the status channel
+/// are the same).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn exec_falls_back_to_v4() {
+    let double = KubeDouble::start_with(kube_double::DoubleOptions {
+        exec_protocols: vec!["v4.channel.k8s.io".into()],
+        ..Default::default()
+    });
+    let gw = gateway(&double, &[]);
+    support::suite::stream_separation_and_order(&gw).await;
+    support::suite::exit_codes(&gw).await;
+    support::suite::killed_by_signal(&gw).await;
+    support::suite::missing_executable_and_bad_cwd(&gw).await;
+    support::suite::binary_round_trip(&gw, 4 * 1024 * 1024).await;
+    assert!(
+        double.requests().iter().any(|r| r.contains("/exec?")),
+        "exec went through the double"
+    );
+}
