@@ -39,6 +39,8 @@ pub enum BackendKind {
     Local,
     /// One ephemeral pod per request, through the Kubernetes exec API.
     Kube,
+    /// Another gateway's `/raw` (`remote.server`, `--server` or `RUN_REMOTE_SERVER`).
+    Remote,
 }
 
 /// The whole configuration file.
@@ -49,6 +51,8 @@ pub struct Config {
     pub limits: Limits,
     pub local: LocalConfig,
     pub kubernetes: KubernetesConfig,
+    pub mcp: McpConfig,
+    pub remote: RemoteConfig,
     /// Runner profiles of the Kubernetes backend; `default` is always there.
     pub profiles: BTreeMap<String, Profile>,
     /// The file this was loaded from, for error messages.
@@ -99,6 +103,34 @@ impl Default for Limits {
             max_timeout_secs: 3600,
         }
     }
+}
+
+/// The MCP server (`/mcp` and `mcp-run stdio`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct McpConfig {
+    /// Per stream, the most output kept in a tool result (head and tail).
+    pub max_output_bytes: usize,
+    /// `Host` headers `/mcp` accepts (DNS-rebinding protection for gateways on a
+    /// workstation); an empty list accepts any host, for a gateway behind a Service.
+    pub allowed_hosts: Vec<String>,
+}
+
+impl Default for McpConfig {
+    fn default() -> Self {
+        Self {
+            max_output_bytes: crate::result::DEFAULT_MAX_OUTPUT_BYTES,
+            allowed_hosts: vec!["localhost".into(), "127.0.0.1".into(), "::1".into()],
+        }
+    }
+}
+
+/// The remote backend.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RemoteConfig {
+    /// The gateway's `/raw` URL [default: `RUN_REMOTE_SERVER`].
+    pub server: Option<String>,
 }
 
 /// The local backend.
@@ -193,6 +225,12 @@ impl Config {
                 "profiles",
                 "must contain a `default` profile".into(),
             ));
+        }
+        if self.mcp.max_output_bytes < 1024 {
+            return Err(invalid("mcp.max_output_bytes", "must be at least 1024".into()));
+        }
+        if let Some(server) = &self.remote.server {
+            crate::exec::remote::parse_server_url(server).map_err(|m| invalid("remote.server", m))?;
         }
         for name in &self.local.inherit_env {
             if !crate::contract::is_valid_env_name(name) {

@@ -143,6 +143,25 @@ impl Executor for LocalExecutor {
     ) -> BoxFuture<'_, Result<Execution, ErrorBody>> {
         Box::pin(async move { self.spawn(&spec, cancel.child_token()) })
     }
+
+    fn capabilities(&self) -> BoxFuture<'_, crate::capabilities::BackendCapabilities> {
+        Box::pin(async move {
+            crate::capabilities::BackendCapabilities {
+                backend: "local".into(),
+                safety_level: "host-process".into(),
+                description: format!(
+                    "Commands run as processes of the gateway on host {} (no isolation: they see the host's files and network).",
+                    self.host
+                ),
+                host: Some(self.host.clone()),
+                profiles: vec![crate::capabilities::ProfileInfo {
+                    name: "default".into(),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }
+        })
+    }
 }
 
 /// Kills the whole process group of a command; it is gone already when this fails.

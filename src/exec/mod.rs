@@ -84,6 +84,17 @@ pub trait Executor: Send + Sync + 'static {
     fn shutdown(&self) -> BoxFuture<'_, ()> {
         Box::pin(async {})
     }
+
+    /// What the backend reports about itself in the capabilities document.
+    fn capabilities(&self) -> BoxFuture<'_, crate::capabilities::BackendCapabilities> {
+        Box::pin(async move {
+            crate::capabilities::BackendCapabilities {
+                backend: self.name().into(),
+                safety_level: "unknown".into(),
+                ..Default::default()
+            }
+        })
+    }
 }
 
 /// A running command, as seen by whoever consumes its events.

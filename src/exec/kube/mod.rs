@@ -606,6 +606,37 @@ impl Executor for KubeExecutor {
         })
     }
 
+    fn capabilities(&self) -> BoxFuture<'_, crate::capabilities::BackendCapabilities> {
+        Box::pin(async move {
+            let profiles = self
+                .profiles
+                .iter()
+                .map(|(name, p)| crate::capabilities::ProfileInfo {
+                    name: name.clone(),
+                    description: p.description.clone(),
+                    image: Some(p.image().to_string()),
+                    runtime_class: p.runtime_class_name.clone(),
+                    resources: p
+                        .resources
+                        .as_ref()
+                        .and_then(|r| serde_json::to_value(r).ok()),
+                    warm_pool: p.warm_pool.size,
+                })
+                .collect();
+            crate::capabilities::BackendCapabilities {
+                backend: "kubernetes".into(),
+                safety_level: "isolated-pod".into(),
+                description: format!(
+                    "Each command runs in its own new pod in Kubernetes namespace {} (deleted afterwards; no service account token, no privilege escalation, all capabilities dropped).",
+                    self.shared.namespace
+                ),
+                namespace: Some(self.shared.namespace.clone()),
+                profiles,
+                ..Default::default()
+            }
+        })
+    }
+
     /// Stops the reaper and the warm pools, deletes the idle pool pods, and waits for every
     /// pod deletion.
     fn shutdown(&self) -> BoxFuture<'_, ()> {
