@@ -227,10 +227,14 @@ impl Config {
             ));
         }
         if self.mcp.max_output_bytes < 1024 {
-            return Err(invalid("mcp.max_output_bytes", "must be at least 1024".into()));
+            return Err(invalid(
+                "mcp.max_output_bytes",
+                "must be at least 1024".into(),
+            ));
         }
         if let Some(server) = &self.remote.server {
-            crate::exec::remote::parse_server_url(server).map_err(|m| invalid("remote.server", m))?;
+            crate::exec::remote::parse_server_url(server)
+                .map_err(|m| invalid("remote.server", m))?;
         }
         for name in &self.local.inherit_env {
             if !crate::contract::is_valid_env_name(name) {

@@ -134,8 +134,11 @@ impl Capture {
                 bytes.push(b'\n');
             }
             bytes.extend_from_slice(
-                format!("[... mcp-run: {omitted} bytes left out of {} ...]\n", self.total)
-                    .as_bytes(),
+                format!(
+                    "[... mcp-run: {omitted} bytes left out of {} ...]\n",
+                    self.total
+                )
+                .as_bytes(),
             );
         }
         bytes.extend(self.tail.iter());
@@ -210,9 +213,8 @@ pub fn command_line(executable: &str, args: &[String]) -> String {
         .chain(args.iter().map(String::as_str))
         .map(|a| {
             let plain = !a.is_empty()
-                && a.bytes().all(|b| {
-                    b.is_ascii_alphanumeric() || b"-_./=:,+@%^".contains(&b)
-                });
+                && a.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-_./=:,+@%^".contains(&b));
             if plain {
                 a.to_string()
             } else {
@@ -261,13 +263,22 @@ impl StructuredResult {
             truncated: t1 || t2,
             timed_out: exit.timed_out,
         };
-        let success = run.error.is_none() && run.exit.is_some_and(|e| e.code == Some(0) && !e.timed_out);
-        let error = run.error.as_ref().map(|e| format!("{}: {}", e.code, e.message));
+        let success =
+            run.error.is_none() && run.exit.is_some_and(|e| e.code == Some(0) && !e.timed_out);
+        let error = run
+            .error
+            .as_ref()
+            .map(|e| format!("{}: {}", e.code, e.message));
         let how = match (&run.error, run.exit) {
             (Some(e), _) => format!("failed: {}", e.message),
             (None, Some(e)) if e.timed_out => format!("timed out after {} ms", e.duration_ms),
             (None, Some(ExitInfo { code: Some(c), .. })) => format!("exited {c}"),
-            (None, Some(ExitInfo { signal: Some(s), .. })) => format!("killed by signal {s}"),
+            (
+                None,
+                Some(ExitInfo {
+                    signal: Some(s), ..
+                }),
+            ) => format!("killed by signal {s}"),
             _ => "ended without an exit status".into(),
         };
         let summary = format!(
@@ -309,7 +320,10 @@ impl StructuredResult {
     /// Markdown for agents and people: where it ran, status, duration, output, errors.
     pub fn to_markdown(&self) -> String {
         let mut md = format!("## Execution: `{}`\n\n", self.context.tool);
-        md.push_str(&format!("**Where:** {}\n", where_line(&self.context).trim_start_matches("on ")));
+        md.push_str(&format!(
+            "**Where:** {}\n",
+            where_line(&self.context).trim_start_matches("on ")
+        ));
         let status = if self.success {
             "✓ Success".to_string()
         } else if let Some(e) = &self.error {
@@ -404,7 +418,10 @@ mod tests {
         assert_eq!(c.omitted(), 13);
         let (text, truncated) = c.text();
         assert!(truncated);
-        assert_eq!(text, "01234\n[... mcp-run: 13 bytes left out of 23 ...]\nhiXYZ");
+        assert_eq!(
+            text,
+            "01234\n[... mcp-run: 13 bytes left out of 23 ...]\nijXYZ"
+        );
         let mut small = Capture::new(10);
         small.push(b"abc");
         assert_eq!(small.text(), ("abc".to_string(), false));
@@ -413,11 +430,17 @@ mod tests {
     #[test]
     fn command_lines_are_quoted_for_reading() {
         let args = vec!["-c".to_string(), "echo 'hi' $HOME".into(), "".into()];
-        assert_eq!(command_line("sh", &args), r#"sh -c 'echo '\''hi'\'' $HOME' ''"#);
+        assert_eq!(
+            command_line("sh", &args),
+            r#"sh -c 'echo '\''hi'\'' $HOME' ''"#
+        );
     }
 
     fn req() -> RunRequest {
-        serde_json::from_value(serde_json::json!({"executable": "sh", "args": ["-c", "make"], "cwd": "/src"})).unwrap()
+        serde_json::from_value(
+            serde_json::json!({"executable": "sh", "args": ["-c", "make"], "cwd": "/src"}),
+        )
+        .unwrap()
     }
 
     fn run(code: Option<i32>, signal: Option<i32>, stdout: &str, stderr: &str) -> Collected {
@@ -436,7 +459,12 @@ mod tests {
             },
             stdout: o,
             stderr: e,
-            exit: Some(ExitInfo { code, signal, duration_ms: 42, timed_out: false }),
+            exit: Some(ExitInfo {
+                code,
+                signal,
+                duration_ms: 42,
+                timed_out: false,
+            }),
             error: None,
             started_at: "2026-11-23T10:00:00Z".into(),
             duration: Duration::from_millis(50),
@@ -445,7 +473,11 @@ mod tests {
 
     #[test]
     fn markdown_of_a_failure() {
-        let r = StructuredResult::from_run("run_network_tool", &req(), &run(Some(2), None, "building\n", "error: boom\n"));
+        let r = StructuredResult::from_run(
+            "run_network_tool",
+            &req(),
+            &run(Some(2), None, "building\n", "error: boom\n"),
+        );
         assert!(!r.success);
         assert_eq!(
             r.to_markdown(),
@@ -458,12 +490,16 @@ mod tests {
              **Errors:**\n```\nerror: boom\n```\n\n\
              **Exit Code:** 2\n\n"
         );
-        assert_eq!(r.summary, "`sh -c make` exited 2 in 42 ms on pod `mcp-run-abc` on node `node-1` (namespace `ci`, image `rust:1`)");
+        assert_eq!(
+            r.summary,
+            "`sh -c make` exited 2 in 42 ms on pod `mcp-run-abc` on node `node-1` (namespace `ci`, image `rust:1`)"
+        );
     }
 
     #[test]
     fn json_of_a_success_and_of_a_refusal() {
-        let r = StructuredResult::from_run("run_network_tool", &req(), &run(Some(0), None, "ok\n", ""));
+        let r =
+            StructuredResult::from_run("run_network_tool", &req(), &run(Some(0), None, "ok\n", ""));
         let v: serde_json::Value = serde_json::from_str(&r.to_json()).unwrap();
         assert_eq!(
             v,
@@ -477,17 +513,39 @@ mod tests {
                 "summary": "`sh -c make` exited 0 in 42 ms on pod `mcp-run-abc` on node `node-1` (namespace `ci`, image `rust:1`)"
             })
         );
-        let refused = StructuredResult::not_started("run_network_tool", &req(), &ErrorBody::new(ErrorCode::UnknownProfile, "no profile gpu"));
+        let refused = StructuredResult::not_started(
+            "run_network_tool",
+            &req(),
+            &ErrorBody::new(ErrorCode::UnknownProfile, "no profile gpu"),
+        );
         assert!(!refused.success && refused.outputs.is_empty());
-        assert_eq!(refused.error.as_deref(), Some("unknown_profile: no profile gpu"));
-        assert!(refused.to_markdown().contains("**Status:** ✗ Failed: unknown_profile: no profile gpu"));
+        assert_eq!(
+            refused.error.as_deref(),
+            Some("unknown_profile: no profile gpu")
+        );
+        assert!(
+            refused
+                .to_markdown()
+                .contains("**Status:** ✗ Failed: unknown_profile: no profile gpu")
+        );
     }
 
     #[test]
     fn fences_outgrow_backticks_in_output() {
-        let r = StructuredResult::from_run("t", &req(), &run(Some(0), None, "```rust\nfn x() {}\n```\n", ""));
-        assert!(r.to_markdown().contains("**Output:**\n````\n```rust"), "{}", r.to_markdown());
+        let r = StructuredResult::from_run(
+            "t",
+            &req(),
+            &run(Some(0), None, "```rust\nfn x() {}\n```\n", ""),
+        );
+        assert!(
+            r.to_markdown().contains("**Output:**\n````\n```rust"),
+            "{}",
+            r.to_markdown()
+        );
         let killed = StructuredResult::from_run("t", &req(), &run(None, Some(9), "", ""));
-        assert!(killed.to_markdown().contains("✗ Killed by signal 9") && killed.to_markdown().contains("**Signal:** 9"));
+        assert!(
+            killed.to_markdown().contains("✗ Killed by signal 9")
+                && killed.to_markdown().contains("**Signal:** 9")
+        );
     }
 }

@@ -9,13 +9,13 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 
+use crate::capabilities::Capabilities;
 use crate::config::{BackendKind, Config};
 use crate::exec::Executor;
-use crate::capabilities::Capabilities;
 use crate::exec::kube::KubeExecutor;
+use crate::exec::local::LocalExecutor;
 use crate::exec::remote::RemoteExecutor;
 use crate::mcp::McpService;
-use crate::exec::local::LocalExecutor;
 use crate::runner::Runner;
 use crate::server::{self, AppState, McpSettings};
 
@@ -183,7 +183,9 @@ pub async fn build_executor(config: &Config) -> anyhow::Result<Arc<dyn Executor>
             let url = config.remote.server.as_deref().context(
                 "--backend remote needs the gateway's /raw URL: --server URL, remote.server or RUN_REMOTE_SERVER",
             )?;
-            let token = std::env::var("RUN_REMOTE_TOKEN").ok().filter(|t| !t.is_empty());
+            let token = std::env::var("RUN_REMOTE_TOKEN")
+                .ok()
+                .filter(|t| !t.is_empty());
             Arc::new(RemoteExecutor::new(url, token).map_err(anyhow::Error::msg)?)
         }
         BackendKind::Kube => {

@@ -267,7 +267,11 @@ impl Executor for RemoteExecutor {
         Box::pin(async move {
             let gateway = self.url.to_string();
             let mut url = self.url.clone();
-            let base = url.path().trim_end_matches('/').trim_end_matches("/raw").to_string();
+            let base = url
+                .path()
+                .trim_end_matches('/')
+                .trim_end_matches("/raw")
+                .to_string();
             url.set_path(&format!("{base}/capabilities"));
             let mut req = self.client.get(url).timeout(Duration::from_secs(10));
             if let Some(token) = &self.token {

@@ -37,7 +37,11 @@ pub struct McpService {
 }
 
 impl McpService {
-    pub fn new(runner: Arc<Runner>, capabilities: Arc<Capabilities>, max_output_bytes: usize) -> Self {
+    pub fn new(
+        runner: Arc<Runner>,
+        capabilities: Arc<Capabilities>,
+        max_output_bytes: usize,
+    ) -> Self {
         Self {
             runner,
             capabilities,
@@ -49,7 +53,12 @@ impl McpService {
     /// StructuredResult schema as output schema, annotations saying what it does.
     pub fn tool(&self) -> Tool {
         let caps = &self.capabilities;
-        let profiles: Vec<String> = caps.backend.profiles.iter().map(|p| p.name.clone()).collect();
+        let profiles: Vec<String> = caps
+            .backend
+            .profiles
+            .iter()
+            .map(|p| p.name.clone())
+            .collect();
         let input = json!({
             "type": "object",
             "additionalProperties": false,
@@ -72,7 +81,8 @@ impl McpService {
                 }
             }
         });
-        let output = serde_json::to_value(schemars::schema_for!(StructuredResult)).unwrap_or_default();
+        let output =
+            serde_json::to_value(schemars::schema_for!(StructuredResult)).unwrap_or_default();
         let description = format!(
             "Run a command and get its stdout, stderr and exit code. {} Limits: timeout up to {} s (default {} s); no stdin, no TTY; each stream is capped at {} KiB in the result (head and tail kept).",
             caps.where_line(),
@@ -202,13 +212,19 @@ fn finish(r: StructuredResult) -> CallToolResult {
 
 /// A call that never reached a command (bad arguments, cancelled).
 fn error_result(e: &ErrorBody) -> CallToolResult {
-    CallToolResult::error(vec![ContentBlock::text(format!("{}: {}", e.code, e.message))])
+    CallToolResult::error(vec![ContentBlock::text(format!(
+        "{}: {}",
+        e.code, e.message
+    ))])
 }
 
 impl ServerHandler for McpService {
     fn get_info(&self) -> ServerConfig {
         let mut experimental = std::collections::BTreeMap::new();
-        experimental.insert(EXPERIMENTAL_KEY.to_string(), as_object(self.capabilities_json()));
+        experimental.insert(
+            EXPERIMENTAL_KEY.to_string(),
+            as_object(self.capabilities_json()),
+        );
         let mut caps = ServerCapabilities::builder()
             .enable_tools()
             .enable_resources()
@@ -228,9 +244,7 @@ impl ServerHandler for McpService {
         _request: Option<PaginatedRequestParams>,
         _context: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, McpError> {
-        let mut r = ListToolsResult::default();
-        r.tools = vec![self.tool()];
-        Ok(r)
+        Ok(ListToolsResult::with_all_items(vec![self.tool()]))
     }
 
     fn get_tool(&self, name: &str) -> Option<Tool> {
@@ -256,14 +270,12 @@ impl ServerHandler for McpService {
         _request: Option<PaginatedRequestParams>,
         _context: RequestContext<RoleServer>,
     ) -> Result<ListResourcesResult, McpError> {
-        let mut r = ListResourcesResult::default();
-        r.resources = vec![
+        Ok(ListResourcesResult::with_all_items(vec![
             Resource::new(RESOURCE_URI, "capabilities")
                 .with_title("mcp-run runtime capabilities")
                 .with_description("Where commands run (backend, namespace, profiles, images), the limits, the policy and the templates on offer.")
                 .with_mime_type("application/json"),
-        ];
-        Ok(r)
+        ]))
     }
 
     async fn read_resource(
