@@ -144,6 +144,17 @@ impl Executor for LocalExecutor {
         Box::pin(async move { self.spawn(&spec, cancel.child_token()) })
     }
 
+    /// The local backend has one profile, `default`.
+    fn check(&self, spec: &ExecSpec) -> Result<(), ErrorBody> {
+        match spec.profile.as_deref() {
+            None | Some("default") => Ok(()),
+            Some(other) => Err(ErrorBody::new(
+                ErrorCode::UnknownProfile,
+                format!("unknown profile {other:?}; the local backend has only `default`"),
+            )),
+        }
+    }
+
     fn capabilities(&self) -> BoxFuture<'_, crate::capabilities::BackendCapabilities> {
         Box::pin(async move {
             crate::capabilities::BackendCapabilities {
