@@ -484,3 +484,78 @@ async fn exec_falls_back_to_v4() {
         "exec went through the double"
     );
 }
+
+/// MCP on the Kubernetes backend: the capabilities say isolated pods, namespace and
+/// profiles; a tool call reports the pod and node it ran on.
+#[tokio::test(flavor = "multi_thread")]
+async fn mcp_on_kubernetes() {
+    use rmcp::ServiceExt as _;
+    let double = KubeDouble::start();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config_file(
+        &dir,
+        "profiles:\n  default:\n    image: busybox:1.36\n  build:\n    description: Rust builds\n    image: rust:1-slim\n    runtime_class_name: gvisor\n    warm_pool: {size: 1}\n",
+    );
+    let gw = gateway(&double, &["--config", cfg.to_str().unwrap()]);
+    let caps: serde_json::Value = http()
+        .get(gw.url("/capabilities"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(caps["backend"], "kubernetes");
+    assert_eq!(caps["safety_level"], "isolated-pod");
+    assert_eq!(caps["namespace"], NS);
+    assert_eq!(caps["profiles"][0]["name"], "build");
+    assert_eq!(caps["profiles"][0]["image"], "rust:1-slim");
+    assert_eq!(caps["profiles"][0]["runtime_class"], "gvisor");
+    assert_eq!(caps["profiles"][0]["warm_pool"], 1);
+    assert_eq!(caps["profiles"][1]["name"], "default");
+
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let client = ()
+        .serve(rmcp::transport::StreamableHttpClientTransport::from_uri(
+            gw.url("/mcp"),
+        ))
+        .await
+        .unwrap();
+    let tools = client.list_tools(None).await.unwrap().tools;
+    assert_eq!(
+        tools[0].input_schema["properties"]["profile"]["enum"],
+        json!(["build", "default"])
+    );
+    assert!(
+        tools[0]
+            .description
+            .as_deref()
+            .unwrap_or("")
+            .contains("namespace default"),
+        "{:?}",
+        tools[0].description
+    );
+    let r = client
+        .call_tool(
+            rmcp::model::CallToolRequestParams::new("run_network_tool").with_arguments(
+                json!({"executable": "sh", "args": ["-c", "echo in-pod"]})
+                    .as_object()
+                    .cloned()
+                    .unwrap(),
+            ),
+        )
+        .await
+        .unwrap();
+    let s = r.structured_content.unwrap();
+    assert_eq!(s["outputs"][0]["stdout"], "in-pod\n");
+    assert_eq!(s["context"]["backend"], "kubernetes");
+    assert!(
+        s["context"]["pod"]
+            .as_str()
+            .unwrap()
+            .starts_with("mcp-run-")
+    );
+    assert_eq!(s["context"]["node"], "double-node-1");
+    assert_eq!(s["context"]["namespace"], NS);
+    client.cancel().await.unwrap();
+}
