@@ -559,3 +559,58 @@ async fn mcp_on_kubernetes() {
     assert_eq!(s["context"]["namespace"], NS);
     client.cancel().await.unwrap();
 }
+
+/// A client that gives up while its pod is still starting: the pod goes anyway.
+#[tokio::test(flavor = "multi_thread")]
+async fn client_gone_during_pod_start_deletes_the_pod() {
+    let double = KubeDouble::start();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config_file(
+        &dir,
+        "profiles:\n  default:\n    image: busybox:1.36\n  slow:\n    image: registry.example/never-starts:1\n",
+    );
+    let gw = gateway(&double, &["--config", cfg.to_str().unwrap()]);
+    let req = http()
+        .post(gw.raw_url())
+        .json(&json!({"executable": "true", "profile": "slow"}))
+        .send();
+    assert!(
+        tokio::time::timeout(Duration::from_secs(1), req)
+            .await
+            .is_err(),
+        "still starting"
+    );
+    assert!(
+        double.created_pods().len() == 1,
+        "a pod was created: {:?}",
+        double.pod_names(NS)
+    );
+    no_pods_left(&double, Duration::from_secs(5));
+}
+
+/// A gateway killed with SIGKILL leaves its pod; the same gateway restarted deletes it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_restarted_gateway_deletes_what_its_crashed_run_left() {
+    let double = KubeDouble::start();
+    let gw = gateway(&double, &[]);
+    let url = gw.raw_url();
+    let running = tokio::spawn(async move {
+        let _ = http()
+            .post(url)
+            .json(&json!({"executable": "sleep", "args": ["300"]}))
+            .send()
+            .await;
+    });
+    assert!(
+        wait_until(Duration::from_secs(10), || double.pod_names(NS).len() == 1),
+        "pod for the long command"
+    );
+    let pid = gw.pid().unwrap() as i32;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL).unwrap();
+    drop(gw);
+    running.abort();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(double.pod_names(NS).len(), 1, "the crash left the pod");
+    let _restarted = gateway(&double, &[]);
+    no_pods_left(&double, Duration::from_secs(10));
+}
