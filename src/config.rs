@@ -43,6 +43,8 @@ pub struct Config {
     pub server: ServerConfig,
     pub limits: Limits,
     pub local: LocalConfig,
+    /// The execution policy (docs/policy.md).
+    pub policy: crate::policy::PolicyConfig,
     /// The file this was loaded from, for error messages.
     #[serde(skip)]
     pub source: Option<PathBuf>,
@@ -179,6 +181,9 @@ impl Config {
                 ));
             }
         }
+        self.policy
+            .validate(&self.limits)
+            .map_err(|e| invalid(&e.field, e.message))?;
         Ok(())
     }
 

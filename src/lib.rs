@@ -10,5 +10,6 @@ pub mod config;
 pub mod contract;
 pub mod exec;
 pub mod metrics;
+pub mod policy;
 pub mod runner;
 pub mod server;

@@ -101,7 +101,9 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
 /// Runs the gateway until SIGTERM or SIGINT.
 pub async fn serve(config: Config) -> anyhow::Result<()> {
     let executor = build_executor(&config)?;
-    let runner = Arc::new(Runner::new(executor, config.limits.clone()));
+    let runner = Arc::new(Runner::new(executor, config.limits.clone()).with_policy(
+        crate::policy::Policy::new(config.policy.clone(), config.limits.clone()),
+    ));
     let state = AppState {
         runner: runner.clone(),
         keepalive: config.keepalive(),
