@@ -1,5 +1,6 @@
-//! The gateway's HTTP surface: `POST /raw` (NDJSON streaming), `GET /healthz`, `GET /readyz`,
-//! `GET /metrics` (Prometheus; unauthenticated, like the probes).
+//! The gateway's HTTP surface: `POST /raw` (NDJSON streaming), MCP over streamable HTTP at
+//! `/mcp`, `GET /capabilities`, `GET /healthz`, `GET /readyz`, `GET /metrics` (Prometheus;
+//! unauthenticated, like the probes).
 //! Every error is a JSON body `{"error":{"code","message"}}` with a matching status.
 
 use std::convert::Infallible;
@@ -26,6 +27,18 @@ use crate::runner::Runner;
 pub struct AppState {
     pub runner: Arc<Runner>,
     pub keepalive: Duration,
+    pub capabilities: Arc<crate::capabilities::Capabilities>,
+    pub mcp: McpSettings,
+}
+
+/// How `/mcp` is served.
+#[derive(Clone)]
+pub struct McpSettings {
+    pub max_output_bytes: usize,
+    /// Accepted `Host` headers (DNS-rebinding protection); empty accepts any.
+    pub allowed_hosts: Vec<String>,
+    /// Ends every MCP session (at shutdown, once running commands were drained).
+    pub stop: tokio_util::sync::CancellationToken,
 }
 
 impl IntoResponse for ErrorBody {
@@ -47,8 +60,32 @@ impl IntoResponse for ErrorBody {
 
 /// The router with every endpoint; `max_body_bytes` bounds request bodies.
 pub fn router(state: AppState, max_body_bytes: usize) -> Router {
+    let mcp = {
+        use rmcp::transport::streamable_http_server::{
+            StreamableHttpServerConfig, StreamableHttpService, session::local::LocalSessionManager,
+        };
+        let service = crate::mcp::McpService::new(
+            state.runner.clone(),
+            state.capabilities.clone(),
+            state.mcp.max_output_bytes,
+        );
+        let mut config = StreamableHttpServerConfig::default()
+            .with_allowed_hosts(state.mcp.allowed_hosts.clone());
+        if state.mcp.allowed_hosts.is_empty() {
+            config = config.disable_allowed_hosts();
+        }
+        config.cancellation_token = state.mcp.stop.clone();
+        config.max_request_body_bytes = max_body_bytes;
+        StreamableHttpService::new(
+            move || Ok(service.clone()),
+            Arc::new(LocalSessionManager::default()),
+            config,
+        )
+    };
     Router::new()
         .route("/raw", post(raw))
+        .route("/capabilities", get(capabilities))
+        .nest_service("/mcp", mcp)
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
@@ -71,6 +108,7 @@ pub async fn serve(
     runner: Arc<Runner>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     grace: Duration,
+    drained: tokio_util::sync::CancellationToken,
 ) -> std::io::Result<()> {
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let server = axum::serve(listener, router).with_graceful_shutdown(async move {
@@ -82,11 +120,17 @@ pub async fn serve(
             tracing::info!(running = runner.in_flight(), "shutting down");
             runner.shutdown(grace).await;
         }
+        // Long-lived connections (MCP sessions) end now, so that the server can stop.
+        drained.cancel();
     };
     // The server future ends when every connection has closed, which is after the runner
     // ended the streams; both must finish.
     let (served, ()) = tokio::join!(server.into_future(), drain);
     served
+}
+
+async fn capabilities(State(state): State<AppState>) -> Response {
+    axum::Json(state.capabilities.as_ref().clone()).into_response()
 }
 
 async fn healthz() -> impl IntoResponse {

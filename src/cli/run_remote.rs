@@ -39,6 +39,16 @@ pub struct Args {
     /// The gateway's /raw URL; overrides RUN_REMOTE_SERVER.
     #[arg(long, value_name = "URL")]
     pub server: Option<String>,
+    /// Run the command in this directory (on the runner) instead of the current one.
+    #[arg(long, value_name = "DIR", conflicts_with = "no_cwd")]
+    pub cwd: Option<String>,
+    /// Send no directory: the command runs where the runner starts commands (a pod's
+    /// working directory).
+    #[arg(long)]
+    pub no_cwd: bool,
+    /// The gateway's runner profile (a pod template on the Kubernetes backend).
+    #[arg(long, value_name = "NAME")]
+    pub profile: Option<String>,
     /// The command and its arguments, after `--`.
     #[arg(last = true, required = true, value_name = "COMMAND")]
     pub command: Vec<String>,
@@ -124,28 +134,35 @@ pub fn build_request(
             ),
         ));
     }
-    let cwd = cwd.map_err(|e| {
-        fail(
-            code::CONFIG,
-            format!("cannot read the current directory: {e}"),
-        )
-    })?;
-    let cwd = cwd
-        .to_str()
-        .ok_or_else(|| {
+    let cwd = if args.no_cwd {
+        None
+    } else if let Some(dir) = &args.cwd {
+        Some(dir.clone())
+    } else {
+        let cwd = cwd.map_err(|e| {
             fail(
                 code::CONFIG,
-                format!("the current directory {cwd:?} is not valid UTF-8"),
+                format!("cannot read the current directory: {e}"),
             )
-        })?
-        .to_owned();
+        })?;
+        Some(
+            cwd.to_str()
+                .ok_or_else(|| {
+                    fail(
+                        code::CONFIG,
+                        format!("the current directory {cwd:?} is not valid UTF-8"),
+                    )
+                })?
+                .to_owned(),
+        )
+    };
     let request = RunRequest {
         executable: executable.clone(),
         args: rest.to_vec(),
-        cwd: Some(cwd),
+        cwd,
         env: env_out,
         timeout_secs: args.timeout,
-        profile: None,
+        profile: args.profile.clone(),
     };
     Ok((server, request))
 }
@@ -297,6 +314,21 @@ mod tests {
             build_request(&a, bad, Ok("/".into())).unwrap_err().code,
             code::CONFIG
         );
+    }
+
+    #[test]
+    fn cwd_and_profile_flags() {
+        let env = |k: &str| (k == "RUN_REMOTE_SERVER").then(|| "http://h:1/raw".to_string());
+        let a = args(&["--cwd", "/workspace", "--profile", "build", "--", "ls"]).unwrap();
+        let (_, r) = build_request(&a, env, Ok("/home/me".into())).unwrap();
+        assert_eq!(
+            (r.cwd.as_deref(), r.profile.as_deref()),
+            (Some("/workspace"), Some("build"))
+        );
+        let a = args(&["--no-cwd", "--", "ls"]).unwrap();
+        let (_, r) = build_request(&a, env, Err(std::io::Error::other("gone"))).unwrap();
+        assert_eq!(r.cwd, None, "no directory read or sent");
+        assert!(args(&["--no-cwd", "--cwd", "/x", "--", "ls"]).is_err());
     }
 
     #[test]

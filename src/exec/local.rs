@@ -15,12 +15,11 @@ use bytes::BytesMut;
 use futures_util::future::BoxFuture;
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
-use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::process::{Child, Command};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::{EVENT_BUFFER, ExecSpec, Execution, Executor, READ_CHUNK};
+use super::{EVENT_BUFFER, ExecSpec, Execution, Executor, forward, read_opt};
 use crate::contract::{ErrorBody, ErrorCode, Event, ExitInfo, RunContext};
 
 /// Variables of the gateway's own environment that commands inherit by default. Nothing
@@ -144,6 +143,25 @@ impl Executor for LocalExecutor {
     ) -> BoxFuture<'_, Result<Execution, ErrorBody>> {
         Box::pin(async move { self.spawn(&spec, cancel.child_token()) })
     }
+
+    fn capabilities(&self) -> BoxFuture<'_, crate::capabilities::BackendCapabilities> {
+        Box::pin(async move {
+            crate::capabilities::BackendCapabilities {
+                backend: "local".into(),
+                safety_level: "host-process".into(),
+                description: format!(
+                    "Commands run as processes of the gateway on host {} (no isolation: they see the host's files and network).",
+                    self.host
+                ),
+                host: Some(self.host.clone()),
+                profiles: vec![crate::capabilities::ProfileInfo {
+                    name: "default".into(),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }
+        })
+    }
 }
 
 /// Kills the whole process group of a command; it is gone already when this fails.
@@ -217,38 +235,6 @@ async fn supervise(mut child: Child, tx: mpsc::Sender<Event>, cancel: Cancellati
         }
     };
     let _ = tx.send(Event::Exit(info)).await;
-}
-
-/// Reads one chunk from a pipe, or waits forever when the pipe is closed already.
-async fn read_opt<R: AsyncRead + Unpin>(
-    pipe: &mut Option<R>,
-    buf: &mut BytesMut,
-) -> std::io::Result<usize> {
-    match pipe {
-        Some(p) => {
-            buf.reserve(READ_CHUNK);
-            p.read_buf(buf).await
-        }
-        None => std::future::pending().await,
-    }
-}
-
-/// Sends what was read; closes the pipe at EOF or on error. Returns false when the
-/// consumer is gone.
-async fn forward<R>(
-    n: std::io::Result<usize>,
-    pipe: &mut Option<R>,
-    buf: &mut BytesMut,
-    tx: &mpsc::Sender<Event>,
-    make: impl FnOnce(bytes::Bytes) -> Event,
-) -> bool {
-    match n {
-        Ok(0) | Err(_) => {
-            *pipe = None;
-            true
-        }
-        Ok(_) => tx.send(make(buf.split().freeze())).await.is_ok(),
-    }
 }
 
 #[cfg(test)]

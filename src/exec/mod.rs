@@ -13,6 +13,7 @@
 //!   the `exit` event if the receiver is there;
 //! - when the receiver is gone, kill the command and clean up.
 
+pub mod kube;
 pub mod local;
 pub mod remote;
 
@@ -20,7 +21,9 @@ use std::collections::BTreeMap;
 use std::pin::Pin;
 use std::time::{Duration, Instant};
 
+use bytes::BytesMut;
 use futures_util::future::BoxFuture;
+use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::sync::mpsc;
 use tokio::time::Sleep;
 use tokio_util::sync::{CancellationToken, DropGuard};
@@ -80,6 +83,17 @@ pub trait Executor: Send + Sync + 'static {
     /// Called once at shutdown after every execution was cancelled: release what is left.
     fn shutdown(&self) -> BoxFuture<'_, ()> {
         Box::pin(async {})
+    }
+
+    /// What the backend reports about itself in the capabilities document.
+    fn capabilities(&self) -> BoxFuture<'_, crate::capabilities::BackendCapabilities> {
+        Box::pin(async move {
+            crate::capabilities::BackendCapabilities {
+                backend: self.name().into(),
+                safety_level: "unknown".into(),
+                ..Default::default()
+            }
+        })
     }
 }
 
@@ -229,6 +243,38 @@ async fn sleep_opt(timer: &mut Option<Pin<Box<Sleep>>>) {
     match timer {
         Some(t) => t.await,
         None => std::future::pending().await,
+    }
+}
+
+/// Reads one chunk from a pipe, or waits forever when the pipe is closed already.
+pub(crate) async fn read_opt<R: AsyncRead + Unpin>(
+    pipe: &mut Option<R>,
+    buf: &mut BytesMut,
+) -> std::io::Result<usize> {
+    match pipe {
+        Some(p) => {
+            buf.reserve(READ_CHUNK);
+            p.read_buf(buf).await
+        }
+        None => std::future::pending().await,
+    }
+}
+
+/// Sends what was read; closes the pipe at EOF or on error. Returns false when the
+/// consumer is gone.
+pub(crate) async fn forward<R>(
+    n: std::io::Result<usize>,
+    pipe: &mut Option<R>,
+    buf: &mut BytesMut,
+    tx: &mpsc::Sender<Event>,
+    make: impl FnOnce(bytes::Bytes) -> Event,
+) -> bool {
+    match n {
+        Ok(0) | Err(_) => {
+            *pipe = None;
+            true
+        }
+        Ok(_) => tx.send(make(buf.split().freeze())).await.is_ok(),
     }
 }
 

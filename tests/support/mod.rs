@@ -90,11 +90,12 @@ impl Gateway {
                 panic!("gateway did not start; log:\n{}", log.lock().unwrap());
             }
         };
+        let kube = args.windows(2).any(|w| w == ["--backend", "kube"]);
         Gateway {
             child: Some(child),
             base: format!("http://{addr}"),
             log,
-            backend: "local".into(),
+            backend: if kube { "kubernetes" } else { "local" }.into(),
         }
     }
 

@@ -1,0 +1,295 @@
+//! The MCP server: tool `run_network_tool` and resource `mcp-run://capabilities`, over
+//! streamable HTTP at `/mcp` (nested in the gateway's router) and over stdio
+//! (`mcp-run stdio`). Every call goes through [`Runner::start`], the same entry point as
+//! `/raw`, so limits, timeouts and backends behave the same.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rmcp::ErrorData as McpError;
+use rmcp::model::{
+    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, ListResourcesResult,
+    ListToolsResult, PaginatedRequestParams, ProgressNotificationParam, ReadResourceRequestParams,
+    ReadResourceResponse, ReadResourceResult, Resource, ResourceContents, ServerCapabilities,
+    ServerConfig, Tool, ToolAnnotations,
+};
+use rmcp::service::RequestContext;
+use rmcp::{RoleServer, ServerHandler};
+use serde_json::{Value, json};
+
+use crate::capabilities::{Capabilities, EXPERIMENTAL_KEY, RESOURCE_URI};
+use crate::contract::{ErrorBody, ErrorCode, RunRequest};
+use crate::result::{Stream, StructuredResult, collect};
+use crate::runner::Runner;
+
+/// The one built-in tool.
+pub const TOOL: &str = "run_network_tool";
+
+/// How often progress notifications are sent at most.
+const PROGRESS_EVERY: Duration = Duration::from_secs(1);
+
+/// What an MCP session needs; cheap to clone (one per session).
+#[derive(Clone)]
+pub struct McpService {
+    runner: Arc<Runner>,
+    capabilities: Arc<Capabilities>,
+    max_output_bytes: usize,
+}
+
+impl McpService {
+    pub fn new(
+        runner: Arc<Runner>,
+        capabilities: Arc<Capabilities>,
+        max_output_bytes: usize,
+    ) -> Self {
+        Self {
+            runner,
+            capabilities,
+            max_output_bytes,
+        }
+    }
+
+    /// The tool's definition: input schema with the profiles as an enum, the
+    /// StructuredResult schema as output schema, annotations saying what it does.
+    pub fn tool(&self) -> Tool {
+        let caps = &self.capabilities;
+        let profiles: Vec<String> = caps
+            .backend
+            .profiles
+            .iter()
+            .map(|p| p.name.clone())
+            .collect();
+        let input = json!({
+            "type": "object",
+            "additionalProperties": false,
+            "required": ["executable"],
+            "properties": {
+                "executable": {
+                    "type": "string", "minLength": 1,
+                    "description": "The program to run, looked up in the runner's PATH (or an absolute path). Not a shell command line: pass arguments in `args`, and use executable `sh` with args [\"-c\", \"...\"] when you need a shell."
+                },
+                "args": {"type": "array", "items": {"type": "string"}, "description": "Arguments, passed unchanged as argv."},
+                "cwd": {"type": "string", "description": "Working directory on the runner."},
+                "env": {"type": "object", "additionalProperties": {"type": "string"}, "description": "Environment variables for the command (names: letters, digits, underscore)."},
+                "timeout_secs": {
+                    "type": "integer", "minimum": 1, "maximum": caps.limits.max_timeout_secs,
+                    "description": format!("Kill the command after this many seconds (default {}).", caps.limits.default_timeout_secs)
+                },
+                "profile": {
+                    "type": "string", "enum": profiles,
+                    "description": "The runner profile (image, resources) to run in; default `default`."
+                }
+            }
+        });
+        let output =
+            serde_json::to_value(schemars::schema_for!(StructuredResult)).unwrap_or_default();
+        let description = format!(
+            "Run a command and get its stdout, stderr and exit code. {} Limits: timeout up to {} s (default {} s); no stdin, no TTY; each stream is capped at {} KiB in the result (head and tail kept).",
+            caps.where_line(),
+            caps.limits.max_timeout_secs,
+            caps.limits.default_timeout_secs,
+            self.max_output_bytes / 1024,
+        );
+        let mut tool = Tool::new(TOOL, description, as_object(input));
+        tool.output_schema = Some(Arc::new(as_object(output)));
+        tool.annotations = Some(
+            ToolAnnotations::with_title("Run a command on mcp-run")
+                .read_only(false)
+                .destructive(true)
+                .idempotent(false)
+                .open_world(true),
+        );
+        tool
+    }
+
+    async fn run(
+        &self,
+        arguments: Option<serde_json::Map<String, Value>>,
+        context: RequestContext<RoleServer>,
+    ) -> CallToolResult {
+        let args = Value::Object(arguments.unwrap_or_default());
+        let req: RunRequest = match serde_json::from_value(args) {
+            Ok(r) => r,
+            Err(e) => {
+                return error_result(&ErrorBody::new(
+                    ErrorCode::InvalidRequest,
+                    format!("invalid arguments: {e}"),
+                ));
+            }
+        };
+        let started = tokio::select! {
+            s = self.runner.start(req.clone()) => s,
+            _ = context.ct.cancelled() => Err(ErrorBody::new(ErrorCode::InvalidRequest, "cancelled by the client")),
+        };
+        let execution = match started {
+            Ok(e) => e,
+            Err(e) => {
+                let r = StructuredResult::not_started(TOOL, &req, &e);
+                return finish(r);
+            }
+        };
+        // Progress: the latest output line, at most once a second, when asked for.
+        let latest = Arc::new(Mutex::new(String::new()));
+        let progress = context.meta.get_progress_token().map(|token| {
+            let peer = context.peer.clone();
+            let latest = latest.clone();
+            let begun = Instant::now();
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(PROGRESS_EVERY);
+                tick.tick().await;
+                loop {
+                    tick.tick().await;
+                    let line = latest.lock().map(|l| l.clone()).unwrap_or_default();
+                    let elapsed = begun.elapsed().as_secs_f64();
+                    let mut p = ProgressNotificationParam::new(token.clone(), elapsed.floor());
+                    p = p.with_message(if line.is_empty() {
+                        format!("running for {elapsed:.0} s")
+                    } else {
+                        format!("running for {elapsed:.0} s: {line}")
+                    });
+                    if peer.notify_progress(p).await.is_err() {
+                        return;
+                    }
+                }
+            })
+        });
+        let on_output = |_: Stream, data: &[u8]| {
+            if let Some(line) = last_line(data)
+                && let Ok(mut l) = latest.lock()
+            {
+                *l = line;
+            }
+        };
+        let cap = self.max_output_bytes;
+        let collected = tokio::select! {
+            c = collect(execution, cap, on_output) => Some(c),
+            // Dropping the execution kills the command (and deletes its pod).
+            _ = context.ct.cancelled() => None,
+        };
+        if let Some(p) = progress {
+            p.abort();
+        }
+        match collected {
+            Some(c) => finish(StructuredResult::from_run(TOOL, &req, &c)),
+            None => error_result(&ErrorBody::new(
+                ErrorCode::InvalidRequest,
+                "cancelled by the client: the command was killed",
+            )),
+        }
+    }
+
+    fn capabilities_json(&self) -> Value {
+        serde_json::to_value(self.capabilities.as_ref()).unwrap_or_default()
+    }
+}
+
+/// The last non-empty line of a chunk, shortened for a progress message.
+fn last_line(data: &[u8]) -> Option<String> {
+    let text = String::from_utf8_lossy(data);
+    let line = text.lines().rev().find(|l| !l.trim().is_empty())?.trim();
+    Some(line.chars().take(200).collect())
+}
+
+fn as_object(v: Value) -> serde_json::Map<String, Value> {
+    match v {
+        Value::Object(m) => m,
+        _ => serde_json::Map::new(),
+    }
+}
+
+/// A tool result: markdown content, the StructuredResult as structured content, `isError`
+/// unless the command exited 0.
+fn finish(r: StructuredResult) -> CallToolResult {
+    let content = vec![ContentBlock::text(r.to_markdown())];
+    let mut result = if r.success {
+        CallToolResult::success(content)
+    } else {
+        CallToolResult::error(content)
+    };
+    result.structured_content = serde_json::to_value(&r).ok();
+    result
+}
+
+/// A call that never reached a command (bad arguments, cancelled).
+fn error_result(e: &ErrorBody) -> CallToolResult {
+    CallToolResult::error(vec![ContentBlock::text(format!(
+        "{}: {}",
+        e.code, e.message
+    ))])
+}
+
+impl ServerHandler for McpService {
+    fn get_info(&self) -> ServerConfig {
+        let mut experimental = std::collections::BTreeMap::new();
+        experimental.insert(
+            EXPERIMENTAL_KEY.to_string(),
+            as_object(self.capabilities_json()),
+        );
+        let mut caps = ServerCapabilities::builder()
+            .enable_tools()
+            .enable_resources()
+            .enable_experimental()
+            .build();
+        caps.experimental = Some(experimental);
+        ServerConfig::new(caps)
+            .with_server_info(rmcp::model::Implementation::new("mcp-run", env!("CARGO_PKG_VERSION")))
+            .with_instructions(format!(
+                "Use `{TOOL}` to run commands. {} The document `{RESOURCE_URI}` describes the runtime, its limits and policy.",
+                self.capabilities.where_line()
+            ))
+    }
+
+    async fn list_tools(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, McpError> {
+        Ok(ListToolsResult::with_all_items(vec![self.tool()]))
+    }
+
+    fn get_tool(&self, name: &str) -> Option<Tool> {
+        (name == TOOL).then(|| self.tool())
+    }
+
+    async fn call_tool(
+        &self,
+        request: CallToolRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, McpError> {
+        if request.name != TOOL {
+            return Err(McpError::invalid_params(
+                format!("unknown tool {:?}", request.name),
+                None,
+            ));
+        }
+        Ok(self.run(request.arguments, context).await.into())
+    }
+
+    async fn list_resources(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListResourcesResult, McpError> {
+        Ok(ListResourcesResult::with_all_items(vec![
+            Resource::new(RESOURCE_URI, "capabilities")
+                .with_title("mcp-run runtime capabilities")
+                .with_description("Where commands run (backend, namespace, profiles, images), the limits, the policy and the templates on offer.")
+                .with_mime_type("application/json"),
+        ]))
+    }
+
+    async fn read_resource(
+        &self,
+        request: ReadResourceRequestParams,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ReadResourceResponse, McpError> {
+        if request.uri != RESOURCE_URI {
+            return Err(McpError::resource_not_found(
+                format!("no resource {:?}", request.uri),
+                None,
+            ));
+        }
+        let text = serde_json::to_string_pretty(&self.capabilities_json()).unwrap_or_default();
+        Ok(ReadResourceResult::new(vec![ResourceContents::text(text, RESOURCE_URI)]).into())
+    }
+}
