@@ -198,3 +198,74 @@ fn invalid_policy_stops_the_gateway_naming_the_field() {
         );
     }
 }
+
+/// Over MCP the same rules give an `isError` result carrying the same message, and the
+/// capabilities document reports the policy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mcp_calls_meet_the_same_policy() {
+    use rmcp::ServiceExt as _;
+    use rmcp::model::CallToolRequestParams;
+    let (gw, _dir) = start();
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let transport = rmcp::transport::StreamableHttpClientTransport::from_uri(gw.url("/mcp"));
+    let client = ().serve(transport).await.expect("MCP initialize");
+    let call = |args: Value| {
+        CallToolRequestParams::new("run_network_tool")
+            .with_arguments(args.as_object().cloned().unwrap_or_default())
+    };
+    for (args, rule) in [
+        (
+            json!({"executable": "rm", "args": ["-rf", "/tmp/x"]}),
+            "policy.executables.deny",
+        ),
+        (json!({"executable": "cat"}), "policy.executables.allow"),
+        (
+            json!({"executable": "true", "args": ["1", "2", "3", "4"]}),
+            "policy.args.max_count",
+        ),
+        (
+            json!({"executable": "true", "env": {"APP_SECRET": "s"}}),
+            "policy.env.deny",
+        ),
+        (
+            json!({"executable": "true", "cwd": "/etc"}),
+            "policy.cwd.allow",
+        ),
+    ] {
+        let r = client
+            .call_tool(call(args.clone()))
+            .await
+            .expect("tools/call");
+        assert_eq!(r.is_error, Some(true), "{args}");
+        let s = r.structured_content.clone().expect("structured content");
+        let error = s["error"].as_str().unwrap_or_default();
+        assert!(
+            error.starts_with("policy_violation: ") && error.contains(rule),
+            "{args}: {s}"
+        );
+    }
+    let r = client
+        .call_tool(call(
+            json!({"executable": "echo", "args": ["ok"], "cwd": "/tmp"}),
+        ))
+        .await
+        .expect("tools/call");
+    assert_eq!(r.is_error, Some(false), "{r:?}");
+    client.cancel().await.ok();
+
+    let caps: Value = support::http()
+        .get(gw.url("/capabilities"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let policy = &caps["policy"];
+    assert_eq!(policy["default"]["executables"]["deny"], json!(["rm"]));
+    assert_eq!(policy["default"]["max_timeout_secs"], 30);
+    assert_eq!(
+        policy["profiles"]["wide"]["executables"]["allow"],
+        json!(["ls"])
+    );
+}
