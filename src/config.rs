@@ -55,6 +55,8 @@ pub struct Config {
     pub remote: RemoteConfig,
     /// Runner profiles of the Kubernetes backend; `default` is always there.
     pub profiles: BTreeMap<String, Profile>,
+    /// The execution policy (docs/policy.md).
+    pub policy: crate::policy::PolicyConfig,
     /// The file this was loaded from, for error messages.
     #[serde(skip)]
     pub source: Option<PathBuf>,
@@ -244,6 +246,9 @@ impl Config {
                 ));
             }
         }
+        self.policy
+            .validate(&self.limits)
+            .map_err(|e| invalid(&e.field, e.message))?;
         Ok(())
     }
 

@@ -12,6 +12,7 @@ pub mod contract;
 pub mod exec;
 pub mod mcp;
 pub mod metrics;
+pub mod policy;
 pub mod result;
 pub mod runner;
 pub mod server;

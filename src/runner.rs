@@ -11,6 +11,7 @@ use tokio_util::task::TaskTracker;
 use crate::config::Limits;
 use crate::contract::{ErrorBody, ErrorCode, RunRequest};
 use crate::exec::{ExecSpec, Execution, Executor};
+use crate::policy::{Policy, PolicyConfig, Subject};
 
 /// After the grace period, how long killed commands get to report their exit before the
 /// backend's shutdown runs anyway.
@@ -19,6 +20,7 @@ const KILL_WAIT: Duration = Duration::from_secs(10);
 pub struct Runner {
     executor: Arc<dyn Executor>,
     limits: Limits,
+    policy: Policy,
     shutdown: CancellationToken,
     tracker: TaskTracker,
 }
@@ -27,10 +29,21 @@ impl Runner {
     pub fn new(executor: Arc<dyn Executor>, limits: Limits) -> Self {
         Self {
             executor,
+            policy: Policy::new(PolicyConfig::default(), limits.clone()),
             limits,
             shutdown: CancellationToken::new(),
             tracker: TaskTracker::new(),
         }
+    }
+
+    /// Checks every request against `policy` (built from the same limits).
+    pub fn with_policy(mut self, policy: Policy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    pub fn policy(&self) -> &Policy {
+        &self.policy
     }
 
     pub fn executor(&self) -> &Arc<dyn Executor> {
@@ -41,23 +54,24 @@ impl Runner {
         &self.limits
     }
 
-    /// Validates a request and resolves its defaults.
+    /// Validates a request against the contract and the policy, and resolves its defaults.
     pub fn spec(&self, req: RunRequest) -> Result<ExecSpec, ErrorBody> {
         req.validate()?;
-        let max = self.limits.max_timeout_secs;
-        let secs = req.timeout_secs.unwrap_or(self.limits.default_timeout_secs);
-        if secs > max {
-            return Err(ErrorBody::new(
-                ErrorCode::InvalidRequest,
-                format!("`timeout_secs` is {secs}, over the server maximum of {max}"),
-            ));
-        }
+        let env_names: Vec<&str> = req.env.keys().map(String::as_str).collect();
+        let allowed = self.policy.check(&Subject {
+            executable: &req.executable,
+            args: &req.args,
+            cwd: req.cwd.as_deref(),
+            env_names: &env_names,
+            timeout_secs: req.timeout_secs,
+            profile: req.profile.as_deref(),
+        })?;
         let spec = ExecSpec {
-            executable: req.executable,
+            executable: allowed.executable,
             args: req.args,
-            cwd: req.cwd,
+            cwd: allowed.cwd,
             env: req.env,
-            timeout: Duration::from_secs(secs),
+            timeout: Duration::from_secs(allowed.timeout_secs),
             profile: req.profile,
         };
         self.executor.check(&spec)?;

@@ -216,7 +216,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
 /// Runs the gateway until SIGTERM or SIGINT.
 pub async fn serve(config: Config) -> anyhow::Result<()> {
     let executor = build_executor(&config).await?;
-    let runner = Arc::new(Runner::new(executor, config.limits.clone()));
+    let runner = Arc::new(build_runner(&config, executor));
     let capabilities = Arc::new(capabilities(&config, &runner).await);
     let drained = tokio_util::sync::CancellationToken::new();
     let state = AppState {
@@ -248,10 +248,22 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The runner every front end uses, with the configured policy and limits.
+pub fn build_runner(config: &Config, executor: Arc<dyn Executor>) -> Runner {
+    Runner::new(executor, config.limits.clone()).with_policy(crate::policy::Policy::new(
+        config.policy.clone(),
+        config.limits.clone(),
+    ))
+}
+
 /// The capabilities document of this gateway.
 pub async fn capabilities(config: &Config, runner: &Runner) -> Capabilities {
     let backend = runner.executor().capabilities().await;
-    Capabilities::new(backend, &config.limits, config.mcp.max_output_bytes)
+    let mut caps = Capabilities::new(backend, &config.limits, config.mcp.max_output_bytes);
+    if config.policy != crate::policy::PolicyConfig::default() {
+        caps.policy = serde_json::to_value(runner.policy().summary()).ok();
+    }
+    caps
 }
 
 fn run_stdio(args: StdioArgs) -> anyhow::Result<()> {
@@ -267,7 +279,7 @@ fn run_stdio(args: StdioArgs) -> anyhow::Result<()> {
 pub async fn stdio(config: Config) -> anyhow::Result<()> {
     use rmcp::ServiceExt as _;
     let executor = build_executor(&config).await?;
-    let runner = Arc::new(Runner::new(executor, config.limits.clone()));
+    let runner = Arc::new(build_runner(&config, executor));
     let caps = Arc::new(capabilities(&config, &runner).await);
     let service = McpService::new(runner.clone(), caps, config.mcp.max_output_bytes);
     let running = service
