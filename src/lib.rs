@@ -5,6 +5,7 @@
 //! execution interface and its backends; [`runner`] is the one entry point every front end
 //! uses; [`server`] is the HTTP gateway; [`cli`] holds the logic of the binaries.
 
+pub mod access;
 pub mod capabilities;
 pub mod cli;
 pub mod config;

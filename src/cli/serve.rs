@@ -228,7 +228,16 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
             allowed_hosts: config.mcp.allowed_hosts.clone(),
             stop: drained.clone(),
         },
+        auth: crate::access::Auth::load(&config.auth, |k| std::env::var(k).ok())
+            .map_err(anyhow::Error::msg)?
+            .map(Arc::new),
     };
+    if let Some(auth) = &state.auth {
+        tracing::info!(
+            tokens = auth.len(),
+            "bearer-token auth on for every path but /healthz, /readyz and /metrics"
+        );
+    }
     let app = server::router(state, config.server.max_body_bytes);
     let listener = tokio::net::TcpListener::bind(config.server.listen)
         .await
