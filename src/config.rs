@@ -59,6 +59,8 @@ pub struct Config {
     pub policy: crate::policy::PolicyConfig,
     /// Bearer-token auth (docs/policy.md).
     pub auth: crate::access::AuthConfig,
+    /// Secrets replaced by `[REDACTED]` in output (docs/policy.md).
+    pub redaction: crate::redact::RedactionConfig,
     /// The file this was loaded from, for error messages.
     #[serde(skip)]
     pub source: Option<PathBuf>,
@@ -276,6 +278,9 @@ impl Config {
                 ));
             }
         }
+        self.redaction
+            .validate()
+            .map_err(|e| invalid(&e.field, e.message))?;
         self.policy
             .validate(&self.limits)
             .map_err(|e| invalid(&e.field, e.message))?;

@@ -6,6 +6,7 @@
 //! uses; [`server`] is the HTTP gateway; [`cli`] holds the logic of the binaries.
 
 pub mod access;
+pub mod audit;
 pub mod capabilities;
 pub mod cli;
 pub mod config;
@@ -14,6 +15,7 @@ pub mod exec;
 pub mod mcp;
 pub mod metrics;
 pub mod policy;
+pub mod redact;
 pub mod result;
 pub mod runner;
 pub mod server;

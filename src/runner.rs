@@ -13,6 +13,7 @@ use crate::config::Limits;
 use crate::contract::{ErrorBody, ErrorCode, RunRequest};
 use crate::exec::{ExecSpec, Execution, Executor};
 use crate::policy::{Policy, PolicyConfig, Subject};
+use crate::redact::{RedactFilter, Redactor};
 use tokio::sync::Semaphore;
 
 /// After the grace period, how long killed commands get to report their exit before the
@@ -26,6 +27,7 @@ pub struct Runner {
     /// Executions at once (`limits.max_concurrent_executions`).
     slots: Option<Arc<Semaphore>>,
     rate: Option<RateLimiter>,
+    redactor: Option<Arc<Redactor>>,
     shutdown: CancellationToken,
     tracker: TaskTracker,
 }
@@ -39,6 +41,7 @@ impl Runner {
                 .max_concurrent_executions
                 .map(|n| Arc::new(Semaphore::new(n))),
             rate: limits.rate_limit.as_ref().map(RateLimiter::new),
+            redactor: None,
             limits,
             shutdown: CancellationToken::new(),
             tracker: TaskTracker::new(),
@@ -48,6 +51,12 @@ impl Runner {
     /// Checks every request against `policy` (built from the same limits).
     pub fn with_policy(mut self, policy: Policy) -> Self {
         self.policy = policy;
+        self
+    }
+
+    /// Redacts secrets in every execution's output (and in audit lines).
+    pub fn with_redactor(mut self, redactor: Option<Arc<Redactor>>) -> Self {
+        self.redactor = redactor;
         self
     }
 
@@ -93,11 +102,27 @@ impl Runner {
         self.start_as(req, &Caller::default()).await
     }
 
+    /// Logs a refused request in the audit log.
+    fn audit_rejected(&self, req: &RunRequest, caller: &Caller, e: &ErrorBody) {
+        let argv = crate::audit::argv_json(&req.executable, &req.args, self.redactor.as_deref());
+        let env = crate::audit::env_names(&req.env);
+        crate::audit::rejected(caller, &argv, &env, req.profile.as_deref(), e);
+    }
+
     /// [`Runner::start`] for a known caller (rate limit key, audit identity).
     pub async fn start_as(&self, req: RunRequest, caller: &Caller) -> Result<Execution, ErrorBody> {
+        // Only the fields the audit line needs are kept for a refusal.
+        let audit = RunRequest {
+            executable: req.executable.clone(),
+            args: req.args.clone(),
+            env: req.env.keys().map(|k| (k.clone(), String::new())).collect(),
+            profile: req.profile.clone(),
+            ..RunRequest::default()
+        };
         let started = self.start_inner(req, caller).await;
         if let Err(e) = &started {
             crate::metrics::rejected(e.code);
+            self.audit_rejected(&audit, caller, e);
         }
         started
     }
@@ -129,11 +154,23 @@ impl Runner {
             None => None,
         };
         let timeout = spec.timeout + self.executor.timeout_slack();
-        let execution = self
+        let audited = spec.clone();
+        let mut execution = self
             .executor
             .start(spec, self.shutdown.child_token())
             .await?;
+        // Redaction first, so that the audit counts the bytes that actually leave.
+        if let Some(r) = &self.redactor {
+            execution = execution.filtered(RedactFilter::new(r));
+        }
+        let audit = crate::audit::AuditFilter::new(
+            caller,
+            &audited,
+            execution.context(),
+            self.redactor.as_deref(),
+        );
         Ok(execution
+            .filtered(audit)
             .with_timeout(timeout)
             .tracked(self.tracker.token())
             .observed(crate::metrics::execution_started(self.executor.name()))

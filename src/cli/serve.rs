@@ -216,7 +216,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
 /// Runs the gateway until SIGTERM or SIGINT.
 pub async fn serve(config: Config) -> anyhow::Result<()> {
     let executor = build_executor(&config).await?;
-    let runner = Arc::new(build_runner(&config, executor));
+    let runner = Arc::new(build_runner(&config, executor)?);
     let capabilities = Arc::new(capabilities(&config, &runner).await);
     let drained = tokio_util::sync::CancellationToken::new();
     let state = AppState {
@@ -258,11 +258,16 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
 }
 
 /// The runner every front end uses, with the configured policy and limits.
-pub fn build_runner(config: &Config, executor: Arc<dyn Executor>) -> Runner {
-    Runner::new(executor, config.limits.clone()).with_policy(crate::policy::Policy::new(
-        config.policy.clone(),
-        config.limits.clone(),
-    ))
+pub fn build_runner(config: &Config, executor: Arc<dyn Executor>) -> anyhow::Result<Runner> {
+    let redactor =
+        crate::redact::Redactor::from_config(&config.redaction, |k| std::env::var(k).ok())
+            .map_err(|e| anyhow::anyhow!("invalid configuration: {e}"))?;
+    Ok(Runner::new(executor, config.limits.clone())
+        .with_policy(crate::policy::Policy::new(
+            config.policy.clone(),
+            config.limits.clone(),
+        ))
+        .with_redactor(redactor))
 }
 
 /// The capabilities document of this gateway.
@@ -288,7 +293,7 @@ fn run_stdio(args: StdioArgs) -> anyhow::Result<()> {
 pub async fn stdio(config: Config) -> anyhow::Result<()> {
     use rmcp::ServiceExt as _;
     let executor = build_executor(&config).await?;
-    let runner = Arc::new(build_runner(&config, executor));
+    let runner = Arc::new(build_runner(&config, executor)?);
     let caps = Arc::new(capabilities(&config, &runner).await);
     let service = McpService::new(runner.clone(), caps, config.mcp.max_output_bytes);
     let running = service
