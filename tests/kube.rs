@@ -484,3 +484,133 @@ async fn exec_falls_back_to_v4() {
         "exec went through the double"
     );
 }
+
+/// MCP on the Kubernetes backend: the capabilities say isolated pods, namespace and
+/// profiles; a tool call reports the pod and node it ran on.
+#[tokio::test(flavor = "multi_thread")]
+async fn mcp_on_kubernetes() {
+    use rmcp::ServiceExt as _;
+    let double = KubeDouble::start();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config_file(
+        &dir,
+        "profiles:\n  default:\n    image: busybox:1.36\n  build:\n    description: Rust builds\n    image: rust:1-slim\n    runtime_class_name: gvisor\n    warm_pool: {size: 1}\n",
+    );
+    let gw = gateway(&double, &["--config", cfg.to_str().unwrap()]);
+    let caps: serde_json::Value = http()
+        .get(gw.url("/capabilities"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(caps["backend"], "kubernetes");
+    assert_eq!(caps["safety_level"], "isolated-pod");
+    assert_eq!(caps["namespace"], NS);
+    assert_eq!(caps["profiles"][0]["name"], "build");
+    assert_eq!(caps["profiles"][0]["image"], "rust:1-slim");
+    assert_eq!(caps["profiles"][0]["runtime_class"], "gvisor");
+    assert_eq!(caps["profiles"][0]["warm_pool"], 1);
+    assert_eq!(caps["profiles"][1]["name"], "default");
+
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let client = ()
+        .serve(rmcp::transport::StreamableHttpClientTransport::from_uri(
+            gw.url("/mcp"),
+        ))
+        .await
+        .unwrap();
+    let tools = client.list_tools(None).await.unwrap().tools;
+    assert_eq!(
+        tools[0].input_schema["properties"]["profile"]["enum"],
+        json!(["build", "default"])
+    );
+    assert!(
+        tools[0]
+            .description
+            .as_deref()
+            .unwrap_or("")
+            .contains("namespace default"),
+        "{:?}",
+        tools[0].description
+    );
+    let r = client
+        .call_tool(
+            rmcp::model::CallToolRequestParams::new("run_network_tool").with_arguments(
+                json!({"executable": "sh", "args": ["-c", "echo in-pod"]})
+                    .as_object()
+                    .cloned()
+                    .unwrap(),
+            ),
+        )
+        .await
+        .unwrap();
+    let s = r.structured_content.unwrap();
+    assert_eq!(s["outputs"][0]["stdout"], "in-pod\n");
+    assert_eq!(s["context"]["backend"], "kubernetes");
+    assert!(
+        s["context"]["pod"]
+            .as_str()
+            .unwrap()
+            .starts_with("mcp-run-")
+    );
+    assert_eq!(s["context"]["node"], "double-node-1");
+    assert_eq!(s["context"]["namespace"], NS);
+    client.cancel().await.unwrap();
+}
+
+/// A client that gives up while its pod is still starting: the pod goes anyway.
+#[tokio::test(flavor = "multi_thread")]
+async fn client_gone_during_pod_start_deletes_the_pod() {
+    let double = KubeDouble::start();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config_file(
+        &dir,
+        "profiles:\n  default:\n    image: busybox:1.36\n  slow:\n    image: registry.example/never-starts:1\n",
+    );
+    let gw = gateway(&double, &["--config", cfg.to_str().unwrap()]);
+    let req = http()
+        .post(gw.raw_url())
+        .json(&json!({"executable": "true", "profile": "slow"}))
+        .send();
+    assert!(
+        tokio::time::timeout(Duration::from_secs(1), req)
+            .await
+            .is_err(),
+        "still starting"
+    );
+    assert!(
+        double.created_pods().len() == 1,
+        "a pod was created: {:?}",
+        double.pod_names(NS)
+    );
+    no_pods_left(&double, Duration::from_secs(5));
+}
+
+/// A gateway killed with SIGKILL leaves its pod; the same gateway restarted deletes it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_restarted_gateway_deletes_what_its_crashed_run_left() {
+    let double = KubeDouble::start();
+    let gw = gateway(&double, &[]);
+    let url = gw.raw_url();
+    let running = tokio::spawn(async move {
+        let _ = http()
+            .post(url)
+            .json(&json!({"executable": "sleep", "args": ["300"]}))
+            .send()
+            .await;
+    });
+    assert!(
+        wait_until(Duration::from_secs(10), || double.pod_names(NS).len() == 1),
+        "pod for the long command"
+    );
+    let pid = gw.pid().unwrap() as i32;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL).unwrap();
+    drop(gw);
+    running.abort();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(double.pod_names(NS).len(), 1, "the crash left the pod");
+    let _restarted = gateway(&double, &[]);
+    no_pods_left(&double, Duration::from_secs(10));
+}

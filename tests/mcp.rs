@@ -296,3 +296,106 @@ async fn mcp_host_validation() {
     let open = Gateway::start(&["--config", cfg.to_str().unwrap()]);
     assert_eq!(post(&open).await.unwrap().status(), 200);
 }
+
+/// `run-remote --output-format json|markdown`: the structured result after the command
+/// ends, the exit code still mirrored.
+#[test]
+fn run_remote_output_formats() {
+    let gw = Gateway::start(&[]);
+    let out = gw
+        .run_remote()
+        .args([
+            "--output-format",
+            "json",
+            "--",
+            "sh",
+            "-c",
+            "echo out; echo err >&2; exit 3",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(3));
+    let v: Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
+    assert_eq!(v["outputs"][0]["stdout"], "out\n");
+    assert_eq!(v["outputs"][0]["stderr"], "err\n");
+    assert_eq!(v["outputs"][0]["exit_code"], 3);
+    assert_eq!(v["context"]["tool"], "run-remote");
+    assert_eq!(v["context"]["cwd"], "/");
+    let out = gw
+        .run_remote()
+        .args([
+            "--output-format",
+            "markdown",
+            "--",
+            "sh",
+            "-c",
+            "echo hello",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let md = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        md.contains("**Status:** ✓ Success") && md.contains("**Output:**\n```\nhello\n```"),
+        "{md}"
+    );
+    // A refusal is rendered too, with run-remote's own exit code.
+    let out = gw
+        .run_remote()
+        .args(["--output-format", "json", "--profile", "nope", "--", "true"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(65));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(
+        v["error"].as_str().unwrap().starts_with("unknown_profile"),
+        "{v}"
+    );
+}
+
+/// A client that sends a progress token gets progress notifications with the latest
+/// output line while the command runs.
+#[tokio::test(flavor = "multi_thread")]
+async fn progress_notifications_carry_the_latest_line() {
+    use std::sync::{Arc, Mutex};
+    #[derive(Clone, Default)]
+    struct Progress(Arc<Mutex<Vec<String>>>);
+    impl rmcp::ClientHandler for Progress {
+        async fn on_progress(
+            &self,
+            params: rmcp::model::ProgressNotificationParam,
+            _context: rmcp::service::NotificationContext<RoleClient>,
+        ) {
+            self.0
+                .lock()
+                .unwrap()
+                .push(params.message.unwrap_or_default());
+        }
+    }
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let gw = Gateway::start(&[]);
+    let seen = Progress::default();
+    let c = seen
+        .clone()
+        .serve(StreamableHttpClientTransport::from_uri(gw.url("/mcp")))
+        .await
+        .unwrap();
+    let mut params = call(
+        json!({"executable": "sh", "args": ["-c", "echo compiling step1; sleep 2.5; echo done"]}),
+    );
+    params.meta = Some({
+        let mut m = rmcp::model::RequestMetaObject::default();
+        m.set_progress_token(rmcp::model::ProgressToken(
+            rmcp::model::NumberOrString::Number(7),
+        ));
+        m
+    });
+    let r = c.call_tool(params).await.unwrap();
+    assert_eq!(r.is_error, Some(false));
+    let messages = seen.0.lock().unwrap().clone();
+    assert!(
+        messages.iter().any(|m| m.contains("compiling step1")),
+        "progress: {messages:?}"
+    );
+    c.cancel().await.unwrap();
+}

@@ -7,6 +7,9 @@ use serde_json::{Value, json};
 use support::{Gateway, config_file, gateway_bin, raw};
 
 const POLICY: &str = r#"
+profiles:
+  default: {}
+  wide: {}
 policy:
   executables:
     allow: [echo, sh, true, /bin/echo, /usr/bin/env]

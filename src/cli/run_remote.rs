@@ -49,9 +49,24 @@ pub struct Args {
     /// The gateway's runner profile (a pod template on the Kubernetes backend).
     #[arg(long, value_name = "NAME")]
     pub profile: Option<String>,
+    /// `stream`: the command's output as it arrives (default). `json` or `markdown`: the
+    /// structured result (context, output, exit) after the command ends. The exit code is
+    /// mirrored in every format.
+    #[arg(long, value_enum, default_value_t = OutputFormat::Stream)]
+    pub output_format: OutputFormat,
+    /// With `json` or `markdown`: the most output kept per stream (head and tail).
+    #[arg(long, value_name = "BYTES", default_value_t = crate::result::DEFAULT_MAX_OUTPUT_BYTES)]
+    pub max_output_bytes: usize,
     /// The command and its arguments, after `--`.
     #[arg(last = true, required = true, value_name = "COMMAND")]
     pub command: Vec<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OutputFormat {
+    Stream,
+    Json,
+    Markdown,
 }
 
 /// Runs the client and returns its exit code.
@@ -207,10 +222,28 @@ async fn run(args: Args) -> i32 {
     let mut execution = match remote.run(&request, CancellationToken::new()).await {
         Ok(e) => e,
         Err(e) => {
+            if args.output_format != OutputFormat::Stream {
+                let r = crate::result::StructuredResult::not_started("run-remote", &request, &e);
+                print_result(&r, args.output_format);
+            }
             eprintln!("run-remote: {} ({})", e.message, e.code);
             return rejection_code(e.code);
         }
     };
+    if args.output_format != OutputFormat::Stream {
+        let collected =
+            crate::result::collect(execution, args.max_output_bytes.max(1024), |_, _| {}).await;
+        let r = crate::result::StructuredResult::from_run("run-remote", &request, &collected);
+        if !print_result(&r, args.output_format) {
+            return code::IO_ERROR;
+        }
+        return match (&collected.exit, &collected.error) {
+            (Some(info), _) => mirror_exit(info),
+            (None, Some(e)) if e.code == ErrorCode::ProtocolError => code::PROTOCOL,
+            (None, Some(_)) => code::REMOTE_ERROR,
+            (None, None) => code::PROTOCOL,
+        };
+    }
     // Unbuffered handles on our stdout and stderr: std's stdout is line-buffered, which
     // would copy and split binary output.
     let (mut stdout, mut stderr) = match (
@@ -253,6 +286,18 @@ async fn run(args: Args) -> i32 {
         }
     }
     code::PROTOCOL
+}
+
+/// Prints a structured result on stdout; false when stdout is gone.
+fn print_result(r: &crate::result::StructuredResult, format: OutputFormat) -> bool {
+    let text = match format {
+        OutputFormat::Json => r.to_json() + "\n",
+        _ => r.to_markdown(),
+    };
+    std::io::stdout()
+        .write_all(text.as_bytes())
+        .and_then(|()| std::io::stdout().flush())
+        .is_ok()
 }
 
 /// A `File` on a duplicate of a standard stream's descriptor: writes go straight to it.

@@ -178,7 +178,10 @@ pub fn load_config(path: Option<&std::path::Path>) -> anyhow::Result<Config> {
 /// deletes what a previous run left behind.
 pub async fn build_executor(config: &Config) -> anyhow::Result<Arc<dyn Executor>> {
     Ok(match config.server.backend {
-        BackendKind::Local => Arc::new(LocalExecutor::new(&config.local.inherit_env)),
+        BackendKind::Local => Arc::new(
+            LocalExecutor::new(&config.local.inherit_env)
+                .with_profiles(config.profiles.keys().cloned()),
+        ),
         BackendKind::Remote => {
             let url = config.remote.server.as_deref().context(
                 "--backend remote needs the gateway's /raw URL: --server URL, remote.server or RUN_REMOTE_SERVER",

@@ -34,6 +34,9 @@ const DRAIN_GRACE: Duration = Duration::from_secs(2);
 pub struct LocalExecutor {
     base_env: Vec<(String, String)>,
     host: String,
+    /// Profile names requests may give. Profiles describe pods; here they only select the
+    /// policy's per-profile overrides.
+    profiles: Vec<String>,
 }
 
 impl LocalExecutor {
@@ -47,7 +50,22 @@ impl LocalExecutor {
             .ok()
             .and_then(|h| h.into_string().ok())
             .unwrap_or_else(|| "localhost".into());
-        Self { base_env, host }
+        Self {
+            base_env,
+            host,
+            profiles: vec!["default".into()],
+        }
+    }
+
+    /// Accepts these profile names (the configuration's `profiles`) besides `default`.
+    pub fn with_profiles(mut self, names: impl IntoIterator<Item = String>) -> Self {
+        for name in names {
+            if !self.profiles.contains(&name) {
+                self.profiles.push(name);
+            }
+        }
+        self.profiles.sort();
+        self
     }
 
     fn context(&self, pid: Option<u32>) -> RunContext {
@@ -144,6 +162,21 @@ impl Executor for LocalExecutor {
         Box::pin(async move { self.spawn(&spec, cancel.child_token()) })
     }
 
+    /// Profiles are the configured names (`default` always).
+    fn check(&self, spec: &ExecSpec) -> Result<(), ErrorBody> {
+        match spec.profile.as_deref() {
+            None => Ok(()),
+            Some(p) if self.profiles.iter().any(|n| n == p) => Ok(()),
+            Some(other) => Err(ErrorBody::new(
+                ErrorCode::UnknownProfile,
+                format!(
+                    "unknown profile {other:?}; configured profiles: {}",
+                    self.profiles.join(", ")
+                ),
+            )),
+        }
+    }
+
     fn capabilities(&self) -> BoxFuture<'_, crate::capabilities::BackendCapabilities> {
         Box::pin(async move {
             crate::capabilities::BackendCapabilities {
@@ -154,10 +187,14 @@ impl Executor for LocalExecutor {
                     self.host
                 ),
                 host: Some(self.host.clone()),
-                profiles: vec![crate::capabilities::ProfileInfo {
-                    name: "default".into(),
-                    ..Default::default()
-                }],
+                profiles: self
+                    .profiles
+                    .iter()
+                    .map(|name| crate::capabilities::ProfileInfo {
+                        name: name.clone(),
+                        ..Default::default()
+                    })
+                    .collect(),
                 ..Default::default()
             }
         })
