@@ -61,6 +61,8 @@ pub struct Config {
     pub auth: crate::access::AuthConfig,
     /// Secrets replaced by `[REDACTED]` in output (docs/policy.md).
     pub redaction: crate::redact::RedactionConfig,
+    /// Operator-declared CLI tools, each its own MCP tool (docs/tools.md).
+    pub tools: Vec<crate::tools::ToolConfig>,
     /// The file this was loaded from, for error messages.
     #[serde(skip)]
     pub source: Option<PathBuf>,
@@ -278,6 +280,7 @@ impl Config {
                 ));
             }
         }
+        crate::tools::validate(&self.tools).map_err(|e| invalid(&e.field, e.message))?;
         self.redaction
             .validate()
             .map_err(|e| invalid(&e.field, e.message))?;

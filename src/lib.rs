@@ -19,3 +19,4 @@ pub mod redact;
 pub mod result;
 pub mod runner;
 pub mod server;
+pub mod tools;

@@ -41,6 +41,8 @@ pub struct McpSettings {
     pub allowed_hosts: Vec<String>,
     /// Ends every MCP session (at shutdown, once running commands were drained).
     pub stop: tokio_util::sync::CancellationToken,
+    /// Operator-declared CLI tools served next to `run_network_tool`.
+    pub tools: Arc<Vec<crate::tools::ToolConfig>>,
 }
 
 impl IntoResponse for ErrorBody {
@@ -78,7 +80,8 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
             state.runner.clone(),
             state.capabilities.clone(),
             state.mcp.max_output_bytes,
-        );
+        )
+        .with_tools(state.mcp.tools.clone());
         let mut config = StreamableHttpServerConfig::default()
             .with_allowed_hosts(state.mcp.allowed_hosts.clone());
         if state.mcp.allowed_hosts.is_empty() {

@@ -230,6 +230,7 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
             max_output_bytes: config.mcp.max_output_bytes,
             allowed_hosts: config.mcp.allowed_hosts.clone(),
             stop: drained.clone(),
+            tools: Arc::new(config.tools.clone()),
         },
         auth: crate::access::Auth::load(&config.auth, |k| std::env::var(k).ok())
             .map_err(anyhow::Error::msg)?
@@ -298,7 +299,8 @@ pub async fn stdio(config: Config) -> anyhow::Result<()> {
     let executor = build_executor(&config).await?;
     let runner = Arc::new(build_runner(&config, executor)?);
     let caps = Arc::new(capabilities(&config, &runner).await);
-    let service = McpService::new(runner.clone(), caps, config.mcp.max_output_bytes);
+    let service = McpService::new(runner.clone(), caps, config.mcp.max_output_bytes)
+        .with_tools(Arc::new(config.tools.clone()));
     let running = service
         .serve(rmcp::transport::stdio())
         .await
