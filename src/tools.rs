@@ -597,7 +597,8 @@ args: {description: Pod names, max: 3}
     #[test]
     fn validation_names_the_field() {
         let ok = kubectl();
-        let cases: Vec<(Box<dyn Fn(&mut ToolConfig)>, &str)> = vec![
+        type Change = Box<dyn Fn(&mut ToolConfig)>;
+        let cases: Vec<(Change, &str)> = vec![
             (Box::new(|t| t.name = "has space".into()), "tools[1].name"),
             (
                 Box::new(|t| t.name = "run_network_tool".into()),
