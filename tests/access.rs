@@ -170,6 +170,20 @@ async fn concurrency_burst_gets_429() {
     let path = config_file(&dir, "limits:\n  max_concurrent_executions: 2\n");
     let gw = Gateway::start(&["--config", path.to_str().unwrap()]);
     let c = http();
+    let caps: serde_json::Value = c
+        .get(gw.url("/capabilities"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(
+        caps["limitations"]
+            .to_string()
+            .contains("at most 2 commands run at once"),
+        "{caps}"
+    );
     let long = json!({"executable": "sleep", "args": ["3"]});
     let mut running = Vec::new();
     for _ in 0..2 {

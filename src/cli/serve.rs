@@ -280,6 +280,24 @@ pub async fn capabilities(config: &Config, runner: &Runner) -> Capabilities {
     let mut caps = Capabilities::new(backend, &config.limits, config.mcp.max_output_bytes);
     if config.policy != crate::policy::PolicyConfig::default() {
         caps.policy = serde_json::to_value(runner.policy().summary()).ok();
+        caps.limitations.push(
+            "an execution policy restricts executables, arguments, environment, working directories and timeouts (see `policy`)".into(),
+        );
+    }
+    if let Some(n) = config.limits.max_concurrent_executions {
+        caps.limitations.push(format!(
+            "at most {n} commands run at once on this gateway; more are refused (retry later)"
+        ));
+    }
+    if let Some(r) = &config.limits.rate_limit {
+        caps.limitations.push(format!(
+            "each client may start {} commands a minute (bursts of {})",
+            r.per_minute, r.burst
+        ));
+    }
+    if !config.redaction.is_empty() {
+        caps.limitations
+            .push("configured secrets in the output are replaced by [REDACTED]".into());
     }
     caps
 }
