@@ -57,6 +57,12 @@ pub struct Config {
     pub profiles: BTreeMap<String, Profile>,
     /// The execution policy (docs/policy.md).
     pub policy: crate::policy::PolicyConfig,
+    /// Bearer-token auth (docs/policy.md).
+    pub auth: crate::access::AuthConfig,
+    /// Secrets replaced by `[REDACTED]` in output (docs/policy.md).
+    pub redaction: crate::redact::RedactionConfig,
+    /// Operator-declared CLI tools, each its own MCP tool (docs/tools.md).
+    pub tools: Vec<crate::tools::ToolConfig>,
     /// The file this was loaded from, for error messages.
     #[serde(skip)]
     pub source: Option<PathBuf>,
@@ -96,6 +102,12 @@ pub struct Limits {
     pub default_timeout_secs: u64,
     /// The largest `timeout_secs` a request may ask for.
     pub max_timeout_secs: u64,
+    /// Executions at once over every front end; more get 429. Absent: no limit.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_concurrent_executions: Option<usize>,
+    /// Executions a client (auth identity, else address) may start: a token bucket.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rate_limit: Option<crate::access::RateLimitConfig>,
 }
 
 impl Default for Limits {
@@ -103,6 +115,8 @@ impl Default for Limits {
         Self {
             default_timeout_secs: 600,
             max_timeout_secs: 3600,
+            max_concurrent_executions: None,
+            rate_limit: None,
         }
     }
 }
@@ -246,6 +260,30 @@ impl Config {
                 ));
             }
         }
+        if l.max_concurrent_executions == Some(0) {
+            return Err(invalid(
+                "limits.max_concurrent_executions",
+                "must be at least 1".into(),
+            ));
+        }
+        if let Some(r) = &l.rate_limit {
+            if r.per_minute == 0 {
+                return Err(invalid(
+                    "limits.rate_limit.per_minute",
+                    "must be at least 1".into(),
+                ));
+            }
+            if r.burst == 0 {
+                return Err(invalid(
+                    "limits.rate_limit.burst",
+                    "must be at least 1".into(),
+                ));
+            }
+        }
+        crate::tools::validate(&self.tools).map_err(|e| invalid(&e.field, e.message))?;
+        self.redaction
+            .validate()
+            .map_err(|e| invalid(&e.field, e.message))?;
         self.policy
             .validate(&self.limits)
             .map_err(|e| invalid(&e.field, e.message))?;

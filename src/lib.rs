@@ -5,6 +5,8 @@
 //! execution interface and its backends; [`runner`] is the one entry point every front end
 //! uses; [`server`] is the HTTP gateway; [`cli`] holds the logic of the binaries.
 
+pub mod access;
+pub mod audit;
 pub mod capabilities;
 pub mod cli;
 pub mod config;
@@ -13,6 +15,8 @@ pub mod exec;
 pub mod mcp;
 pub mod metrics;
 pub mod policy;
+pub mod redact;
 pub mod result;
 pub mod runner;
 pub mod server;
+pub mod tools;

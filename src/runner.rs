@@ -8,10 +8,13 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::access::{Caller, RateLimiter};
 use crate::config::Limits;
 use crate::contract::{ErrorBody, ErrorCode, RunRequest};
 use crate::exec::{ExecSpec, Execution, Executor};
 use crate::policy::{Policy, PolicyConfig, Subject};
+use crate::redact::{RedactFilter, Redactor};
+use tokio::sync::Semaphore;
 
 /// After the grace period, how long killed commands get to report their exit before the
 /// backend's shutdown runs anyway.
@@ -21,6 +24,10 @@ pub struct Runner {
     executor: Arc<dyn Executor>,
     limits: Limits,
     policy: Policy,
+    /// Executions at once (`limits.max_concurrent_executions`).
+    slots: Option<Arc<Semaphore>>,
+    rate: Option<RateLimiter>,
+    redactor: Option<Arc<Redactor>>,
     shutdown: CancellationToken,
     tracker: TaskTracker,
 }
@@ -30,6 +37,11 @@ impl Runner {
         Self {
             executor,
             policy: Policy::new(PolicyConfig::default(), limits.clone()),
+            slots: limits
+                .max_concurrent_executions
+                .map(|n| Arc::new(Semaphore::new(n))),
+            rate: limits.rate_limit.as_ref().map(RateLimiter::new),
+            redactor: None,
             limits,
             shutdown: CancellationToken::new(),
             tracker: TaskTracker::new(),
@@ -39,6 +51,12 @@ impl Runner {
     /// Checks every request against `policy` (built from the same limits).
     pub fn with_policy(mut self, policy: Policy) -> Self {
         self.policy = policy;
+        self
+    }
+
+    /// Redacts secrets in every execution's output (and in audit lines).
+    pub fn with_redactor(mut self, redactor: Option<Arc<Redactor>>) -> Self {
+        self.redactor = redactor;
         self
     }
 
@@ -81,30 +99,82 @@ impl Runner {
     /// Starts a command. The returned execution is killed when dropped or when its timeout
     /// passes. Refusals are counted in the metrics by error code.
     pub async fn start(&self, req: RunRequest) -> Result<Execution, ErrorBody> {
-        let started = self.start_inner(req).await;
+        self.start_as(req, &Caller::default()).await
+    }
+
+    /// Logs a refused request in the audit log.
+    fn audit_rejected(&self, req: &RunRequest, caller: &Caller, e: &ErrorBody) {
+        let argv = crate::audit::argv_json(&req.executable, &req.args, self.redactor.as_deref());
+        let env = crate::audit::env_names(&req.env);
+        crate::audit::rejected(caller, &argv, &env, req.profile.as_deref(), e);
+    }
+
+    /// [`Runner::start`] for a known caller (rate limit key, audit identity).
+    pub async fn start_as(&self, req: RunRequest, caller: &Caller) -> Result<Execution, ErrorBody> {
+        // Only the fields the audit line needs are kept for a refusal.
+        let audit = RunRequest {
+            executable: req.executable.clone(),
+            args: req.args.clone(),
+            env: req.env.keys().map(|k| (k.clone(), String::new())).collect(),
+            profile: req.profile.clone(),
+            ..RunRequest::default()
+        };
+        let started = self.start_inner(req, caller).await;
         if let Err(e) = &started {
             crate::metrics::rejected(e.code);
+            self.audit_rejected(&audit, caller, e);
         }
         started
     }
 
-    async fn start_inner(&self, req: RunRequest) -> Result<Execution, ErrorBody> {
+    async fn start_inner(&self, req: RunRequest, caller: &Caller) -> Result<Execution, ErrorBody> {
         if self.shutdown.is_cancelled() || self.tracker.is_closed() {
             return Err(ErrorBody::new(
                 ErrorCode::ShuttingDown,
                 "the gateway is shutting down",
             ));
         }
+        // Every attempt costs a token, allowed or not, so that probing the policy is limited too.
+        if let Some(rate) = &self.rate {
+            rate.take(caller)?;
+        }
         let spec = self.spec(req)?;
+        // Taken before the backend starts anything, released when the execution is dropped.
+        let slot = match &self.slots {
+            Some(s) => Some(s.clone().try_acquire_owned().map_err(|_| {
+                ErrorBody::new(
+                    ErrorCode::TooManyRequests,
+                    format!(
+                        "{} executions are running, the gateway's maximum (limits.max_concurrent_executions); retry later",
+                        self.limits.max_concurrent_executions.unwrap_or_default()
+                    ),
+                )
+                .retry_after(1)
+            })?),
+            None => None,
+        };
         let timeout = spec.timeout + self.executor.timeout_slack();
-        let execution = self
+        let audited = spec.clone();
+        let mut execution = self
             .executor
             .start(spec, self.shutdown.child_token())
             .await?;
+        // Redaction first, so that the audit counts the bytes that actually leave.
+        if let Some(r) = &self.redactor {
+            execution = execution.filtered(RedactFilter::new(r));
+        }
+        let audit = crate::audit::AuditFilter::new(
+            caller,
+            &audited,
+            execution.context(),
+            self.redactor.as_deref(),
+        );
         Ok(execution
+            .filtered(audit)
             .with_timeout(timeout)
             .tracked(self.tracker.token())
-            .observed(crate::metrics::execution_started(self.executor.name())))
+            .observed(crate::metrics::execution_started(self.executor.name()))
+            .hold(slot))
     }
 
     /// How many executions are running.

@@ -29,6 +29,8 @@ pub struct AppState {
     pub keepalive: Duration,
     pub capabilities: Arc<crate::capabilities::Capabilities>,
     pub mcp: McpSettings,
+    /// Bearer tokens for every path but the probes and metrics; `None`: auth off.
+    pub auth: Option<Arc<crate::access::Auth>>,
 }
 
 /// How `/mcp` is served.
@@ -39,6 +41,8 @@ pub struct McpSettings {
     pub allowed_hosts: Vec<String>,
     /// Ends every MCP session (at shutdown, once running commands were drained).
     pub stop: tokio_util::sync::CancellationToken,
+    /// Operator-declared CLI tools served next to `run_network_tool`.
+    pub tools: Arc<Vec<crate::tools::ToolConfig>>,
 }
 
 impl IntoResponse for ErrorBody {
@@ -48,11 +52,19 @@ impl IntoResponse for ErrorBody {
         let retry = matches!(
             self.code,
             ErrorCode::TooManyRequests | ErrorCode::ShuttingDown
-        );
+        )
+        .then(|| self.retry_after_secs.unwrap_or(1));
+        let unauthorized = self.code == ErrorCode::Unauthorized;
         let mut resp = (status, axum::Json(ErrorResponse { error: self })).into_response();
-        if retry {
+        if let Some(secs) = retry {
             resp.headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        if unauthorized {
+            resp.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer realm=\"mcp-run\""),
+            );
         }
         resp
     }
@@ -68,7 +80,8 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
             state.runner.clone(),
             state.capabilities.clone(),
             state.mcp.max_output_bytes,
-        );
+        )
+        .with_tools(state.mcp.tools.clone());
         let mut config = StreamableHttpServerConfig::default()
             .with_allowed_hosts(state.mcp.allowed_hosts.clone());
         if state.mcp.allowed_hosts.is_empty() {
@@ -97,6 +110,10 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
             )
         })
         .layer(DefaultBodyLimit::max(max_body_bytes))
+        .layer(axum::middleware::from_fn_with_state(
+            state.auth.clone(),
+            crate::access::middleware,
+        ))
         .with_state(state)
 }
 
@@ -111,7 +128,9 @@ pub async fn serve(
     drained: tokio_util::sync::CancellationToken,
 ) -> std::io::Result<()> {
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let server = axum::serve(listener, router).with_graceful_shutdown(async move {
+    // The client address is the rate-limit key of callers without a token.
+    let app = router.into_make_service_with_connect_info::<std::net::SocketAddr>();
+    let server = axum::serve(listener, app).with_graceful_shutdown(async move {
         shutdown.await;
         let _ = tx.send(());
     });
@@ -195,6 +214,7 @@ pub fn parse_request(
 
 async fn raw(
     State(state): State<AppState>,
+    caller: Option<axum::Extension<crate::access::Caller>>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
@@ -206,7 +226,8 @@ async fn raw(
         }
     };
     let command = req.command_line();
-    match state.runner.start(req).await {
+    let caller = caller.map(|c| c.0).unwrap_or_default();
+    match state.runner.start_as(req, &caller).await {
         Ok(execution) => {
             tracing::debug!(%command, context = ?execution.context(), "started");
             let mut resp = Response::new(Body::from_stream(ndjson(execution, state.keepalive)));

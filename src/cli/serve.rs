@@ -223,7 +223,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
 /// Runs the gateway until SIGTERM or SIGINT.
 pub async fn serve(config: Config) -> anyhow::Result<()> {
     let executor = build_executor(&config).await?;
-    let runner = Arc::new(build_runner(&config, executor));
+    let runner = Arc::new(build_runner(&config, executor)?);
     let capabilities = Arc::new(capabilities(&config, &runner).await);
     let drained = tokio_util::sync::CancellationToken::new();
     let state = AppState {
@@ -234,8 +234,18 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
             max_output_bytes: config.mcp.max_output_bytes,
             allowed_hosts: config.mcp.allowed_hosts.clone(),
             stop: drained.clone(),
+            tools: Arc::new(config.tools.clone()),
         },
+        auth: crate::access::Auth::load(&config.auth, |k| std::env::var(k).ok())
+            .map_err(anyhow::Error::msg)?
+            .map(Arc::new),
     };
+    if let Some(auth) = &state.auth {
+        tracing::info!(
+            tokens = auth.len(),
+            "bearer-token auth on for every path but /healthz, /readyz and /metrics"
+        );
+    }
     let app = server::router(state, config.server.max_body_bytes);
     let listener = tokio::net::TcpListener::bind(config.server.listen)
         .await
@@ -256,11 +266,16 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
 }
 
 /// The runner every front end uses, with the configured policy and limits.
-pub fn build_runner(config: &Config, executor: Arc<dyn Executor>) -> Runner {
-    Runner::new(executor, config.limits.clone()).with_policy(crate::policy::Policy::new(
-        config.policy.clone(),
-        config.limits.clone(),
-    ))
+pub fn build_runner(config: &Config, executor: Arc<dyn Executor>) -> anyhow::Result<Runner> {
+    let redactor =
+        crate::redact::Redactor::from_config(&config.redaction, |k| std::env::var(k).ok())
+            .map_err(|e| anyhow::anyhow!("invalid configuration: {e}"))?;
+    Ok(Runner::new(executor, config.limits.clone())
+        .with_policy(crate::policy::Policy::new(
+            config.policy.clone(),
+            config.limits.clone(),
+        ))
+        .with_redactor(redactor))
 }
 
 /// The capabilities document of this gateway.
@@ -269,6 +284,24 @@ pub async fn capabilities(config: &Config, runner: &Runner) -> Capabilities {
     let mut caps = Capabilities::new(backend, &config.limits, config.mcp.max_output_bytes);
     if config.policy != crate::policy::PolicyConfig::default() {
         caps.policy = serde_json::to_value(runner.policy().summary()).ok();
+        caps.limitations.push(
+            "an execution policy restricts executables, arguments, environment, working directories and timeouts (see `policy`)".into(),
+        );
+    }
+    if let Some(n) = config.limits.max_concurrent_executions {
+        caps.limitations.push(format!(
+            "at most {n} commands run at once on this gateway; more are refused (retry later)"
+        ));
+    }
+    if let Some(r) = &config.limits.rate_limit {
+        caps.limitations.push(format!(
+            "each client may start {} commands a minute (bursts of {})",
+            r.per_minute, r.burst
+        ));
+    }
+    if !config.redaction.is_empty() {
+        caps.limitations
+            .push("configured secrets in the output are replaced by [REDACTED]".into());
     }
     caps
 }
@@ -286,9 +319,10 @@ fn run_stdio(args: StdioArgs) -> anyhow::Result<()> {
 pub async fn stdio(config: Config) -> anyhow::Result<()> {
     use rmcp::ServiceExt as _;
     let executor = build_executor(&config).await?;
-    let runner = Arc::new(build_runner(&config, executor));
+    let runner = Arc::new(build_runner(&config, executor)?);
     let caps = Arc::new(capabilities(&config, &runner).await);
-    let service = McpService::new(runner.clone(), caps, config.mcp.max_output_bytes);
+    let service = McpService::new(runner.clone(), caps, config.mcp.max_output_bytes)
+        .with_tools(Arc::new(config.tools.clone()));
     let running = service
         .serve(rmcp::transport::stdio())
         .await

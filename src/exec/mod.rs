@@ -116,6 +116,20 @@ pub struct Execution {
     _tracked: Option<TaskTrackerToken>,
     /// Records its bytes and result in the gateway's metrics.
     observer: Option<crate::metrics::ExecutionObserver>,
+    /// Transform the events on their way out (redaction, audit), in order.
+    filters: Vec<Box<dyn EventFilter>>,
+    /// Events the filters produced that were not handed out yet.
+    pending: std::collections::VecDeque<Event>,
+    /// Held until the execution is dropped (a concurrency permit).
+    _guards: Vec<Box<dyn std::any::Any + Send + Sync>>,
+}
+
+/// Sees every event of an execution before its consumer does, and decides what the consumer
+/// gets: the event, a changed one, several, or none for now (a redactor holding back bytes).
+/// After a terminal event nothing more is asked of it; whatever it held must go out before
+/// that terminal event.
+pub trait EventFilter: Send + Sync + 'static {
+    fn filter(&mut self, event: Event, out: &mut std::collections::VecDeque<Event>);
 }
 
 /// How long a backend has to report the exit of a command it was told to kill.
@@ -141,6 +155,9 @@ impl Execution {
             started: Instant::now(),
             _tracked: None,
             observer: None,
+            filters: Vec::new(),
+            pending: std::collections::VecDeque::new(),
+            _guards: Vec::new(),
         }
     }
 
@@ -179,6 +196,18 @@ impl Execution {
         self
     }
 
+    /// Passes every event through `filter` (after the filters added before).
+    pub fn filtered(mut self, filter: impl EventFilter) -> Self {
+        self.filters.push(Box::new(filter));
+        self
+    }
+
+    /// Keeps `guard` alive as long as the execution (a concurrency permit).
+    pub fn hold(mut self, guard: impl std::any::Any + Send + Sync) -> Self {
+        self._guards.push(Box::new(guard));
+        self
+    }
+
     pub fn context(&self) -> &RunContext {
         &self.context
     }
@@ -190,11 +219,32 @@ impl Execution {
 
     /// The next event: output, then exactly one terminal event, then `None`.
     pub async fn next(&mut self) -> Option<Event> {
-        let event = self.next_event().await;
+        let event = self.next_filtered().await;
         if let (Some(event), Some(observer)) = (&event, &mut self.observer) {
             observer.observe(event);
         }
         event
+    }
+
+    async fn next_filtered(&mut self) -> Option<Event> {
+        loop {
+            if let Some(event) = self.pending.pop_front() {
+                return Some(event);
+            }
+            let event = self.next_event().await?;
+            if self.filters.is_empty() {
+                return Some(event);
+            }
+            let mut batch = std::collections::VecDeque::from([event]);
+            for f in &mut self.filters {
+                let mut out = std::collections::VecDeque::with_capacity(batch.len());
+                for e in batch.drain(..) {
+                    f.filter(e, &mut out);
+                }
+                batch = out;
+            }
+            self.pending = batch;
+        }
     }
 
     async fn next_event(&mut self) -> Option<Event> {

@@ -34,6 +34,8 @@ pub struct McpService {
     runner: Arc<Runner>,
     capabilities: Arc<Capabilities>,
     max_output_bytes: usize,
+    /// Operator-declared CLI tools (config `tools:`).
+    tools: Arc<Vec<crate::tools::ToolConfig>>,
 }
 
 impl McpService {
@@ -46,7 +48,97 @@ impl McpService {
             runner,
             capabilities,
             max_output_bytes,
+            tools: Arc::new(Vec::new()),
         }
+    }
+
+    /// Serves these operator-declared CLI tools too, each as its own MCP tool.
+    pub fn with_tools(mut self, tools: Arc<Vec<crate::tools::ToolConfig>>) -> Self {
+        self.tools = tools;
+        self
+    }
+
+    /// The MCP definition of a declared CLI tool.
+    fn cli_tool(&self, t: &crate::tools::ToolConfig) -> Tool {
+        let mut description = format!("{} Runs `{}`", t.description.trim_end(), t.usage());
+        if let Some(a) = &t.args {
+            description.push_str(&format!("; positional arguments: {}", a.description));
+        }
+        description.push_str(&format!(
+            ". {} Result: {{stdout, stderr, exitCode}}.",
+            self.capabilities.where_line()
+        ));
+        let mut tool = Tool::new(t.name.clone(), description, t.input_schema());
+        tool.output_schema = Some(Arc::new(crate::tools::output_schema()));
+        tool.annotations = Some(
+            ToolAnnotations::with_title(t.name.clone())
+                .read_only(false)
+                .destructive(true)
+                .idempotent(false)
+                .open_world(true),
+        );
+        tool
+    }
+
+    /// Runs a declared CLI tool: an input or start failure is an execution error (`isError`,
+    /// the reason, no output); a command that ran gives `{stdout, stderr, exitCode}`, with
+    /// `isError` when the exit code is not 0 (a command error).
+    async fn run_cli_tool(
+        &self,
+        t: &crate::tools::ToolConfig,
+        arguments: Option<serde_json::Map<String, Value>>,
+        context: RequestContext<RoleServer>,
+    ) -> CallToolResult {
+        let req = match t.request(&arguments.unwrap_or_default()) {
+            Ok(r) => r,
+            Err(e) => {
+                return error_result(&ErrorBody::new(
+                    ErrorCode::InvalidRequest,
+                    format!("invalid input for {}: {e}", t.name),
+                ));
+            }
+        };
+        let caller = crate::access::mcp_caller(&context.extensions)
+            .unwrap_or_else(|| crate::access::Caller::local("stdio"));
+        let started = tokio::select! {
+            s = self.runner.start_as(req, &caller) => s,
+            _ = context.ct.cancelled() => Err(ErrorBody::new(ErrorCode::InvalidRequest, "cancelled by the client")),
+        };
+        let execution = match started {
+            Ok(e) => e,
+            Err(e) => return error_result(&e),
+        };
+        let collected = tokio::select! {
+            c = collect(execution, self.max_output_bytes, |_, _| {}) => c,
+            _ = context.ct.cancelled() => {
+                return error_result(&ErrorBody::new(
+                    ErrorCode::InvalidRequest,
+                    "cancelled by the client: the command was killed",
+                ));
+            }
+        };
+        if let Some(e) = &collected.error {
+            return error_result(e);
+        }
+        let exit_code = collected
+            .exit
+            .map(|e| if e.timed_out { 124 } else { e.shell_status() })
+            .unwrap_or(255);
+        let output = json!({
+            "stdout": collected.stdout.text().0,
+            "stderr": collected.stderr.text().0,
+            "exitCode": exit_code,
+        });
+        let content = vec![ContentBlock::text(
+            serde_json::to_string_pretty(&output).unwrap_or_default(),
+        )];
+        let mut result = if exit_code == 0 {
+            CallToolResult::success(content)
+        } else {
+            CallToolResult::error(content)
+        };
+        result.structured_content = Some(output);
+        result
     }
 
     /// The tool's definition: input schema with the profiles as an enum, the
@@ -117,8 +209,11 @@ impl McpService {
                 ));
             }
         };
+        // Over HTTP the gateway's middleware identified the caller; over stdio it is local.
+        let caller = crate::access::mcp_caller(&context.extensions)
+            .unwrap_or_else(|| crate::access::Caller::local("stdio"));
         let started = tokio::select! {
-            s = self.runner.start(req.clone()) => s,
+            s = self.runner.start_as(req.clone(), &caller) => s,
             _ = context.ct.cancelled() => Err(ErrorBody::new(ErrorCode::InvalidRequest, "cancelled by the client")),
         };
         let execution = match started {
@@ -244,11 +339,19 @@ impl ServerHandler for McpService {
         _request: Option<PaginatedRequestParams>,
         _context: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, McpError> {
-        Ok(ListToolsResult::with_all_items(vec![self.tool()]))
+        let mut tools = vec![self.tool()];
+        tools.extend(self.tools.iter().map(|t| self.cli_tool(t)));
+        Ok(ListToolsResult::with_all_items(tools))
     }
 
     fn get_tool(&self, name: &str) -> Option<Tool> {
-        (name == TOOL).then(|| self.tool())
+        if name == TOOL {
+            return Some(self.tool());
+        }
+        self.tools
+            .iter()
+            .find(|t| t.name == name)
+            .map(|t| self.cli_tool(t))
     }
 
     async fn call_tool(
@@ -256,6 +359,13 @@ impl ServerHandler for McpService {
         request: CallToolRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, McpError> {
+        if let Some(t) = self.tools.iter().find(|t| t.name == request.name) {
+            let t = t.clone();
+            return Ok(self
+                .run_cli_tool(&t, request.arguments, context)
+                .await
+                .into());
+        }
         if request.name != TOOL {
             return Err(McpError::invalid_params(
                 format!("unknown tool {:?}", request.name),
