@@ -92,7 +92,8 @@ async fn pods_crud_errors_and_preconditions() {
     );
     pods.create(
         &PostParams::default(),
-        &pod("b", "busybox", json!({"app": "y"})),
+        // Never starts: the phase selector below then sees exactly one Running pod.
+        &pod("b", "r.example/never-starts:1", json!({"app": "y"})),
     )
     .await
     .unwrap();

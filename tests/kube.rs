@@ -241,9 +241,10 @@ profiles:
 async fn beyond_max_concurrent_pods_is_429() {
     let double = KubeDouble::start();
     let gw = gateway(&double, &["--max-concurrent-pods", "2"]);
-    let long = || raw(&gw, json!({"executable": "sleep", "args": ["3"]}));
+    let long = || raw(&gw, json!({"executable": "sleep", "args": ["5"]}));
     let (a, b, c) = tokio::join!(long(), long(), async {
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        // Both long requests hold their slot from the moment they arrive.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
         let r = http()
             .post(gw.raw_url())
             .json(&json!({"executable": "true"}))

@@ -399,3 +399,26 @@ async fn progress_notifications_carry_the_latest_line() {
     );
     c.cancel().await.unwrap();
 }
+
+/// An open MCP session (its server-to-client stream) does not hold the gateway's shutdown;
+/// a stray RUN_REMOTE_SERVER does not stop a gateway that does not use it.
+#[tokio::test(flavor = "multi_thread")]
+async fn gateway_stops_with_an_open_session() {
+    let mut gw = Gateway::start_with_env(&[], &[("RUN_REMOTE_SERVER", "not a url")]);
+    let c = http_client(&gw).await;
+    assert_eq!(
+        tool_call(&c, json!({"executable": "true"})).await.is_error,
+        Some(false)
+    );
+    let t = std::time::Instant::now();
+    let status = tokio::task::spawn_blocking(move || gw.terminate())
+        .await
+        .unwrap();
+    assert!(status.is_some_and(|s| s.success()), "{status:?}");
+    assert!(
+        t.elapsed() < Duration::from_secs(20),
+        "stopped in {:?}",
+        t.elapsed()
+    );
+    drop(c);
+}

@@ -80,7 +80,11 @@ impl BackendArgs {
         if let Some(backend) = self.backend {
             config.server.backend = backend;
         }
-        if let Some(server) = &self.server {
+        // `--server` / RUN_REMOTE_SERVER only matter to the remote backend: a stray
+        // variable must not stop a local or kube gateway.
+        if let Some(server) = &self.server
+            && config.server.backend == BackendKind::Remote
+        {
             config.remote.server = Some(server.clone());
         }
         self.kube.apply(&mut config)?;
