@@ -349,3 +349,39 @@ async fn remote_backend_sends_the_token() {
     );
     c.cancel().await.ok();
 }
+
+/// A rotated tokens file (a Kubernetes Secret updated in place) is picked up without a
+/// restart: the old token stops working, the new one works, the environment's stays.
+#[tokio::test]
+async fn rotated_tokens_file_is_reloaded() {
+    let (gw, dir) = with_tokens("auth:\n  reload_secs: 1\n");
+    let body = json!({"executable": "true"});
+    assert_eq!(
+        post_raw(&gw, Some(TOKEN_CI), body.clone()).await.status(),
+        200
+    );
+    let rotated = "ci-rotated-token-0123456789";
+    std::fs::write(dir.path().join("tokens"), format!("ci:{rotated}\n")).unwrap();
+    let mut switched = false;
+    for _ in 0..50 {
+        if post_raw(&gw, Some(rotated), body.clone()).await.status() == 200 {
+            switched = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        switched,
+        "the new token was not accepted:\n{}",
+        gw.log_text()
+    );
+    assert_eq!(
+        post_raw(&gw, Some(TOKEN_CI), body.clone()).await.status(),
+        401
+    );
+    assert_eq!(
+        post_raw(&gw, Some(TOKEN_DEV), body.clone()).await.status(),
+        200
+    );
+    assert!(gw.log_text().contains("tokens reloaded"));
+}
