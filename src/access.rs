@@ -122,7 +122,10 @@ pub struct Auth {
     env_tokens: Vec<Token>,
 }
 
-fn tokens_of(entries: Vec<(String, String)>) -> Vec<Token> {
+/// `(name, token)` pairs as parsed.
+type Entries = Vec<(String, String)>;
+
+fn tokens_of(entries: Entries) -> Vec<Token> {
     entries
         .into_iter()
         .map(|(name, token)| Token {
@@ -232,7 +235,8 @@ impl Auth {
         }))
     }
 
-    fn read_file(path: &std::path::Path) -> Result<(Vec<(String, String)>, [u8; 32]), String> {
+    /// The file's `(name, token)` entries and the digest of its content.
+    fn read_file(path: &std::path::Path) -> Result<(Entries, [u8; 32]), String> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| format!("cannot read the auth tokens file {}: {e}", path.display()))?;
         let entries = Self::parse(&text, &path.display().to_string(), false)?;
