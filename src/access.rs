@@ -68,7 +68,7 @@ impl Caller {
 }
 
 /// The `auth:` section of the configuration.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AuthConfig {
     /// A tokens file (one `token` or `name:token` a line, `#` comments). The environment
@@ -78,6 +78,19 @@ pub struct AuthConfig {
     /// Refuse to start when no token is configured (so that a missing Secret cannot open the
     /// gateway).
     pub required: bool,
+    /// How often the tokens file is read again (a rotated Kubernetes Secret is picked up
+    /// without a restart); 0: read once at start.
+    pub reload_secs: u64,
+}
+
+impl Default for AuthConfig {
+    fn default() -> Self {
+        Self {
+            tokens_file: None,
+            required: false,
+            reload_secs: 10,
+        }
+    }
 }
 
 /// `limits.rate_limit`: a token bucket per client.
@@ -91,6 +104,7 @@ pub struct RateLimitConfig {
 }
 
 /// One configured token, kept as its SHA-256 digest.
+#[derive(Clone)]
 struct Token {
     name: String,
     digest: [u8; 32],
@@ -98,7 +112,27 @@ struct Token {
 
 /// The bearer tokens the gateway accepts.
 pub struct Auth {
-    tokens: Vec<Token>,
+    /// What is checked: the file's tokens, then the environment's.
+    tokens: std::sync::RwLock<Arc<Vec<Token>>>,
+    /// The tokens file, re-read by [`Auth::reload`].
+    file: Option<PathBuf>,
+    /// The digest of the file's last accepted content.
+    file_digest: Mutex<[u8; 32]>,
+    /// Tokens from `MCP_RUN_AUTH_TOKENS` (fixed for the process).
+    env_tokens: Vec<Token>,
+}
+
+/// `(name, token)` pairs as parsed.
+type Entries = Vec<(String, String)>;
+
+fn tokens_of(entries: Entries) -> Vec<Token> {
+    entries
+        .into_iter()
+        .map(|(name, token)| Token {
+            name,
+            digest: digest(token.as_bytes()),
+        })
+        .collect()
 }
 
 fn digest(token: &[u8]) -> [u8; 32] {
@@ -167,20 +201,22 @@ impl Auth {
         config: &AuthConfig,
         env: impl Fn(&str) -> Option<String>,
     ) -> Result<Option<Auth>, String> {
-        let mut entries = Vec::new();
         let file = env(TOKENS_FILE_ENV)
             .filter(|f| !f.is_empty())
             .map(PathBuf::from)
             .or_else(|| config.tokens_file.clone());
-        if let Some(path) = file {
-            let text = std::fs::read_to_string(&path)
-                .map_err(|e| format!("cannot read the auth tokens file {}: {e}", path.display()))?;
-            entries.extend(Self::parse(&text, &path.display().to_string(), false)?);
-        }
-        if let Some(text) = env(TOKENS_ENV) {
-            entries.extend(Self::parse(&text, TOKENS_ENV, true)?);
-        }
-        if entries.is_empty() {
+        let (file_tokens, file_digest) = match &file {
+            Some(path) => {
+                let (entries, d) = Self::read_file(path)?;
+                (tokens_of(entries), d)
+            }
+            None => (Vec::new(), [0; 32]),
+        };
+        let env_tokens = match env(TOKENS_ENV) {
+            Some(text) => tokens_of(Self::parse(&text, TOKENS_ENV, true)?),
+            None => Vec::new(),
+        };
+        if file_tokens.is_empty() && env_tokens.is_empty() {
             return if config.required {
                 Err(format!(
                     "`auth.required` is set but no token is configured (set {TOKENS_FILE_ENV}, {TOKENS_ENV} or auth.tokens_file)"
@@ -189,44 +225,108 @@ impl Auth {
                 Ok(None)
             };
         }
-        Ok(Some(Auth::new(entries)))
+        let mut all = file_tokens;
+        all.extend(env_tokens.iter().cloned());
+        Ok(Some(Auth {
+            tokens: std::sync::RwLock::new(Arc::new(all)),
+            file,
+            file_digest: Mutex::new(file_digest),
+            env_tokens,
+        }))
     }
 
+    /// The file's `(name, token)` entries and the digest of its content.
+    fn read_file(path: &std::path::Path) -> Result<(Entries, [u8; 32]), String> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read the auth tokens file {}: {e}", path.display()))?;
+        let entries = Self::parse(&text, &path.display().to_string(), false)?;
+        Ok((entries, digest(text.as_bytes())))
+    }
+
+    /// Fixed tokens, no file (tests, embedding).
     pub fn new(entries: Vec<(String, String)>) -> Self {
+        let env_tokens = tokens_of(entries);
         Self {
-            tokens: entries
-                .into_iter()
-                .map(|(name, token)| Token {
-                    name,
-                    digest: digest(token.as_bytes()),
-                })
-                .collect(),
+            tokens: std::sync::RwLock::new(Arc::new(env_tokens.clone())),
+            file: None,
+            file_digest: Mutex::new([0; 32]),
+            env_tokens,
         }
     }
 
+    fn current(&self) -> Arc<Vec<Token>> {
+        self.tokens
+            .read()
+            .map(|t| t.clone())
+            .unwrap_or_else(|p| p.into_inner().clone())
+    }
+
     pub fn len(&self) -> usize {
-        self.tokens.len()
+        self.current().len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.tokens.is_empty()
+        self.current().is_empty()
+    }
+
+    /// Reads the tokens file again. `Ok(true)`: its content changed and its tokens replace
+    /// the previous ones; `Err`: unreadable or invalid, the previous tokens stay. An emptied
+    /// file leaves only the environment's tokens (none: every request is refused).
+    pub fn reload(&self) -> Result<bool, String> {
+        let Some(path) = &self.file else {
+            return Ok(false);
+        };
+        let (entries, d) = Self::read_file(path)?;
+        let mut last = self.file_digest.lock().unwrap_or_else(|p| p.into_inner());
+        if *last == d {
+            return Ok(false);
+        }
+        let mut all = tokens_of(entries);
+        all.extend(self.env_tokens.iter().cloned());
+        *self.tokens.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(all);
+        *last = d;
+        Ok(true)
+    }
+
+    /// Re-reads the tokens file every `every` in a background task (nothing without a file).
+    pub fn watch(self: &Arc<Self>, every: std::time::Duration) {
+        if self.file.is_none() || every.is_zero() {
+            return;
+        }
+        let auth = Arc::downgrade(self);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                let Some(auth) = auth.upgrade() else { return };
+                match auth.reload() {
+                    Ok(true) => tracing::info!(
+                        tokens = auth.len(),
+                        "auth tokens file changed: tokens reloaded"
+                    ),
+                    Ok(false) => {}
+                    Err(e) => tracing::warn!("{e}; keeping the previous tokens"),
+                }
+            }
+        });
     }
 
     /// The name of the token presented, compared in constant time: digests of equal length
     /// are compared with `subtle`, and every configured token is compared, match or not.
-    pub fn verify(&self, presented: &str) -> Option<&str> {
+    pub fn verify(&self, presented: &str) -> Option<String> {
         let d = digest(presented.as_bytes());
         let mut found = None;
-        for t in &self.tokens {
+        for t in self.current().iter() {
             if bool::from(t.digest.ct_eq(&d)) && found.is_none() {
-                found = Some(t.name.as_str());
+                found = Some(t.name.clone());
             }
         }
         found
     }
 
     /// Checks a request's `Authorization` header.
-    pub fn check(&self, headers: &HeaderMap) -> Result<&str, ErrorBody> {
+    pub fn check(&self, headers: &HeaderMap) -> Result<String, ErrorBody> {
         let unauthorized = |m: &str| ErrorBody::new(ErrorCode::Unauthorized, m);
         let value = headers
             .get(header::AUTHORIZATION)
@@ -332,7 +432,7 @@ pub async fn middleware(
         && !OPEN_PATHS.contains(&req.uri().path())
     {
         match auth.check(req.headers()) {
-            Ok(name) => caller.identity = Some(name.to_owned()),
+            Ok(name) => caller.identity = Some(name),
             Err(e) => {
                 tracing::info!(target: "mcp_run::audit", path = %req.uri().path(), client = %caller.describe(), outcome = "unauthorized", "{}", e.message);
                 crate::metrics::rejected(e.code);
@@ -391,7 +491,7 @@ mod tests {
             ("a".into(), "secret-a-0123456789".into()),
             ("b".into(), "secret-b-0123456789".into()),
         ]);
-        assert_eq!(auth.verify("secret-b-0123456789"), Some("b"));
+        assert_eq!(auth.verify("secret-b-0123456789").as_deref(), Some("b"));
         assert_eq!(auth.verify("secret-b-012345678"), None);
         assert_eq!(auth.verify(""), None);
         let mut h = HeaderMap::new();
@@ -418,7 +518,7 @@ mod tests {
         };
         let auth = Auth::load(&AuthConfig::default(), env).unwrap().unwrap();
         assert_eq!(auth.len(), 2);
-        assert_eq!(auth.verify("env-token-0123456789"), Some("e"));
+        assert_eq!(auth.verify("env-token-0123456789").as_deref(), Some("e"));
         assert!(
             Auth::load(&AuthConfig::default(), |_| None)
                 .unwrap()
@@ -441,6 +541,32 @@ mod tests {
                 .unwrap()
                 .contains("/nonexistent/tokens")
         );
+    }
+
+    #[test]
+    fn reload_replaces_the_file_tokens_and_keeps_them_on_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("tokens");
+        std::fs::write(&file, "old:old-token-0123456789\n").unwrap();
+        let f = file.to_str().unwrap().to_owned();
+        let env = |k: &str| match k {
+            TOKENS_FILE_ENV => Some(f.clone()),
+            TOKENS_ENV => Some("e:env-token-0123456789".into()),
+            _ => None,
+        };
+        let auth = Auth::load(&AuthConfig::default(), env).unwrap().unwrap();
+        assert_eq!(auth.reload(), Ok(false));
+        std::fs::write(&file, "new:new-token-0123456789\n").unwrap();
+        assert_eq!(auth.reload(), Ok(true));
+        assert_eq!(auth.verify("old-token-0123456789"), None);
+        assert_eq!(auth.verify("new-token-0123456789").as_deref(), Some("new"));
+        assert_eq!(auth.verify("env-token-0123456789").as_deref(), Some("e"));
+        std::fs::write(&file, "bad name:x\n").unwrap();
+        assert!(auth.reload().is_err());
+        assert_eq!(auth.verify("new-token-0123456789").as_deref(), Some("new"));
+        std::fs::write(&file, "# emptied\n").unwrap();
+        assert_eq!(auth.reload(), Ok(true));
+        assert_eq!(auth.len(), 1);
     }
 
     #[test]

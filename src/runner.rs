@@ -60,6 +60,24 @@ impl Runner {
         self
     }
 
+    /// The redaction in force, if any.
+    pub fn redactor(&self) -> Option<&Arc<Redactor>> {
+        self.redactor.as_ref()
+    }
+
+    /// The request as results may show it: secrets in the command line and cwd redacted.
+    pub fn redact_request(&self, req: &RunRequest) -> RunRequest {
+        let Some(r) = &self.redactor else {
+            return req.clone();
+        };
+        RunRequest {
+            executable: r.redact_str(&req.executable),
+            args: req.args.iter().map(|a| r.redact_str(a)).collect(),
+            cwd: req.cwd.as_deref().map(|c| r.redact_str(c)),
+            ..req.clone()
+        }
+    }
+
     pub fn policy(&self) -> &Policy {
         &self.policy
     }

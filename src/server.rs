@@ -225,7 +225,11 @@ async fn raw(
             return e.into_response();
         }
     };
-    let command = req.command_line();
+    // Logged below: secrets in the command line are redacted like the output.
+    let command = match state.runner.redactor() {
+        Some(r) => r.redact_str(&req.command_line()),
+        None => req.command_line(),
+    };
     let caller = caller.map(|c| c.0).unwrap_or_default();
     match state.runner.start_as(req, &caller).await {
         Ok(execution) => {

@@ -294,3 +294,94 @@ fn limit_config_errors_name_the_field() {
         assert!(e.contains(field), "{yaml}: {e}");
     }
 }
+
+/// `mcp-run stdio --backend remote` sends RUN_REMOTE_TOKEN to a gateway with auth on, for
+/// `/capabilities` and `/raw`; the gateway's audit names the token's identity.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_backend_sends_the_token() {
+    use rmcp::ServiceExt as _;
+    let (gw, _dir) = with_tokens("");
+    let url = gw.raw_url();
+    let start = |token: Option<&str>| {
+        let mut cmd = tokio::process::Command::new(gateway_bin());
+        cmd.args(["stdio", "--backend", "remote", "--server", &url])
+            .env_remove("RUN_REMOTE_TOKEN");
+        if let Some(t) = token {
+            cmd.env("RUN_REMOTE_TOKEN", t);
+        }
+        rmcp::transport::TokioChildProcess::new(cmd).unwrap()
+    };
+    let call = rmcp::model::CallToolRequestParams::new("run_network_tool").with_arguments(
+        json!({"executable": "echo", "args": ["remote-ok"]})
+            .as_object()
+            .cloned()
+            .unwrap(),
+    );
+
+    let c = ().serve(start(Some(TOKEN_DEV))).await.expect("MCP over stdio");
+    let info = c.peer_info().unwrap().clone();
+    let runtime = &info.capabilities.experimental.as_ref().unwrap()["mcp-run/runtime"];
+    assert_eq!(
+        runtime["backend"], "local",
+        "the gateway's capabilities were read"
+    );
+    let r = c.call_tool(call.clone()).await.unwrap();
+    assert_eq!(r.is_error, Some(false));
+    assert_eq!(
+        r.structured_content.unwrap()["outputs"][0]["stdout"],
+        "remote-ok\n"
+    );
+    c.cancel().await.ok();
+    assert!(support::wait_until(Duration::from_secs(5), || {
+        gw.log_text().contains("identity=dev@127.0.0.1")
+    }));
+
+    let c = ().serve(start(None)).await.expect("MCP over stdio");
+    let r = c.call_tool(call).await.unwrap();
+    assert_eq!(r.is_error, Some(true));
+    let s = r.structured_content.unwrap();
+    assert!(
+        s["error"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with("unauthorized"),
+        "{s}"
+    );
+    c.cancel().await.ok();
+}
+
+/// A rotated tokens file (a Kubernetes Secret updated in place) is picked up without a
+/// restart: the old token stops working, the new one works, the environment's stays.
+#[tokio::test]
+async fn rotated_tokens_file_is_reloaded() {
+    let (gw, dir) = with_tokens("auth:\n  reload_secs: 1\n");
+    let body = json!({"executable": "true"});
+    assert_eq!(
+        post_raw(&gw, Some(TOKEN_CI), body.clone()).await.status(),
+        200
+    );
+    let rotated = "ci-rotated-token-0123456789";
+    std::fs::write(dir.path().join("tokens"), format!("ci:{rotated}\n")).unwrap();
+    let mut switched = false;
+    for _ in 0..50 {
+        if post_raw(&gw, Some(rotated), body.clone()).await.status() == 200 {
+            switched = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        switched,
+        "the new token was not accepted:\n{}",
+        gw.log_text()
+    );
+    assert_eq!(
+        post_raw(&gw, Some(TOKEN_CI), body.clone()).await.status(),
+        401
+    );
+    assert_eq!(
+        post_raw(&gw, Some(TOKEN_DEV), body.clone()).await.status(),
+        200
+    );
+    assert!(gw.log_text().contains("tokens reloaded"));
+}

@@ -134,6 +134,24 @@ async fn audit_lines() {
             .any(|l| l.contains("mcp_run::audit") && l.contains("outcome=\"rejected\"")),
         "{log}"
     );
+    // Also where the gateway logs a refused command line (the test log level is debug when
+    // MCP_RUN_TEST_LOG=debug, which logs started command lines as well).
+    let r = raw(
+        &gw,
+        json!({"executable": "echo", "args": ["hunter2-password"], "timeout_secs": 999999}),
+    )
+    .await;
+    assert_eq!(r.status, 400);
+    assert!(support::wait_until(
+        std::time::Duration::from_secs(5),
+        || { gw.log_text().matches("outcome=\"rejected\"").count() >= 2 }
+    ));
+    let log = gw.log_text();
+    assert!(log.contains("rejected"), "{log}");
+    assert!(
+        !log.contains("hunter2-password"),
+        "a secret was logged:\n{log}"
+    );
 }
 
 #[test]
@@ -145,4 +163,32 @@ fn redaction_config_errors_name_the_field() {
     .unwrap_err()
     .to_string();
     assert!(e.contains("redaction.patterns[0].regex"), "{e}");
+}
+
+/// MCP results are built from the same events: redacted too, also when split.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn secrets_are_redacted_in_mcp_results() {
+    use rmcp::ServiceExt as _;
+    let (gw, _dir) = start();
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let transport = rmcp::transport::StreamableHttpClientTransport::from_uri(gw.url("/mcp"));
+    let client = ().serve(transport).await.expect("MCP initialize");
+    let args = json!({"executable": "sh", "args": ["-c",
+        "printf 'k=dk-0123'; sleep 0.3; printf '456789-abcdef\\n'; echo hunter2-password >&2"]});
+    let r = client
+        .call_tool(
+            rmcp::model::CallToolRequestParams::new("run_network_tool")
+                .with_arguments(args.as_object().cloned().unwrap()),
+        )
+        .await
+        .unwrap();
+    let s = r.structured_content.clone().unwrap();
+    assert_eq!(s["outputs"][0]["stdout"], "k=[REDACTED]\n", "{s}");
+    assert_eq!(s["outputs"][0]["stderr"], "[REDACTED]\n", "{s}");
+    let all = serde_json::to_string(&r).unwrap();
+    assert!(
+        !all.contains(DEPLOY_KEY) && !all.contains("hunter2"),
+        "{all}"
+    );
+    client.cancel().await.ok();
 }

@@ -241,6 +241,7 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
             .map(Arc::new),
     };
     if let Some(auth) = &state.auth {
+        auth.watch(Duration::from_secs(config.auth.reload_secs));
         tracing::info!(
             tokens = auth.len(),
             "bearer-token auth on for every path but /healthz, /readyz and /metrics"

@@ -120,6 +120,8 @@ pub struct Execution {
     filters: Vec<Box<dyn EventFilter>>,
     /// Events the filters produced that were not handed out yet.
     pending: std::collections::VecDeque<Event>,
+    /// A second buffer for passing events between filters, kept for its capacity.
+    spare: std::collections::VecDeque<Event>,
     /// Held until the execution is dropped (a concurrency permit).
     _guards: Vec<Box<dyn std::any::Any + Send + Sync>>,
 }
@@ -157,6 +159,7 @@ impl Execution {
             observer: None,
             filters: Vec::new(),
             pending: std::collections::VecDeque::new(),
+            spare: std::collections::VecDeque::new(),
             _guards: Vec::new(),
         }
     }
@@ -235,15 +238,19 @@ impl Execution {
             if self.filters.is_empty() {
                 return Some(event);
             }
-            let mut batch = std::collections::VecDeque::from([event]);
+            // Two buffers swapped between filters: no allocation per event once warm.
+            let mut cur = std::mem::take(&mut self.pending);
+            let mut spare = std::mem::take(&mut self.spare);
+            cur.push_back(event);
             for f in &mut self.filters {
-                let mut out = std::collections::VecDeque::with_capacity(batch.len());
-                for e in batch.drain(..) {
-                    f.filter(e, &mut out);
+                spare.clear();
+                for e in cur.drain(..) {
+                    f.filter(e, &mut spare);
                 }
-                batch = out;
+                std::mem::swap(&mut cur, &mut spare);
             }
-            self.pending = batch;
+            self.pending = cur;
+            self.spare = spare;
         }
     }
 
@@ -331,6 +338,60 @@ pub(crate) async fn forward<R>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Holds stdout events back until the terminal one, then releases them before it.
+    struct Hold(Vec<Event>);
+    impl EventFilter for Hold {
+        fn filter(&mut self, event: Event, out: &mut std::collections::VecDeque<Event>) {
+            if event.is_terminal() {
+                out.extend(self.0.drain(..));
+                out.push_back(event);
+            } else {
+                self.0.push(event);
+            }
+        }
+    }
+
+    /// Doubles every output event.
+    struct Twice;
+    impl EventFilter for Twice {
+        fn filter(&mut self, event: Event, out: &mut std::collections::VecDeque<Event>) {
+            if !event.is_terminal() {
+                out.push_back(event.clone());
+            }
+            out.push_back(event);
+        }
+    }
+
+    #[tokio::test]
+    async fn filters_run_in_order_and_guards_live_as_long_as_the_execution() {
+        let (tx, rx) = mpsc::channel(4);
+        for b in [&b"a"[..], b"b"] {
+            tx.send(Event::Stdout {
+                data: bytes::Bytes::copy_from_slice(b),
+            })
+            .await
+            .unwrap();
+        }
+        tx.send(Event::Exit(ExitInfo::default())).await.unwrap();
+        let guard = std::sync::Arc::new(());
+        let mut e = Execution::new(RunContext::default(), rx, CancellationToken::new())
+            .filtered(Hold(Vec::new()))
+            .filtered(Twice)
+            .hold(guard.clone());
+        let mut seen = Vec::new();
+        while let Some(ev) = e.next().await {
+            seen.push(match ev {
+                Event::Stdout { data } => String::from_utf8_lossy(&data).into_owned(),
+                Event::Exit(_) => "exit".into(),
+                other => format!("{other:?}"),
+            });
+        }
+        assert_eq!(seen, ["a", "a", "b", "b", "exit"]);
+        assert_eq!(std::sync::Arc::strong_count(&guard), 2);
+        drop(e);
+        assert_eq!(std::sync::Arc::strong_count(&guard), 1);
+    }
 
     #[tokio::test]
     async fn closed_channel_yields_one_error_then_none() {

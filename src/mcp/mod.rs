@@ -219,7 +219,7 @@ impl McpService {
         let execution = match started {
             Ok(e) => e,
             Err(e) => {
-                let r = StructuredResult::not_started(TOOL, &req, &e);
+                let r = StructuredResult::not_started(TOOL, &self.runner.redact_request(&req), &e);
                 return finish(r);
             }
         };
@@ -265,7 +265,11 @@ impl McpService {
             p.abort();
         }
         match collected {
-            Some(c) => finish(StructuredResult::from_run(TOOL, &req, &c)),
+            Some(c) => finish(StructuredResult::from_run(
+                TOOL,
+                &self.runner.redact_request(&req),
+                &c,
+            )),
             None => error_result(&ErrorBody::new(
                 ErrorCode::InvalidRequest,
                 "cancelled by the client: the command was killed",
