@@ -12,3 +12,4 @@ pub mod exec;
 pub mod metrics;
 pub mod runner;
 pub mod server;
+pub mod templates;
