@@ -6,6 +6,7 @@ mod support;
 use std::path::{Path, PathBuf};
 
 use mcp_run::templates::Catalog;
+use support::Gateway;
 
 struct Fixture {
     name: String,
@@ -103,4 +104,183 @@ fn every_failure_line_survives_and_the_output_shrinks() {
         catalog.names().into_iter().collect(),
         "a built-in has no fixture"
     );
+}
+
+/// Prints one fixture's filtered output: `FIXTURE=name cargo test --test templates show -- --nocapture`.
+#[test]
+fn show() {
+    let Ok(name) = std::env::var("FIXTURE") else {
+        return;
+    };
+    let f = fixtures().into_iter().find(|f| f.name == name).unwrap();
+    let t = Catalog::builtin().get(&f.template).unwrap().clone();
+    println!("--- stdout");
+    print!(
+        "{}",
+        String::from_utf8_lossy(&t.apply(&f.stdout, Some(f.exit)).output)
+    );
+    println!("--- stderr");
+    print!(
+        "{}",
+        String::from_utf8_lossy(&t.apply(&f.stderr, Some(f.exit)).output)
+    );
+}
+
+fn sh_cat_fixture(name: &str) -> Vec<String> {
+    let d = fixtures_dir().join(name);
+    let exit = std::fs::read_to_string(d.join("exit")).unwrap();
+    vec![
+        "sh".into(),
+        "-c".into(),
+        format!("cat \"$1\"; cat \"$2\" >&2; exit {}", exit.trim()),
+        "sh".into(),
+        d.join("stdout").display().to_string(),
+        d.join("stderr").display().to_string(),
+    ]
+}
+
+/// `run-remote --template` against a real gateway: the exit code is mirrored, the output is
+/// filtered, and the full output is in the file that the note names.
+#[test]
+fn run_remote_template_end_to_end() {
+    let gw = Gateway::start(&[]);
+    let tmp = tempfile::tempdir().unwrap();
+    let out = gw
+        .run_remote()
+        .env("TMPDIR", tmp.path())
+        .args(["--template", "cargo-test", "--"])
+        .args(sh_cat_fixture("cargo-test-fail"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(101));
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert!(stdout.starts_with("[template cargo-test: "), "{stdout}");
+    assert!(stdout.contains("test tests::parse_port_rejects_words ... FAILED\n"));
+    assert!(stdout.contains(" right: 43\n"));
+    assert!(!stdout.contains("... ok"), "{stdout}");
+    let note = stderr.lines().last().unwrap();
+    assert!(
+        note.starts_with("run-remote: template cargo-test: "),
+        "{stderr}"
+    );
+    let path = note.rsplit(" is in ").next().unwrap();
+    assert!(
+        path.starts_with(&tmp.path().display().to_string()),
+        "{note}"
+    );
+    let raw = std::fs::read(path).unwrap();
+    let d = fixtures_dir().join("cargo-test-fail");
+    let (o, e) = (
+        std::fs::read(d.join("stdout")).unwrap(),
+        std::fs::read(d.join("stderr")).unwrap(),
+    );
+    assert_eq!(raw.len(), o.len() + e.len());
+    assert!(raw.starts_with(&o));
+
+    // Success: the last paragraph, and the exit code stays 0.
+    let ok = gw
+        .run_remote()
+        .env("TMPDIR", tmp.path())
+        .args([
+            "--template",
+            "cargo-build",
+            "--",
+            "sh",
+            "-c",
+            "seq 1 100; echo; echo Finished",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(ok.status.code(), Some(0));
+    assert_eq!(
+        String::from_utf8_lossy(&ok.stdout),
+        "[template cargo-build: 101 of 102 lines left out]\nFinished\n"
+    );
+}
+
+/// An unknown template or an invalid configuration stops run-remote before anything runs,
+/// with its configuration-error code and one line; a custom template is found from the
+/// current directory and listed with its origin.
+#[test]
+fn run_remote_template_configuration() {
+    let gw = Gateway::start(&[]);
+    let repo = tempfile::tempdir().unwrap();
+    let sub = repo.path().join("pkg/src");
+    std::fs::create_dir_all(&sub).unwrap();
+    let marker = repo.path().join("ran");
+    let touch = ["--", "touch", marker.to_str().unwrap()];
+
+    let unknown = gw
+        .run_remote()
+        .current_dir(&sub)
+        .args(["--template", "nope"])
+        .args(touch)
+        .output()
+        .unwrap();
+    assert_eq!(unknown.status.code(), Some(78));
+    let msg = String::from_utf8(unknown.stderr).unwrap();
+    assert_eq!(msg.lines().count(), 1, "{msg}");
+    assert!(msg.contains("unknown template \"nope\""), "{msg}");
+    assert!(!marker.exists());
+
+    let config = repo.path().join(".mcp-run/config.yaml");
+    std::fs::create_dir_all(config.parent().unwrap()).unwrap();
+    std::fs::write(&config, "templates:\n  mine:\n    description: Only WANTED lines\n    include_regex: WANTED\n    tail_paragraphs: 0\n").unwrap();
+    let list = gw
+        .run_remote()
+        .current_dir(&sub)
+        .arg("templates")
+        .output()
+        .unwrap();
+    assert_eq!(list.status.code(), Some(0));
+    let list = String::from_utf8(list.stdout).unwrap();
+    let mine = list.lines().find(|l| l.starts_with("mine ")).unwrap();
+    assert!(mine.contains(&config.display().to_string()) && mine.ends_with("Only WANTED lines"));
+    assert!(
+        list.lines()
+            .any(|l| l.starts_with("cargo-test ") && l.contains("built-in"))
+    );
+
+    let tmp = tempfile::tempdir().unwrap();
+    let custom = gw
+        .run_remote()
+        .current_dir(&sub)
+        .env("TMPDIR", tmp.path())
+        .args([
+            "--template",
+            "mine",
+            "--",
+            "sh",
+            "-c",
+            "echo a; echo WANTED 1; echo b",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(custom.status.code(), Some(0));
+    assert_eq!(
+        String::from_utf8_lossy(&custom.stdout),
+        "[template mine: 2 of 3 lines left out]\nWANTED 1\n"
+    );
+
+    std::fs::write(
+        &config,
+        "templates:\n  mine:\n    description: x\n    include_regex: '(('\n",
+    )
+    .unwrap();
+    for args in [vec!["templates"], vec!["--template", "tsc", "--", "true"]] {
+        let bad = gw
+            .run_remote()
+            .current_dir(&sub)
+            .args(&args)
+            .output()
+            .unwrap();
+        assert_eq!(bad.status.code(), Some(78), "{args:?}");
+        let msg = String::from_utf8(bad.stderr).unwrap();
+        assert_eq!(msg.lines().count(), 1, "{msg}");
+        assert!(
+            msg.contains(&config.display().to_string()) && msg.contains("\"mine\""),
+            "{msg}"
+        );
+    }
 }

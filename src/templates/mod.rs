@@ -140,11 +140,24 @@ pub fn parse_config(path: &Path, text: &str) -> Result<Vec<Template>, ConfigErro
             ));
         }
         let spec: TemplateSpec = yaml_serde::from_value(value).map_err(|e| bad(e.to_string()))?;
-        let t =
-            Template::new(&name, spec).map_err(|e| bad(format!("invalid include_regex: {e}")))?;
+        let pattern = spec.include_regex.clone();
+        let t = Template::new(&name, spec).map_err(|e| {
+            bad(format!(
+                "invalid include_regex {pattern:?}: {}",
+                regex_error_line(&e)
+            ))
+        })?;
         out.push(t);
     }
     Ok(out)
+}
+
+/// The cause of a regex error on one line (the parser's message draws a caret under the
+/// pattern over several lines).
+fn regex_error_line(e: &regex::Error) -> String {
+    let text = e.to_string();
+    let last = text.lines().last().unwrap_or_default().trim();
+    last.strip_prefix("error: ").unwrap_or(last).to_owned()
 }
 
 /// Template names are enum values in a tool schema and flags on a command line.
@@ -322,6 +335,10 @@ mod tests {
         assert!(e.contains(&p.display().to_string()), "{e}");
         assert!(
             e.contains("\"broken\"") && e.contains("include_regex"),
+            "{e}"
+        );
+        assert!(
+            e.ends_with("invalid include_regex \"(unclosed\": unclosed group"),
             "{e}"
         );
 
