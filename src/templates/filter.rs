@@ -12,19 +12,20 @@ use super::Template;
 
 /// Lines that report a failure. On a non-zero exit these survive whatever the template
 /// says: they are the lines a filter must never drop (compile errors before tests ran,
-/// collection errors, panics, tracebacks, pytest's `E   ` assertion detail).
+/// collection errors, panics, tracebacks, pytest's `E   ` assertion detail). It runs once over
+/// the whole output in multi-line mode, so no alternative may match across a newline.
 static ERROR_SHAPED: LazyLock<Regex> = LazyLock::new(|| {
     Regex::new(concat!(
-        r"(?i:\berror\b)",
-        r"|\berror\[E\d+\]",
-        r"|\b[A-Z][A-Za-z]*(?:Error|Exception)\b",
-        r"|\bFAIL(?:ED|URE|URES)?\b",
+        // Every alternative starts with a literal, so that a literal search finds candidates;
+        // ASCII word boundaries, as a Unicode one slows lines with a non-ASCII byte.
+        r"(?m)(?i:(?-u:\b)error(?-u:\b))",
+        r"|(?:Error|Exception)(?-u:\b)",
+        r"|(?-u:\b)FAIL(?:ED|URE|URES)?(?-u:\b)",
         r"|^Traceback \(most recent call last\)",
-        r"|\bpanicked at\b",
-        r"|^E {2,}\S",
-        r"|^\s*●\s",
-        r"|\bBUILD FAILURE\b",
-        r"|^\s*\S+:\s*command not found",
+        r"|(?-u:\b)panicked at(?-u:\b)",
+        r"|^E {2,}[^\s]",
+        r"|●[ \t]",
+        r"|: command not found",
         r"|No such file or directory",
     ))
     .unwrap_or_else(|e| unreachable!("built-in regex: {e}"))
@@ -147,7 +148,7 @@ pub fn apply(template: &Template, output: &[u8], exit_code: Option<i32>) -> Filt
         }
     }
     if failed {
-        keep_errors(&lines, &mut keep);
+        keep_errors(output, &lines, &mut keep);
     }
 
     let kept_lines = keep.iter().filter(|k| **k).count();
@@ -176,26 +177,36 @@ pub fn apply(template: &Template, output: &[u8], exit_code: Option<i32>) -> Filt
 }
 
 /// Marks error-shaped lines and the location lines that follow them.
-fn keep_errors(lines: &[&[u8]], keep: &mut [bool]) {
-    let mut window_end = 0;
-    let mut after_panic = false;
-    for (i, line) in lines.iter().enumerate() {
-        let text = content(line);
-        if after_panic && !is_blank(text) {
+fn keep_errors(output: &[u8], lines: &[&[u8]], keep: &mut [bool]) {
+    let base = output.as_ptr() as usize;
+    let starts: Vec<usize> = lines.iter().map(|l| l.as_ptr() as usize - base).collect();
+    let mut error_lines: Vec<usize> = Vec::new();
+    for m in ERROR_SHAPED.find_iter(output) {
+        let i = starts.partition_point(|&s| s <= m.start()) - 1;
+        if error_lines.last() != Some(&i) {
+            error_lines.push(i);
+        }
+    }
+    // Lines below this one were already searched for locations.
+    let mut searched = 0;
+    for &i in &error_lines {
+        keep[i] = true;
+        let text = content(lines[i]);
+        let mut from = i + 1;
+        if text.ends_with(b":") && memchr::memmem::find(text, b"panicked at").is_some() {
             // Rust prints the panic message on the line after `panicked at path:l:c:`.
-            keep[i] = true;
-            after_panic = false;
-            window_end = i + 1 + LOCATION_WINDOW;
-            continue;
+            if let Some(k) = (i + 1..lines.len()).find(|&k| !is_blank(lines[k])) {
+                keep[k] = true;
+                from = k + 1;
+            }
         }
-        if ERROR_SHAPED.is_match(text) {
-            keep[i] = true;
-            after_panic =
-                text.ends_with(b":") && memchr::memmem::find(text, b"panicked at").is_some();
-            window_end = i + 1 + LOCATION_WINDOW;
-        } else if i < window_end && !keep[i] && LOCATION.is_match(text) {
-            keep[i] = true;
+        let end = (from + LOCATION_WINDOW).min(lines.len());
+        for k in from.max(searched)..end {
+            if !keep[k] && LOCATION.is_match(content(lines[k])) {
+                keep[k] = true;
+            }
         }
+        searched = searched.max(end);
     }
 }
 
