@@ -1,6 +1,7 @@
 //! The gateway's configuration: one type, loaded from one YAML file and validated in one
 //! place. Command-line flags override the file. `docs/configuration.md` documents every key.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -8,6 +9,8 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::exec::local::DEFAULT_INHERIT_ENV;
+
+pub use crate::exec::kube::config::{KubernetesConfig, Profile};
 
 /// A configuration problem, naming the file and the field.
 #[derive(Debug, thiserror::Error)]
@@ -34,6 +37,10 @@ pub enum BackendKind {
     /// Child processes of the gateway.
     #[default]
     Local,
+    /// One ephemeral pod per request, through the Kubernetes exec API.
+    Kube,
+    /// Another gateway's `/raw` (`remote.server`, `--server` or `RUN_REMOTE_SERVER`).
+    Remote,
 }
 
 /// The whole configuration file.
@@ -43,6 +50,19 @@ pub struct Config {
     pub server: ServerConfig,
     pub limits: Limits,
     pub local: LocalConfig,
+    pub kubernetes: KubernetesConfig,
+    pub mcp: McpConfig,
+    pub remote: RemoteConfig,
+    /// Runner profiles of the Kubernetes backend; `default` is always there.
+    pub profiles: BTreeMap<String, Profile>,
+    /// The execution policy (docs/policy.md).
+    pub policy: crate::policy::PolicyConfig,
+    /// Bearer-token auth (docs/policy.md).
+    pub auth: crate::access::AuthConfig,
+    /// Secrets replaced by `[REDACTED]` in output (docs/policy.md).
+    pub redaction: crate::redact::RedactionConfig,
+    /// Operator-declared CLI tools, each its own MCP tool (docs/tools.md).
+    pub tools: Vec<crate::tools::ToolConfig>,
     /// The file this was loaded from, for error messages.
     #[serde(skip)]
     pub source: Option<PathBuf>,
@@ -82,6 +102,12 @@ pub struct Limits {
     pub default_timeout_secs: u64,
     /// The largest `timeout_secs` a request may ask for.
     pub max_timeout_secs: u64,
+    /// Executions at once over every front end; more get 429. Absent: no limit.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_concurrent_executions: Option<usize>,
+    /// Executions a client (auth identity, else address) may start: a token bucket.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rate_limit: Option<crate::access::RateLimitConfig>,
 }
 
 impl Default for Limits {
@@ -89,8 +115,38 @@ impl Default for Limits {
         Self {
             default_timeout_secs: 600,
             max_timeout_secs: 3600,
+            max_concurrent_executions: None,
+            rate_limit: None,
         }
     }
+}
+
+/// The MCP server (`/mcp` and `mcp-run stdio`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct McpConfig {
+    /// Per stream, the most output kept in a tool result (head and tail).
+    pub max_output_bytes: usize,
+    /// `Host` headers `/mcp` accepts (DNS-rebinding protection for gateways on a
+    /// workstation); an empty list accepts any host, for a gateway behind a Service.
+    pub allowed_hosts: Vec<String>,
+}
+
+impl Default for McpConfig {
+    fn default() -> Self {
+        Self {
+            max_output_bytes: crate::result::DEFAULT_MAX_OUTPUT_BYTES,
+            allowed_hosts: vec!["localhost".into(), "127.0.0.1".into(), "::1".into()],
+        }
+    }
+}
+
+/// The remote backend.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RemoteConfig {
+    /// The gateway's `/raw` URL [default: `RUN_REMOTE_SERVER`].
+    pub server: Option<String>,
 }
 
 /// The local backend.
@@ -133,6 +189,7 @@ impl Config {
         };
         config.source = path.map(Path::to_owned);
         config.validate()?;
+        config.ensure_default_profile();
         Ok(config)
     }
 
@@ -171,6 +228,30 @@ impl Config {
                 "must be at least 1024".into(),
             ));
         }
+        self.kubernetes
+            .validate(&self.limits)
+            .map_err(|(f, m)| invalid(&f, m))?;
+        for (name, profile) in &self.profiles {
+            profile
+                .validate()
+                .map_err(|(f, m)| invalid(&format!("profiles.{name}.{f}"), m))?;
+        }
+        if !self.profiles.is_empty() && !self.profiles.contains_key("default") {
+            return Err(invalid(
+                "profiles",
+                "must contain a `default` profile".into(),
+            ));
+        }
+        if self.mcp.max_output_bytes < 1024 {
+            return Err(invalid(
+                "mcp.max_output_bytes",
+                "must be at least 1024".into(),
+            ));
+        }
+        if let Some(server) = &self.remote.server {
+            crate::exec::remote::parse_server_url(server)
+                .map_err(|m| invalid("remote.server", m))?;
+        }
         for name in &self.local.inherit_env {
             if !crate::contract::is_valid_env_name(name) {
                 return Err(invalid(
@@ -179,7 +260,39 @@ impl Config {
                 ));
             }
         }
+        if l.max_concurrent_executions == Some(0) {
+            return Err(invalid(
+                "limits.max_concurrent_executions",
+                "must be at least 1".into(),
+            ));
+        }
+        if let Some(r) = &l.rate_limit {
+            if r.per_minute == 0 {
+                return Err(invalid(
+                    "limits.rate_limit.per_minute",
+                    "must be at least 1".into(),
+                ));
+            }
+            if r.burst == 0 {
+                return Err(invalid(
+                    "limits.rate_limit.burst",
+                    "must be at least 1".into(),
+                ));
+            }
+        }
+        crate::tools::validate(&self.tools).map_err(|e| invalid(&e.field, e.message))?;
+        self.redaction
+            .validate()
+            .map_err(|e| invalid(&e.field, e.message))?;
+        self.policy
+            .validate(&self.limits)
+            .map_err(|e| invalid(&e.field, e.message))?;
         Ok(())
+    }
+
+    /// The profiles with `default` filled in when the file has none.
+    pub fn ensure_default_profile(&mut self) {
+        self.profiles.entry("default".into()).or_default();
     }
 
     pub fn keepalive(&self) -> Duration {

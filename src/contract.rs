@@ -403,6 +403,10 @@ impl std::fmt::Display for ErrorCode {
 pub struct ErrorBody {
     pub code: ErrorCode,
     pub message: String,
+    /// For `too_many_requests`: seconds until a retry can succeed (the `Retry-After`
+    /// header; 1 when absent). Not part of the JSON body.
+    #[serde(skip)]
+    pub retry_after_secs: Option<u64>,
 }
 
 impl ErrorBody {
@@ -410,7 +414,14 @@ impl ErrorBody {
         Self {
             code,
             message: message.into(),
+            retry_after_secs: None,
         }
+    }
+
+    /// Sets the `Retry-After` seconds of a `too_many_requests` answer.
+    pub fn retry_after(mut self, secs: u64) -> Self {
+        self.retry_after_secs = Some(secs.max(1));
+        self
     }
 }
 

@@ -147,6 +147,10 @@ pub struct Registry {
     bytes: Mutex<BTreeMap<(&'static str, &'static str), u64>>,
     rejections: Mutex<BTreeMap<&'static str, u64>>,
     pod_start: Mutex<Histogram>,
+    /// Warm pool claims by profile and whether a pod was there (hit) or not (miss).
+    pool_claims: Mutex<BTreeMap<(String, bool), u64>>,
+    /// Warm pool refills: from creating a pool pod to it running, by profile.
+    pool_refill: Mutex<BTreeMap<String, Histogram>>,
 }
 
 impl Default for Registry {
@@ -170,6 +174,8 @@ impl Registry {
             bytes: Mutex::default(),
             rejections: Mutex::default(),
             pod_start: Mutex::new(Histogram::new(POD_START_BUCKETS)),
+            pool_claims: Mutex::default(),
+            pool_refill: Mutex::default(),
         }
     }
 
@@ -207,6 +213,21 @@ impl Registry {
     /// Records how long a runner pod took from creation to Running.
     pub fn observe_pod_start(&self, d: Duration) {
         lock(&self.pod_start).observe(d.as_secs_f64());
+    }
+
+    /// Counts a warm pool claim: `hit` when a warm pod was claimed.
+    pub fn warm_pool_claim(&self, profile: &str, hit: bool) {
+        *lock(&self.pool_claims)
+            .entry((profile.to_string(), hit))
+            .or_default() += 1;
+    }
+
+    /// Records how long a warm pool pod took from creation to Running.
+    pub fn warm_pool_refill(&self, profile: &str, d: Duration) {
+        lock(&self.pool_refill)
+            .entry(profile.to_string())
+            .or_insert_with(|| Histogram::new(POD_START_BUCKETS))
+            .observe(d.as_secs_f64());
     }
 
     /// The whole registry in the Prometheus text format.
@@ -291,6 +312,35 @@ impl Registry {
             "Time from creating a runner pod to it running (Kubernetes backend).",
         );
         lock(&self.pod_start).write(&mut out, "mcp_run_pod_start_duration_seconds", "");
+
+        header(
+            &mut out,
+            "mcp_run_warm_pool_claims_total",
+            "counter",
+            "Warm pool claims by profile and result (hit: a warm pod was claimed; miss: a pod was created).",
+        );
+        for ((profile, hit), n) in lock(&self.pool_claims).iter() {
+            let result = if *hit { "hit" } else { "miss" };
+            let _ = writeln!(
+                out,
+                "mcp_run_warm_pool_claims_total{{profile=\"{}\",result=\"{result}\"}} {n}",
+                escape_label(profile)
+            );
+        }
+
+        header(
+            &mut out,
+            "mcp_run_warm_pool_refill_duration_seconds",
+            "histogram",
+            "Time from creating a warm pool pod to it running, by profile.",
+        );
+        for (profile, h) in lock(&self.pool_refill).iter() {
+            h.write(
+                &mut out,
+                "mcp_run_warm_pool_refill_duration_seconds",
+                &format!("profile=\"{}\"", escape_label(profile)),
+            );
+        }
         out
     }
 }
@@ -348,6 +398,23 @@ pub fn registry() -> &'static Registry {
 /// Records how long a runner pod took to start (called by the Kubernetes backend).
 pub fn observe_pod_start(d: Duration) {
     registry().observe_pod_start(d);
+}
+
+/// See [`Registry::warm_pool_claim`].
+pub fn warm_pool_claim(profile: &str, hit: bool) {
+    registry().warm_pool_claim(profile, hit);
+}
+
+/// See [`Registry::warm_pool_refill`].
+pub fn warm_pool_refill(profile: &str, d: Duration) {
+    registry().warm_pool_refill(profile, d);
+}
+
+/// A label value as the text format wants it: backslash, quote and newline escaped.
+fn escape_label(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }
 
 /// Counts a request refused before its stream began.

@@ -8,9 +8,13 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::access::{Caller, RateLimiter};
 use crate::config::Limits;
 use crate::contract::{ErrorBody, ErrorCode, RunRequest};
 use crate::exec::{ExecSpec, Execution, Executor};
+use crate::policy::{Policy, PolicyConfig, Subject};
+use crate::redact::{RedactFilter, Redactor};
+use tokio::sync::Semaphore;
 
 /// After the grace period, how long killed commands get to report their exit before the
 /// backend's shutdown runs anyway.
@@ -19,6 +23,11 @@ const KILL_WAIT: Duration = Duration::from_secs(10);
 pub struct Runner {
     executor: Arc<dyn Executor>,
     limits: Limits,
+    policy: Policy,
+    /// Executions at once (`limits.max_concurrent_executions`).
+    slots: Option<Arc<Semaphore>>,
+    rate: Option<RateLimiter>,
+    redactor: Option<Arc<Redactor>>,
     shutdown: CancellationToken,
     tracker: TaskTracker,
 }
@@ -27,10 +36,50 @@ impl Runner {
     pub fn new(executor: Arc<dyn Executor>, limits: Limits) -> Self {
         Self {
             executor,
+            policy: Policy::new(PolicyConfig::default(), limits.clone()),
+            slots: limits
+                .max_concurrent_executions
+                .map(|n| Arc::new(Semaphore::new(n))),
+            rate: limits.rate_limit.as_ref().map(RateLimiter::new),
+            redactor: None,
             limits,
             shutdown: CancellationToken::new(),
             tracker: TaskTracker::new(),
         }
+    }
+
+    /// Checks every request against `policy` (built from the same limits).
+    pub fn with_policy(mut self, policy: Policy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// Redacts secrets in every execution's output (and in audit lines).
+    pub fn with_redactor(mut self, redactor: Option<Arc<Redactor>>) -> Self {
+        self.redactor = redactor;
+        self
+    }
+
+    /// The redaction in force, if any.
+    pub fn redactor(&self) -> Option<&Arc<Redactor>> {
+        self.redactor.as_ref()
+    }
+
+    /// The request as results may show it: secrets in the command line and cwd redacted.
+    pub fn redact_request(&self, req: &RunRequest) -> RunRequest {
+        let Some(r) = &self.redactor else {
+            return req.clone();
+        };
+        RunRequest {
+            executable: r.redact_str(&req.executable),
+            args: req.args.iter().map(|a| r.redact_str(a)).collect(),
+            cwd: req.cwd.as_deref().map(|c| r.redact_str(c)),
+            ..req.clone()
+        }
+    }
+
+    pub fn policy(&self) -> &Policy {
+        &self.policy
     }
 
     pub fn executor(&self) -> &Arc<dyn Executor> {
@@ -41,23 +90,24 @@ impl Runner {
         &self.limits
     }
 
-    /// Validates a request and resolves its defaults.
+    /// Validates a request against the contract and the policy, and resolves its defaults.
     pub fn spec(&self, req: RunRequest) -> Result<ExecSpec, ErrorBody> {
         req.validate()?;
-        let max = self.limits.max_timeout_secs;
-        let secs = req.timeout_secs.unwrap_or(self.limits.default_timeout_secs);
-        if secs > max {
-            return Err(ErrorBody::new(
-                ErrorCode::InvalidRequest,
-                format!("`timeout_secs` is {secs}, over the server maximum of {max}"),
-            ));
-        }
+        let env_names: Vec<&str> = req.env.keys().map(String::as_str).collect();
+        let allowed = self.policy.check(&Subject {
+            executable: &req.executable,
+            args: &req.args,
+            cwd: req.cwd.as_deref(),
+            env_names: &env_names,
+            timeout_secs: req.timeout_secs,
+            profile: req.profile.as_deref(),
+        })?;
         let spec = ExecSpec {
-            executable: req.executable,
+            executable: allowed.executable,
             args: req.args,
-            cwd: req.cwd,
+            cwd: allowed.cwd,
             env: req.env,
-            timeout: Duration::from_secs(secs),
+            timeout: Duration::from_secs(allowed.timeout_secs),
             profile: req.profile,
         };
         self.executor.check(&spec)?;
@@ -67,30 +117,82 @@ impl Runner {
     /// Starts a command. The returned execution is killed when dropped or when its timeout
     /// passes. Refusals are counted in the metrics by error code.
     pub async fn start(&self, req: RunRequest) -> Result<Execution, ErrorBody> {
-        let started = self.start_inner(req).await;
+        self.start_as(req, &Caller::default()).await
+    }
+
+    /// Logs a refused request in the audit log.
+    fn audit_rejected(&self, req: &RunRequest, caller: &Caller, e: &ErrorBody) {
+        let argv = crate::audit::argv_json(&req.executable, &req.args, self.redactor.as_deref());
+        let env = crate::audit::env_names(&req.env);
+        crate::audit::rejected(caller, &argv, &env, req.profile.as_deref(), e);
+    }
+
+    /// [`Runner::start`] for a known caller (rate limit key, audit identity).
+    pub async fn start_as(&self, req: RunRequest, caller: &Caller) -> Result<Execution, ErrorBody> {
+        // Only the fields the audit line needs are kept for a refusal.
+        let audit = RunRequest {
+            executable: req.executable.clone(),
+            args: req.args.clone(),
+            env: req.env.keys().map(|k| (k.clone(), String::new())).collect(),
+            profile: req.profile.clone(),
+            ..RunRequest::default()
+        };
+        let started = self.start_inner(req, caller).await;
         if let Err(e) = &started {
             crate::metrics::rejected(e.code);
+            self.audit_rejected(&audit, caller, e);
         }
         started
     }
 
-    async fn start_inner(&self, req: RunRequest) -> Result<Execution, ErrorBody> {
+    async fn start_inner(&self, req: RunRequest, caller: &Caller) -> Result<Execution, ErrorBody> {
         if self.shutdown.is_cancelled() || self.tracker.is_closed() {
             return Err(ErrorBody::new(
                 ErrorCode::ShuttingDown,
                 "the gateway is shutting down",
             ));
         }
+        // Every attempt costs a token, allowed or not, so that probing the policy is limited too.
+        if let Some(rate) = &self.rate {
+            rate.take(caller)?;
+        }
         let spec = self.spec(req)?;
+        // Taken before the backend starts anything, released when the execution is dropped.
+        let slot = match &self.slots {
+            Some(s) => Some(s.clone().try_acquire_owned().map_err(|_| {
+                ErrorBody::new(
+                    ErrorCode::TooManyRequests,
+                    format!(
+                        "{} executions are running, the gateway's maximum (limits.max_concurrent_executions); retry later",
+                        self.limits.max_concurrent_executions.unwrap_or_default()
+                    ),
+                )
+                .retry_after(1)
+            })?),
+            None => None,
+        };
         let timeout = spec.timeout + self.executor.timeout_slack();
-        let execution = self
+        let audited = spec.clone();
+        let mut execution = self
             .executor
             .start(spec, self.shutdown.child_token())
             .await?;
+        // Redaction first, so that the audit counts the bytes that actually leave.
+        if let Some(r) = &self.redactor {
+            execution = execution.filtered(RedactFilter::new(r));
+        }
+        let audit = crate::audit::AuditFilter::new(
+            caller,
+            &audited,
+            execution.context(),
+            self.redactor.as_deref(),
+        );
         Ok(execution
+            .filtered(audit)
             .with_timeout(timeout)
             .tracked(self.tracker.token())
-            .observed(crate::metrics::execution_started(self.executor.name())))
+            .observed(crate::metrics::execution_started(self.executor.name()))
+            .hold(slot))
     }
 
     /// How many executions are running.

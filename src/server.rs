@@ -1,5 +1,6 @@
-//! The gateway's HTTP surface: `POST /raw` (NDJSON streaming), `GET /healthz`, `GET /readyz`,
-//! `GET /metrics` (Prometheus; unauthenticated, like the probes).
+//! The gateway's HTTP surface: `POST /raw` (NDJSON streaming), MCP over streamable HTTP at
+//! `/mcp`, `GET /capabilities`, `GET /healthz`, `GET /readyz`, `GET /metrics` (Prometheus;
+//! unauthenticated, like the probes).
 //! Every error is a JSON body `{"error":{"code","message"}}` with a matching status.
 
 use std::convert::Infallible;
@@ -26,6 +27,22 @@ use crate::runner::Runner;
 pub struct AppState {
     pub runner: Arc<Runner>,
     pub keepalive: Duration,
+    pub capabilities: Arc<crate::capabilities::Capabilities>,
+    pub mcp: McpSettings,
+    /// Bearer tokens for every path but the probes and metrics; `None`: auth off.
+    pub auth: Option<Arc<crate::access::Auth>>,
+}
+
+/// How `/mcp` is served.
+#[derive(Clone)]
+pub struct McpSettings {
+    pub max_output_bytes: usize,
+    /// Accepted `Host` headers (DNS-rebinding protection); empty accepts any.
+    pub allowed_hosts: Vec<String>,
+    /// Ends every MCP session (at shutdown, once running commands were drained).
+    pub stop: tokio_util::sync::CancellationToken,
+    /// Operator-declared CLI tools served next to `run_network_tool`.
+    pub tools: Arc<Vec<crate::tools::ToolConfig>>,
 }
 
 impl IntoResponse for ErrorBody {
@@ -35,11 +52,19 @@ impl IntoResponse for ErrorBody {
         let retry = matches!(
             self.code,
             ErrorCode::TooManyRequests | ErrorCode::ShuttingDown
-        );
+        )
+        .then(|| self.retry_after_secs.unwrap_or(1));
+        let unauthorized = self.code == ErrorCode::Unauthorized;
         let mut resp = (status, axum::Json(ErrorResponse { error: self })).into_response();
-        if retry {
+        if let Some(secs) = retry {
             resp.headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        if unauthorized {
+            resp.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer realm=\"mcp-run\""),
+            );
         }
         resp
     }
@@ -47,8 +72,33 @@ impl IntoResponse for ErrorBody {
 
 /// The router with every endpoint; `max_body_bytes` bounds request bodies.
 pub fn router(state: AppState, max_body_bytes: usize) -> Router {
+    let mcp = {
+        use rmcp::transport::streamable_http_server::{
+            StreamableHttpServerConfig, StreamableHttpService, session::local::LocalSessionManager,
+        };
+        let service = crate::mcp::McpService::new(
+            state.runner.clone(),
+            state.capabilities.clone(),
+            state.mcp.max_output_bytes,
+        )
+        .with_tools(state.mcp.tools.clone());
+        let mut config = StreamableHttpServerConfig::default()
+            .with_allowed_hosts(state.mcp.allowed_hosts.clone());
+        if state.mcp.allowed_hosts.is_empty() {
+            config = config.disable_allowed_hosts();
+        }
+        config.cancellation_token = state.mcp.stop.clone();
+        config.max_request_body_bytes = max_body_bytes;
+        StreamableHttpService::new(
+            move || Ok(service.clone()),
+            Arc::new(LocalSessionManager::default()),
+            config,
+        )
+    };
     Router::new()
         .route("/raw", post(raw))
+        .route("/capabilities", get(capabilities))
+        .nest_service("/mcp", mcp)
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
@@ -60,6 +110,10 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
             )
         })
         .layer(DefaultBodyLimit::max(max_body_bytes))
+        .layer(axum::middleware::from_fn_with_state(
+            state.auth.clone(),
+            crate::access::middleware,
+        ))
         .with_state(state)
 }
 
@@ -71,9 +125,12 @@ pub async fn serve(
     runner: Arc<Runner>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     grace: Duration,
+    drained: tokio_util::sync::CancellationToken,
 ) -> std::io::Result<()> {
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let server = axum::serve(listener, router).with_graceful_shutdown(async move {
+    // The client address is the rate-limit key of callers without a token.
+    let app = router.into_make_service_with_connect_info::<std::net::SocketAddr>();
+    let server = axum::serve(listener, app).with_graceful_shutdown(async move {
         shutdown.await;
         let _ = tx.send(());
     });
@@ -82,11 +139,17 @@ pub async fn serve(
             tracing::info!(running = runner.in_flight(), "shutting down");
             runner.shutdown(grace).await;
         }
+        // Long-lived connections (MCP sessions) end now, so that the server can stop.
+        drained.cancel();
     };
     // The server future ends when every connection has closed, which is after the runner
     // ended the streams; both must finish.
     let (served, ()) = tokio::join!(server.into_future(), drain);
     served
+}
+
+async fn capabilities(State(state): State<AppState>) -> Response {
+    axum::Json(state.capabilities.as_ref().clone()).into_response()
 }
 
 async fn healthz() -> impl IntoResponse {
@@ -151,6 +214,7 @@ pub fn parse_request(
 
 async fn raw(
     State(state): State<AppState>,
+    caller: Option<axum::Extension<crate::access::Caller>>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
@@ -161,8 +225,13 @@ async fn raw(
             return e.into_response();
         }
     };
-    let command = req.command_line();
-    match state.runner.start(req).await {
+    // Logged below: secrets in the command line are redacted like the output.
+    let command = match state.runner.redactor() {
+        Some(r) => r.redact_str(&req.command_line()),
+        None => req.command_line(),
+    };
+    let caller = caller.map(|c| c.0).unwrap_or_default();
+    match state.runner.start_as(req, &caller).await {
         Ok(execution) => {
             tracing::debug!(%command, context = ?execution.context(), "started");
             let mut resp = Response::new(Body::from_stream(ndjson(execution, state.keepalive)));

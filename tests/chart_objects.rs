@@ -477,15 +477,22 @@ fn a_misspelt_field_is_caught() {
     assert!(caught.is_err());
 }
 
-/// The rendered configuration is accepted by the gateway's own loader. Needs the
-/// `kubernetes` and `profiles` sections of the Kubernetes backend (issue 9) in
-/// src/config.rs; until they are merged the loader rejects them as unknown.
+/// The rendered configuration is accepted by the gateway's own loader, and the chart names
+/// the installation in `kubernetes.instance` so that the reaper stays within it.
 #[test]
-#[ignore = "needs the kubernetes/profiles config sections of the Kubernetes backend"]
 fn the_gateway_accepts_the_rendered_config() {
     for i in [manifests(), full()] {
         let text = &i.config_maps[0].data.as_ref().unwrap()["config.yaml"];
-        mcp_run::config::Config::parse(text, Some(Path::new("configmap/config.yaml")))
+        let c = mcp_run::config::Config::parse(text, Some(Path::new("configmap/config.yaml")))
             .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(c.kubernetes.instance, "mcp-run", "the release name");
+        assert_eq!(c.server.backend, mcp_run::config::BackendKind::Kube);
     }
+    // With auth on (the full values), the gateway refuses to start without its tokens.
+    let full = full();
+    let text = &full.config_maps[0].data.as_ref().unwrap()["config.yaml"];
+    let c = mcp_run::config::Config::parse(text, None).unwrap();
+    assert!(c.auth.required);
+    assert_eq!(c.tools.len(), 1);
+    assert!(!c.policy.executables.deny.is_empty());
 }

@@ -284,3 +284,91 @@ fn run_remote_template_configuration() {
         );
     }
 }
+
+/// MCP over stdio in a repository with its own template: the enum and the descriptions in
+/// the tool schema, the names in the runtime document, a filtered call that says what it
+/// removed, and an unknown name refused before anything runs.
+#[tokio::test(flavor = "multi_thread")]
+async fn mcp_template_parameter() {
+    use rmcp::ServiceExt as _;
+    use rmcp::model::CallToolRequestParams;
+    use serde_json::json;
+
+    let repo = tempfile::tempdir().unwrap();
+    let config = repo.path().join(".mcp-run/config.yaml");
+    std::fs::create_dir_all(config.parent().unwrap()).unwrap();
+    std::fs::write(
+        &config,
+        "templates:\n  mine:\n    description: Only WANTED lines\n    include_regex: WANTED\n    tail_paragraphs: 0\n",
+    )
+    .unwrap();
+    let mut cmd = tokio::process::Command::new(support::gateway_bin());
+    cmd.arg("stdio").current_dir(repo.path());
+    let transport = rmcp::transport::TokioChildProcess::new(cmd).unwrap();
+    let c = ().serve(transport).await.unwrap();
+
+    let runtime = c
+        .peer_info()
+        .unwrap()
+        .capabilities
+        .experimental
+        .as_ref()
+        .unwrap()["mcp-run/runtime"]
+        .clone();
+    let names: Vec<String> = serde_json::from_value(runtime["templates"].clone()).unwrap();
+    assert!(
+        names.contains(&"mine".into()) && names.contains(&"cargo-test".into()),
+        "{names:?}"
+    );
+
+    let tools = c.list_tools(None).await.unwrap().tools;
+    let schema = serde_json::Value::Object((*tools[0].input_schema).clone());
+    let t = &schema["properties"]["template"];
+    assert_eq!(t["enum"].as_array().unwrap().len(), names.len());
+    let desc = t["description"].as_str().unwrap();
+    assert!(
+        desc.contains("`mine`: Only WANTED lines") && desc.contains("`pytest`: "),
+        "{desc}"
+    );
+
+    let call = |args: serde_json::Value| {
+        CallToolRequestParams::new("run_network_tool")
+            .with_arguments(args.as_object().cloned().unwrap())
+    };
+    let r = c
+        .call_tool(call(json!({
+            "executable": "sh",
+            "args": ["-c", "seq 1 20; echo WANTED 1; echo oops >&2; exit 3"],
+            "template": "mine"
+        })))
+        .await
+        .unwrap();
+    assert_eq!(r.is_error, Some(true));
+    let s = r.structured_content.unwrap();
+    assert_eq!(
+        s["outputs"][0]["stdout"],
+        "[template mine: 20 of 21 lines left out]\nWANTED 1\n"
+    );
+    // A failing command's short stderr survives any template.
+    assert_eq!(s["outputs"][0]["stderr"], "oops\n");
+    assert_eq!(s["outputs"][0]["exit_code"], 3);
+    let summary = s["summary"].as_str().unwrap();
+    assert!(
+        summary.contains("template `mine` removed 20 of 22")
+            && summary.contains("without a template"),
+        "{summary}"
+    );
+
+    let bad = c
+        .call_tool(call(json!({"executable": "true", "template": "nope"})))
+        .await
+        .unwrap();
+    assert_eq!(bad.is_error, Some(true));
+    let text: String = bad
+        .content
+        .iter()
+        .filter_map(|c| c.as_text().map(|t| t.text.clone()))
+        .collect();
+    assert!(text.contains("unknown template \"nope\""), "{text}");
+    c.cancel().await.unwrap();
+}

@@ -48,9 +48,34 @@ pub struct Args {
     /// templates`); the full output is saved to a file that the filtered output names.
     #[arg(long, value_name = "NAME")]
     pub template: Option<String>,
+    /// Run the command in this directory (on the runner) instead of the current one.
+    #[arg(long, value_name = "DIR", conflicts_with = "no_cwd")]
+    pub cwd: Option<String>,
+    /// Send no directory: the command runs where the runner starts commands (a pod's
+    /// working directory).
+    #[arg(long)]
+    pub no_cwd: bool,
+    /// The gateway's runner profile (a pod template on the Kubernetes backend).
+    #[arg(long, value_name = "NAME")]
+    pub profile: Option<String>,
+    /// `stream`: the command's output as it arrives (default). `json` or `markdown`: the
+    /// structured result (context, output, exit) after the command ends. The exit code is
+    /// mirrored in every format.
+    #[arg(long, value_enum, default_value_t = OutputFormat::Stream)]
+    pub output_format: OutputFormat,
+    /// With `json` or `markdown`: the most output kept per stream (head and tail).
+    #[arg(long, value_name = "BYTES", default_value_t = crate::result::DEFAULT_MAX_OUTPUT_BYTES)]
+    pub max_output_bytes: usize,
     /// The command and its arguments, after `--`.
     #[arg(last = true, required = true, value_name = "COMMAND")]
     pub command: Vec<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OutputFormat {
+    Stream,
+    Json,
+    Markdown,
 }
 
 /// Runs the client and returns its exit code.
@@ -139,28 +164,35 @@ pub fn build_request(
             ),
         ));
     }
-    let cwd = cwd.map_err(|e| {
-        fail(
-            code::CONFIG,
-            format!("cannot read the current directory: {e}"),
-        )
-    })?;
-    let cwd = cwd
-        .to_str()
-        .ok_or_else(|| {
+    let cwd = if args.no_cwd {
+        None
+    } else if let Some(dir) = &args.cwd {
+        Some(dir.clone())
+    } else {
+        let cwd = cwd.map_err(|e| {
             fail(
                 code::CONFIG,
-                format!("the current directory {cwd:?} is not valid UTF-8"),
+                format!("cannot read the current directory: {e}"),
             )
-        })?
-        .to_owned();
+        })?;
+        Some(
+            cwd.to_str()
+                .ok_or_else(|| {
+                    fail(
+                        code::CONFIG,
+                        format!("the current directory {cwd:?} is not valid UTF-8"),
+                    )
+                })?
+                .to_owned(),
+        )
+    };
     let request = RunRequest {
         executable: executable.clone(),
         args: rest.to_vec(),
-        cwd: Some(cwd),
+        cwd,
         env: env_out,
         timeout_secs: args.timeout,
-        profile: None,
+        profile: args.profile.clone(),
     };
     Ok((server, request))
 }
@@ -192,13 +224,26 @@ async fn run(args: Args) -> i32 {
                 return f.code;
             }
         };
-    let mut sink = match args.template.as_deref().map(template_sink) {
+    // The template is resolved before anything is sent; in stream format its output goes
+    // through a sink that keeps the full output in a file.
+    let structured = args.output_format != OutputFormat::Stream;
+    let template = match args.template.as_deref().map(resolve_template) {
         None => None,
-        Some(Ok(s)) => Some(s),
+        Some(Ok(t)) => Some(t),
         Some(Err(f)) => {
             eprintln!("run-remote: {}", f.message);
             return f.code;
         }
+    };
+    let mut sink = match template.clone().filter(|_| !structured) {
+        None => None,
+        Some(t) => match TemplateSink::create(t, &std::env::temp_dir()) {
+            Ok(s) => Some(s),
+            Err(f) => {
+                eprintln!("run-remote: {}", f.message);
+                return f.code;
+            }
+        },
     };
     let token = std::env::var("RUN_REMOTE_TOKEN")
         .ok()
@@ -213,10 +258,31 @@ async fn run(args: Args) -> i32 {
     let mut execution = match remote.run(&request, CancellationToken::new()).await {
         Ok(e) => e,
         Err(e) => {
+            if args.output_format != OutputFormat::Stream {
+                let r = crate::result::StructuredResult::not_started("run-remote", &request, &e);
+                print_result(&r, args.output_format);
+            }
             eprintln!("run-remote: {} ({})", e.message, e.code);
             return rejection_code(e.code);
         }
     };
+    if args.output_format != OutputFormat::Stream {
+        let collected =
+            crate::result::collect(execution, args.max_output_bytes.max(1024), |_, _| {}).await;
+        let mut r = crate::result::StructuredResult::from_run("run-remote", &request, &collected);
+        if let Some(t) = &template {
+            crate::templates::apply_to_result(&mut r, t);
+        }
+        if !print_result(&r, args.output_format) {
+            return code::IO_ERROR;
+        }
+        return match (&collected.exit, &collected.error) {
+            (Some(info), _) => mirror_exit(info),
+            (None, Some(e)) if e.code == ErrorCode::ProtocolError => code::PROTOCOL,
+            (None, Some(_)) => code::REMOTE_ERROR,
+            (None, None) => code::PROTOCOL,
+        };
+    }
     // Unbuffered handles on our stdout and stderr: std's stdout is line-buffered, which
     // would copy and split binary output.
     let (mut stdout, mut stderr) = match (
@@ -278,16 +344,15 @@ async fn run(args: Args) -> i32 {
     code::PROTOCOL
 }
 
-/// Resolves `--template` in the current directory and creates the file for the full output.
-fn template_sink(name: &str) -> Result<TemplateSink, Failure> {
+/// Resolves `--template` in the current directory.
+fn resolve_template(name: &str) -> Result<crate::templates::Template, Failure> {
     let dir = std::env::current_dir().map_err(|e| {
         fail(
             code::CONFIG,
             format!("cannot read the current directory: {e}"),
         )
     })?;
-    let template = tpl::resolve(name, &dir)?;
-    TemplateSink::create(template, &std::env::temp_dir())
+    tpl::resolve(name, &dir)
 }
 
 /// A failed write to the raw output file: not a closed pipe, whatever the OS says.
@@ -310,6 +375,18 @@ fn finish(
             Some(code::IO_ERROR)
         }
     }
+}
+
+/// Prints a structured result on stdout; false when stdout is gone.
+fn print_result(r: &crate::result::StructuredResult, format: OutputFormat) -> bool {
+    let text = match format {
+        OutputFormat::Json => r.to_json() + "\n",
+        _ => r.to_markdown(),
+    };
+    std::io::stdout()
+        .write_all(text.as_bytes())
+        .and_then(|()| std::io::stdout().flush())
+        .is_ok()
 }
 
 /// A `File` on a duplicate of a standard stream's descriptor: writes go straight to it.
@@ -371,6 +448,21 @@ mod tests {
             build_request(&a, bad, Ok("/".into())).unwrap_err().code,
             code::CONFIG
         );
+    }
+
+    #[test]
+    fn cwd_and_profile_flags() {
+        let env = |k: &str| (k == "RUN_REMOTE_SERVER").then(|| "http://h:1/raw".to_string());
+        let a = args(&["--cwd", "/workspace", "--profile", "build", "--", "ls"]).unwrap();
+        let (_, r) = build_request(&a, env, Ok("/home/me".into())).unwrap();
+        assert_eq!(
+            (r.cwd.as_deref(), r.profile.as_deref()),
+            (Some("/workspace"), Some("build"))
+        );
+        let a = args(&["--no-cwd", "--", "ls"]).unwrap();
+        let (_, r) = build_request(&a, env, Err(std::io::Error::other("gone"))).unwrap();
+        assert_eq!(r.cwd, None, "no directory read or sent");
+        assert!(args(&["--no-cwd", "--cwd", "/x", "--", "ls"]).is_err());
     }
 
     #[test]

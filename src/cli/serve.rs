@@ -4,15 +4,20 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 
+use crate::capabilities::Capabilities;
 use crate::config::{BackendKind, Config};
 use crate::exec::Executor;
+use crate::exec::kube::KubeExecutor;
 use crate::exec::local::LocalExecutor;
+use crate::exec::remote::RemoteExecutor;
+use crate::mcp::McpService;
 use crate::runner::Runner;
-use crate::server::{self, AppState};
+use crate::server::{self, AppState, McpSettings};
 
 /// Kubernetes-native remote runner: runs each command in its own ephemeral pod (or as a
 /// local process) and streams stdout, stderr and the exit code back.
@@ -25,8 +30,12 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Run the gateway: HTTP `/raw`, `/healthz` and `/readyz` on one listener.
+    /// Run the gateway: HTTP `/raw`, MCP at `/mcp`, `/capabilities`, `/healthz`, `/readyz`
+    /// and `/metrics` on one listener.
     Serve(ServeArgs),
+    /// Serve MCP on stdin/stdout (logs on stderr), for agents that start their MCP servers
+    /// as child processes.
+    Stdio(StdioArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -34,15 +43,102 @@ pub struct ServeArgs {
     /// Address to listen on [default: 127.0.0.1:8080, or `server.listen` in the config file].
     #[arg(long, value_name = "ADDR")]
     pub listen: Option<SocketAddr>,
+    /// Log format on stderr.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+    #[command(flatten)]
+    pub backend: BackendArgs,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct StdioArgs {
+    #[command(flatten)]
+    pub backend: BackendArgs,
+}
+
+/// Where commands run: shared by `serve` and `stdio`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BackendArgs {
     /// Where commands run [default: local, or `server.backend` in the config file].
     #[arg(long, value_enum)]
     pub backend: Option<BackendKind>,
     /// YAML configuration file (see docs/configuration.md).
     #[arg(long, value_name = "FILE", env = "MCP_RUN_CONFIG")]
     pub config: Option<PathBuf>,
-    /// Log format on stderr.
-    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
-    pub log_format: LogFormat,
+    /// The gateway's /raw URL for `--backend remote` [default: `remote.server`, or
+    /// RUN_REMOTE_SERVER]; RUN_REMOTE_TOKEN is sent as its bearer token.
+    #[arg(long, value_name = "URL", env = "RUN_REMOTE_SERVER")]
+    pub server: Option<String>,
+    #[command(flatten)]
+    pub kube: KubeArgs,
+}
+
+impl BackendArgs {
+    /// The configuration file with these flags applied, validated.
+    pub fn load(&self) -> anyhow::Result<Config> {
+        let mut config = load_config(self.config.as_deref())?;
+        if let Some(backend) = self.backend {
+            config.server.backend = backend;
+        }
+        // `--server` / RUN_REMOTE_SERVER only matter to the remote backend: a stray
+        // variable must not stop a local or kube gateway.
+        if let Some(server) = &self.server
+            && config.server.backend == BackendKind::Remote
+        {
+            config.remote.server = Some(server.clone());
+        }
+        self.kube.apply(&mut config)?;
+        Ok(config)
+    }
+}
+
+/// Flags of the Kubernetes backend; each overrides its key in the config file.
+#[derive(Debug, Clone, Default, clap::Args)]
+#[command(next_help_heading = "Kubernetes backend (--backend kube)")]
+pub struct KubeArgs {
+    /// Kubeconfig file [default: in-cluster account, else KUBECONFIG or ~/.kube/config].
+    #[arg(long, value_name = "PATH")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Kubeconfig context [default: the current context].
+    #[arg(long, value_name = "NAME")]
+    pub context: Option<String>,
+    /// Namespace of the runner pods [default: the gateway's own in-cluster, else the
+    /// context's, else `default`].
+    #[arg(long, value_name = "NS")]
+    pub namespace: Option<String>,
+    /// Image of the `default` profile [default: busybox:1.36].
+    #[arg(long, value_name = "IMAGE")]
+    pub image: Option<String>,
+    /// Runner pods at once; more requests get 429 [default: 32].
+    #[arg(long, value_name = "N")]
+    pub max_concurrent_pods: Option<usize>,
+}
+
+impl KubeArgs {
+    /// Applies the flags over the file's values, then validates the result again.
+    pub fn apply(&self, config: &mut Config) -> anyhow::Result<()> {
+        let k = &mut config.kubernetes;
+        if let Some(v) = &self.kubeconfig {
+            k.kubeconfig = Some(v.clone());
+        }
+        if let Some(v) = &self.context {
+            k.context = Some(v.clone());
+        }
+        if let Some(v) = &self.namespace {
+            k.namespace = Some(v.clone());
+        }
+        if let Some(v) = self.max_concurrent_pods {
+            k.max_concurrent_pods = v;
+        }
+        config.ensure_default_profile();
+        if let Some(image) = &self.image
+            && let Some(p) = config.profiles.get_mut("default")
+        {
+            p.image = Some(image.clone());
+        }
+        config.validate()?;
+        Ok(())
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -53,17 +149,23 @@ pub enum LogFormat {
 
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    match cli.command {
+    let result = match cli.command {
         Command::Serve(args) => {
             super::init_logging("info", args.log_format == LogFormat::Json);
-            match run_serve(args) {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    tracing::error!("{e:#}");
-                    eprintln!("mcp-run: {e:#}");
-                    ExitCode::FAILURE
-                }
-            }
+            run_serve(args)
+        }
+        Command::Stdio(args) => {
+            // stdout carries the protocol: logs go to stderr, quietly by default.
+            super::init_logging("warn", false);
+            run_stdio(args)
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e:#}");
+            eprintln!("mcp-run: {e:#}");
+            ExitCode::FAILURE
         }
     }
 }
@@ -76,20 +178,40 @@ pub fn load_config(path: Option<&std::path::Path>) -> anyhow::Result<Config> {
     })
 }
 
-/// Builds the configured backend.
-pub fn build_executor(config: &Config) -> anyhow::Result<Arc<dyn Executor>> {
+/// Builds the configured backend; the Kubernetes backend also checks its permissions and
+/// deletes what a previous run left behind.
+pub async fn build_executor(config: &Config) -> anyhow::Result<Arc<dyn Executor>> {
     Ok(match config.server.backend {
-        BackendKind::Local => Arc::new(LocalExecutor::new(&config.local.inherit_env)),
+        BackendKind::Local => Arc::new(
+            LocalExecutor::new(&config.local.inherit_env)
+                .with_profiles(config.profiles.keys().cloned()),
+        ),
+        BackendKind::Remote => {
+            let url = config.remote.server.as_deref().context(
+                "--backend remote needs the gateway's /raw URL: --server URL, remote.server or RUN_REMOTE_SERVER",
+            )?;
+            let token = std::env::var("RUN_REMOTE_TOKEN")
+                .ok()
+                .filter(|t| !t.is_empty());
+            Arc::new(RemoteExecutor::new(url, token).map_err(anyhow::Error::msg)?)
+        }
+        BackendKind::Kube => {
+            let mut profiles = config.profiles.clone();
+            profiles.entry("default".into()).or_default();
+            let kube = KubeExecutor::connect(config.kubernetes.clone(), profiles)
+                .await
+                .context("Kubernetes backend")?;
+            kube.prepare(Duration::from_secs(config.limits.max_timeout_secs))
+                .await;
+            Arc::new(kube)
+        }
     })
 }
 
 fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
-    let mut config = load_config(args.config.as_deref())?;
+    let mut config = args.backend.load()?;
     if let Some(listen) = args.listen {
         config.server.listen = listen;
-    }
-    if let Some(backend) = args.backend {
-        config.server.backend = backend;
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -100,12 +222,31 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
 
 /// Runs the gateway until SIGTERM or SIGINT.
 pub async fn serve(config: Config) -> anyhow::Result<()> {
-    let executor = build_executor(&config)?;
-    let runner = Arc::new(Runner::new(executor, config.limits.clone()));
+    let executor = build_executor(&config).await?;
+    let runner = Arc::new(build_runner(&config, executor)?);
+    let capabilities = Arc::new(capabilities(&config, &runner).await);
+    let drained = tokio_util::sync::CancellationToken::new();
     let state = AppState {
         runner: runner.clone(),
         keepalive: config.keepalive(),
+        capabilities,
+        mcp: McpSettings {
+            max_output_bytes: config.mcp.max_output_bytes,
+            allowed_hosts: config.mcp.allowed_hosts.clone(),
+            stop: drained.clone(),
+            tools: Arc::new(config.tools.clone()),
+        },
+        auth: crate::access::Auth::load(&config.auth, |k| std::env::var(k).ok())
+            .map_err(anyhow::Error::msg)?
+            .map(Arc::new),
     };
+    if let Some(auth) = &state.auth {
+        auth.watch(Duration::from_secs(config.auth.reload_secs));
+        tracing::info!(
+            tokens = auth.len(),
+            "bearer-token auth on for every path but /healthz, /readyz and /metrics"
+        );
+    }
     let app = server::router(state, config.server.max_body_bytes);
     let listener = tokio::net::TcpListener::bind(config.server.listen)
         .await
@@ -118,9 +259,95 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
         runner,
         shutdown_signal(),
         config.shutdown_grace(),
+        drained,
     )
     .await?;
     tracing::info!("stopped");
+    Ok(())
+}
+
+/// The runner every front end uses, with the configured policy and limits.
+pub fn build_runner(config: &Config, executor: Arc<dyn Executor>) -> anyhow::Result<Runner> {
+    let redactor =
+        crate::redact::Redactor::from_config(&config.redaction, |k| std::env::var(k).ok())
+            .map_err(|e| anyhow::anyhow!("invalid configuration: {e}"))?;
+    Ok(Runner::new(executor, config.limits.clone())
+        .with_policy(crate::policy::Policy::new(
+            config.policy.clone(),
+            config.limits.clone(),
+        ))
+        .with_redactor(redactor))
+}
+
+/// The capabilities document of this gateway.
+pub async fn capabilities(config: &Config, runner: &Runner) -> Capabilities {
+    let backend = runner.executor().capabilities().await;
+    let mut caps = Capabilities::new(backend, &config.limits, config.mcp.max_output_bytes);
+    if config.policy != crate::policy::PolicyConfig::default() {
+        caps.policy = serde_json::to_value(runner.policy().summary()).ok();
+        caps.limitations.push(
+            "an execution policy restricts executables, arguments, environment, working directories and timeouts (see `policy`)".into(),
+        );
+    }
+    if let Some(n) = config.limits.max_concurrent_executions {
+        caps.limitations.push(format!(
+            "at most {n} commands run at once on this gateway; more are refused (retry later)"
+        ));
+    }
+    if let Some(r) = &config.limits.rate_limit {
+        caps.limitations.push(format!(
+            "each client may start {} commands a minute (bursts of {})",
+            r.per_minute, r.burst
+        ));
+    }
+    if !config.redaction.is_empty() {
+        caps.limitations
+            .push("configured secrets in the output are replaced by [REDACTED]".into());
+    }
+    caps.templates = template_names();
+    caps
+}
+
+/// The output templates on offer in the process's current directory (built-ins plus the
+/// nearest `.mcp-run/config.yaml`); with an invalid file, the error is logged and the
+/// built-ins are offered.
+fn template_names() -> Vec<String> {
+    let dir = std::env::current_dir().unwrap_or_else(|_| "/".into());
+    match crate::templates::Catalog::load(&dir) {
+        Ok(c) => c.names(),
+        Err(e) => {
+            tracing::warn!(error = %e, "invalid template configuration; offering the built-ins");
+            crate::templates::Catalog::builtin().names()
+        }
+    }
+}
+
+fn run_stdio(args: StdioArgs) -> anyhow::Result<()> {
+    let config = args.backend.load()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the runtime")?;
+    rt.block_on(stdio(config))
+}
+
+/// Serves MCP on stdin/stdout until the client closes stdin (or SIGTERM/SIGINT).
+pub async fn stdio(config: Config) -> anyhow::Result<()> {
+    use rmcp::ServiceExt as _;
+    let executor = build_executor(&config).await?;
+    let runner = Arc::new(build_runner(&config, executor)?);
+    let caps = Arc::new(capabilities(&config, &runner).await);
+    let service = McpService::new(runner.clone(), caps, config.mcp.max_output_bytes)
+        .with_tools(Arc::new(config.tools.clone()));
+    let running = service
+        .serve(rmcp::transport::stdio())
+        .await
+        .context("MCP initialization over stdio failed")?;
+    tokio::select! {
+        r = running.waiting() => { r.context("MCP over stdio")?; }
+        _ = shutdown_signal() => {}
+    }
+    runner.shutdown(config.shutdown_grace()).await;
     Ok(())
 }
 

@@ -15,12 +15,11 @@ use bytes::BytesMut;
 use futures_util::future::BoxFuture;
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
-use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::process::{Child, Command};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::{EVENT_BUFFER, ExecSpec, Execution, Executor, READ_CHUNK};
+use super::{EVENT_BUFFER, ExecSpec, Execution, Executor, forward, read_opt};
 use crate::contract::{ErrorBody, ErrorCode, Event, ExitInfo, RunContext};
 
 /// Variables of the gateway's own environment that commands inherit by default. Nothing
@@ -35,6 +34,9 @@ const DRAIN_GRACE: Duration = Duration::from_secs(2);
 pub struct LocalExecutor {
     base_env: Vec<(String, String)>,
     host: String,
+    /// Profile names requests may give. Profiles describe pods; here they only select the
+    /// policy's per-profile overrides.
+    profiles: Vec<String>,
 }
 
 impl LocalExecutor {
@@ -48,7 +50,22 @@ impl LocalExecutor {
             .ok()
             .and_then(|h| h.into_string().ok())
             .unwrap_or_else(|| "localhost".into());
-        Self { base_env, host }
+        Self {
+            base_env,
+            host,
+            profiles: vec!["default".into()],
+        }
+    }
+
+    /// Accepts these profile names (the configuration's `profiles`) besides `default`.
+    pub fn with_profiles(mut self, names: impl IntoIterator<Item = String>) -> Self {
+        for name in names {
+            if !self.profiles.contains(&name) {
+                self.profiles.push(name);
+            }
+        }
+        self.profiles.sort();
+        self
     }
 
     fn context(&self, pid: Option<u32>) -> RunContext {
@@ -144,6 +161,44 @@ impl Executor for LocalExecutor {
     ) -> BoxFuture<'_, Result<Execution, ErrorBody>> {
         Box::pin(async move { self.spawn(&spec, cancel.child_token()) })
     }
+
+    /// Profiles are the configured names (`default` always).
+    fn check(&self, spec: &ExecSpec) -> Result<(), ErrorBody> {
+        match spec.profile.as_deref() {
+            None => Ok(()),
+            Some(p) if self.profiles.iter().any(|n| n == p) => Ok(()),
+            Some(other) => Err(ErrorBody::new(
+                ErrorCode::UnknownProfile,
+                format!(
+                    "unknown profile {other:?}; configured profiles: {}",
+                    self.profiles.join(", ")
+                ),
+            )),
+        }
+    }
+
+    fn capabilities(&self) -> BoxFuture<'_, crate::capabilities::BackendCapabilities> {
+        Box::pin(async move {
+            crate::capabilities::BackendCapabilities {
+                backend: "local".into(),
+                safety_level: "host-process".into(),
+                description: format!(
+                    "Commands run as processes of the gateway on host {} (no isolation: they see the host's files and network).",
+                    self.host
+                ),
+                host: Some(self.host.clone()),
+                profiles: self
+                    .profiles
+                    .iter()
+                    .map(|name| crate::capabilities::ProfileInfo {
+                        name: name.clone(),
+                        ..Default::default()
+                    })
+                    .collect(),
+                ..Default::default()
+            }
+        })
+    }
 }
 
 /// Kills the whole process group of a command; it is gone already when this fails.
@@ -217,38 +272,6 @@ async fn supervise(mut child: Child, tx: mpsc::Sender<Event>, cancel: Cancellati
         }
     };
     let _ = tx.send(Event::Exit(info)).await;
-}
-
-/// Reads one chunk from a pipe, or waits forever when the pipe is closed already.
-async fn read_opt<R: AsyncRead + Unpin>(
-    pipe: &mut Option<R>,
-    buf: &mut BytesMut,
-) -> std::io::Result<usize> {
-    match pipe {
-        Some(p) => {
-            buf.reserve(READ_CHUNK);
-            p.read_buf(buf).await
-        }
-        None => std::future::pending().await,
-    }
-}
-
-/// Sends what was read; closes the pipe at EOF or on error. Returns false when the
-/// consumer is gone.
-async fn forward<R>(
-    n: std::io::Result<usize>,
-    pipe: &mut Option<R>,
-    buf: &mut BytesMut,
-    tx: &mpsc::Sender<Event>,
-    make: impl FnOnce(bytes::Bytes) -> Event,
-) -> bool {
-    match n {
-        Ok(0) | Err(_) => {
-            *pipe = None;
-            true
-        }
-        Ok(_) => tx.send(make(buf.split().freeze())).await.is_ok(),
-    }
 }
 
 #[cfg(test)]

@@ -13,6 +13,7 @@
 //!   the `exit` event if the receiver is there;
 //! - when the receiver is gone, kill the command and clean up.
 
+pub mod kube;
 pub mod local;
 pub mod remote;
 
@@ -20,7 +21,9 @@ use std::collections::BTreeMap;
 use std::pin::Pin;
 use std::time::{Duration, Instant};
 
+use bytes::BytesMut;
 use futures_util::future::BoxFuture;
+use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::sync::mpsc;
 use tokio::time::Sleep;
 use tokio_util::sync::{CancellationToken, DropGuard};
@@ -81,6 +84,17 @@ pub trait Executor: Send + Sync + 'static {
     fn shutdown(&self) -> BoxFuture<'_, ()> {
         Box::pin(async {})
     }
+
+    /// What the backend reports about itself in the capabilities document.
+    fn capabilities(&self) -> BoxFuture<'_, crate::capabilities::BackendCapabilities> {
+        Box::pin(async move {
+            crate::capabilities::BackendCapabilities {
+                backend: self.name().into(),
+                safety_level: "unknown".into(),
+                ..Default::default()
+            }
+        })
+    }
 }
 
 /// A running command, as seen by whoever consumes its events.
@@ -102,6 +116,22 @@ pub struct Execution {
     _tracked: Option<TaskTrackerToken>,
     /// Records its bytes and result in the gateway's metrics.
     observer: Option<crate::metrics::ExecutionObserver>,
+    /// Transform the events on their way out (redaction, audit), in order.
+    filters: Vec<Box<dyn EventFilter>>,
+    /// Events the filters produced that were not handed out yet.
+    pending: std::collections::VecDeque<Event>,
+    /// A second buffer for passing events between filters, kept for its capacity.
+    spare: std::collections::VecDeque<Event>,
+    /// Held until the execution is dropped (a concurrency permit).
+    _guards: Vec<Box<dyn std::any::Any + Send + Sync>>,
+}
+
+/// Sees every event of an execution before its consumer does, and decides what the consumer
+/// gets: the event, a changed one, several, or none for now (a redactor holding back bytes).
+/// After a terminal event nothing more is asked of it; whatever it held must go out before
+/// that terminal event.
+pub trait EventFilter: Send + Sync + 'static {
+    fn filter(&mut self, event: Event, out: &mut std::collections::VecDeque<Event>);
 }
 
 /// How long a backend has to report the exit of a command it was told to kill.
@@ -127,6 +157,10 @@ impl Execution {
             started: Instant::now(),
             _tracked: None,
             observer: None,
+            filters: Vec::new(),
+            pending: std::collections::VecDeque::new(),
+            spare: std::collections::VecDeque::new(),
+            _guards: Vec::new(),
         }
     }
 
@@ -165,6 +199,18 @@ impl Execution {
         self
     }
 
+    /// Passes every event through `filter` (after the filters added before).
+    pub fn filtered(mut self, filter: impl EventFilter) -> Self {
+        self.filters.push(Box::new(filter));
+        self
+    }
+
+    /// Keeps `guard` alive as long as the execution (a concurrency permit).
+    pub fn hold(mut self, guard: impl std::any::Any + Send + Sync) -> Self {
+        self._guards.push(Box::new(guard));
+        self
+    }
+
     pub fn context(&self) -> &RunContext {
         &self.context
     }
@@ -176,11 +222,36 @@ impl Execution {
 
     /// The next event: output, then exactly one terminal event, then `None`.
     pub async fn next(&mut self) -> Option<Event> {
-        let event = self.next_event().await;
+        let event = self.next_filtered().await;
         if let (Some(event), Some(observer)) = (&event, &mut self.observer) {
             observer.observe(event);
         }
         event
+    }
+
+    async fn next_filtered(&mut self) -> Option<Event> {
+        loop {
+            if let Some(event) = self.pending.pop_front() {
+                return Some(event);
+            }
+            let event = self.next_event().await?;
+            if self.filters.is_empty() {
+                return Some(event);
+            }
+            // Two buffers swapped between filters: no allocation per event once warm.
+            let mut cur = std::mem::take(&mut self.pending);
+            let mut spare = std::mem::take(&mut self.spare);
+            cur.push_back(event);
+            for f in &mut self.filters {
+                spare.clear();
+                for e in cur.drain(..) {
+                    f.filter(e, &mut spare);
+                }
+                std::mem::swap(&mut cur, &mut spare);
+            }
+            self.pending = cur;
+            self.spare = spare;
+        }
     }
 
     async fn next_event(&mut self) -> Option<Event> {
@@ -232,9 +303,95 @@ async fn sleep_opt(timer: &mut Option<Pin<Box<Sleep>>>) {
     }
 }
 
+/// Reads one chunk from a pipe, or waits forever when the pipe is closed already.
+pub(crate) async fn read_opt<R: AsyncRead + Unpin>(
+    pipe: &mut Option<R>,
+    buf: &mut BytesMut,
+) -> std::io::Result<usize> {
+    match pipe {
+        Some(p) => {
+            buf.reserve(READ_CHUNK);
+            p.read_buf(buf).await
+        }
+        None => std::future::pending().await,
+    }
+}
+
+/// Sends what was read; closes the pipe at EOF or on error. Returns false when the
+/// consumer is gone.
+pub(crate) async fn forward<R>(
+    n: std::io::Result<usize>,
+    pipe: &mut Option<R>,
+    buf: &mut BytesMut,
+    tx: &mpsc::Sender<Event>,
+    make: impl FnOnce(bytes::Bytes) -> Event,
+) -> bool {
+    match n {
+        Ok(0) | Err(_) => {
+            *pipe = None;
+            true
+        }
+        Ok(_) => tx.send(make(buf.split().freeze())).await.is_ok(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Holds stdout events back until the terminal one, then releases them before it.
+    struct Hold(Vec<Event>);
+    impl EventFilter for Hold {
+        fn filter(&mut self, event: Event, out: &mut std::collections::VecDeque<Event>) {
+            if event.is_terminal() {
+                out.extend(self.0.drain(..));
+                out.push_back(event);
+            } else {
+                self.0.push(event);
+            }
+        }
+    }
+
+    /// Doubles every output event.
+    struct Twice;
+    impl EventFilter for Twice {
+        fn filter(&mut self, event: Event, out: &mut std::collections::VecDeque<Event>) {
+            if !event.is_terminal() {
+                out.push_back(event.clone());
+            }
+            out.push_back(event);
+        }
+    }
+
+    #[tokio::test]
+    async fn filters_run_in_order_and_guards_live_as_long_as_the_execution() {
+        let (tx, rx) = mpsc::channel(4);
+        for b in [&b"a"[..], b"b"] {
+            tx.send(Event::Stdout {
+                data: bytes::Bytes::copy_from_slice(b),
+            })
+            .await
+            .unwrap();
+        }
+        tx.send(Event::Exit(ExitInfo::default())).await.unwrap();
+        let guard = std::sync::Arc::new(());
+        let mut e = Execution::new(RunContext::default(), rx, CancellationToken::new())
+            .filtered(Hold(Vec::new()))
+            .filtered(Twice)
+            .hold(guard.clone());
+        let mut seen = Vec::new();
+        while let Some(ev) = e.next().await {
+            seen.push(match ev {
+                Event::Stdout { data } => String::from_utf8_lossy(&data).into_owned(),
+                Event::Exit(_) => "exit".into(),
+                other => format!("{other:?}"),
+            });
+        }
+        assert_eq!(seen, ["a", "a", "b", "b", "exit"]);
+        assert_eq!(std::sync::Arc::strong_count(&guard), 2);
+        drop(e);
+        assert_eq!(std::sync::Arc::strong_count(&guard), 1);
+    }
 
     #[tokio::test]
     async fn closed_channel_yields_one_error_then_none() {

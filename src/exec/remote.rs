@@ -261,6 +261,51 @@ impl Executor for RemoteExecutor {
     fn timeout_slack(&self) -> Duration {
         TIMEOUT_SLACK
     }
+
+    /// The gateway's own report (`GET /capabilities` beside `/raw`), naming the gateway.
+    fn capabilities(&self) -> BoxFuture<'_, crate::capabilities::BackendCapabilities> {
+        Box::pin(async move {
+            let gateway = self.url.to_string();
+            let mut url = self.url.clone();
+            let base = url
+                .path()
+                .trim_end_matches('/')
+                .trim_end_matches("/raw")
+                .to_string();
+            url.set_path(&format!("{base}/capabilities"));
+            let mut req = self.client.get(url).timeout(Duration::from_secs(10));
+            if let Some(token) = &self.token {
+                req = req.bearer_auth(token);
+            }
+            let fetched = match req.send().await {
+                Ok(r) if r.status().is_success() => match r.bytes().await {
+                    Ok(b) => serde_json::from_slice::<crate::capabilities::Capabilities>(&b)
+                        .map_err(|e| format!("invalid capabilities document: {e}")),
+                    Err(e) => Err(error_chain(&e)),
+                },
+                Ok(r) => Err(format!("the gateway answered {}", r.status())),
+                Err(e) => Err(error_chain(&e)),
+            };
+            match fetched {
+                Ok(c) => crate::capabilities::BackendCapabilities {
+                    gateway: Some(gateway),
+                    ..c.backend
+                },
+                Err(e) => {
+                    tracing::warn!("cannot read the gateway's capabilities: {e}");
+                    crate::capabilities::BackendCapabilities {
+                        backend: "remote".into(),
+                        safety_level: "unknown".into(),
+                        description: format!(
+                            "Commands run on the mcp-run gateway at {gateway} (its capabilities could not be read: {e})."
+                        ),
+                        gateway: Some(gateway),
+                        ..Default::default()
+                    }
+                }
+            }
+        })
+    }
 }
 
 #[cfg(test)]

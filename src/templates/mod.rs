@@ -10,6 +10,7 @@
 //! configuration when the file turns invalid.
 
 pub mod filter;
+pub mod result;
 pub mod store;
 
 use std::collections::BTreeMap;
@@ -18,6 +19,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 pub use filter::{Filtered, apply};
+pub use result::apply_to_result;
 pub use store::TemplateStore;
 
 /// The configuration file, relative to a directory on the way up from the working directory.

@@ -90,11 +90,12 @@ impl Gateway {
                 panic!("gateway did not start; log:\n{}", log.lock().unwrap());
             }
         };
+        let kube = args.windows(2).any(|w| w == ["--backend", "kube"]);
         Gateway {
             child: Some(child),
             base: format!("http://{addr}"),
             log,
-            backend: "local".into(),
+            backend: if kube { "kubernetes" } else { "local" }.into(),
         }
     }
 
@@ -165,6 +166,26 @@ impl Drop for Gateway {
             let _ = child.wait();
         }
     }
+}
+
+/// SIGTERM from a blocking thread, for async tests: the exit status, and the gateway back
+/// (its log stays readable).
+pub async fn terminate(mut gw: Gateway) -> (Option<std::process::ExitStatus>, Gateway) {
+    tokio::task::spawn_blocking(move || (gw.terminate(), gw))
+        .await
+        .expect("terminate")
+}
+
+/// `GET path` on the gateway, as JSON.
+pub async fn get_json(gw: &Gateway, path: &str) -> serde_json::Value {
+    http()
+        .get(gw.url(path))
+        .send()
+        .await
+        .expect("GET")
+        .json()
+        .await
+        .expect("JSON body")
 }
 
 /// An HTTP client for tests (reqwest is built without a default crypto provider).

@@ -76,8 +76,12 @@ app.kubernetes.io/managed-by: mcp-run
 {{- define "mcp-run.config" -}}
 {{- $cfg := deepCopy .Values.config }}
 {{- $server := merge (dict "listen" (printf "0.0.0.0:%d" (int .Values.containerPort)) "backend" "kube") (default dict $cfg.server) }}
-{{- $kube := merge (dict "namespace" (include "mcp-run.runnerNamespace" .)) (default dict $cfg.kubernetes) }}
+{{- $kube := merge (dict "namespace" (include "mcp-run.runnerNamespace" .) "instance" .Release.Name) (default dict $cfg.kubernetes) }}
 {{- $_ := set $cfg "server" $server }}
 {{- $_ := set $cfg "kubernetes" $kube }}
+{{- if .Values.auth.enabled }}
+{{- /* With auth on, a missing token file must stop the gateway rather than open it. */}}
+{{- $_ := set $cfg "auth" (dict "required" true) }}
+{{- end }}
 {{- toYaml $cfg }}
 {{- end }}

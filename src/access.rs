@@ -1,0 +1,612 @@
+//! Who may call the gateway and how often: optional bearer-token auth (config `auth:`,
+//! tokens from `MCP_RUN_AUTH_TOKENS_FILE` or `MCP_RUN_AUTH_TOKENS`), the caller's identity
+//! for audit and rate limiting, and the per-client token bucket (config `limits.rate_limit`).
+//! `docs/policy.md` describes the behaviour.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use axum::extract::{ConnectInfo, Request, State};
+use axum::http::{HeaderMap, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
+
+use crate::contract::{ErrorBody, ErrorCode};
+
+/// The environment variable naming the tokens file (the Helm chart sets it).
+pub const TOKENS_FILE_ENV: &str = "MCP_RUN_AUTH_TOKENS_FILE";
+/// The environment variable holding tokens directly (comma- or whitespace-separated).
+pub const TOKENS_ENV: &str = "MCP_RUN_AUTH_TOKENS";
+
+/// Paths that stay open when auth is on: probes and metrics.
+pub const OPEN_PATHS: &[&str] = &["/healthz", "/readyz", "/metrics"];
+
+/// Who asked: the token's name when auth is on, and the client address when known.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Caller {
+    pub identity: Option<String>,
+    pub addr: Option<IpAddr>,
+    /// Set for callers that are not network clients (`mcp-run stdio`).
+    pub local: Option<&'static str>,
+}
+
+impl Caller {
+    /// A caller that is not a network client, such as the stdio MCP server.
+    pub fn local(name: &'static str) -> Self {
+        Self {
+            local: Some(name),
+            ..Self::default()
+        }
+    }
+
+    /// The rate-limit key: the identity, else the address, else the local name.
+    pub fn key(&self) -> String {
+        match (&self.identity, &self.addr, self.local) {
+            (Some(id), _, _) => format!("id:{id}"),
+            (None, Some(addr), _) => format!("ip:{addr}"),
+            (None, None, Some(l)) => format!("local:{l}"),
+            (None, None, None) => "unknown".to_owned(),
+        }
+    }
+
+    /// How the audit log names the caller.
+    pub fn describe(&self) -> String {
+        match (&self.identity, &self.addr, self.local) {
+            (Some(id), Some(a), _) => format!("{id}@{a}"),
+            (Some(id), None, _) => id.clone(),
+            (None, Some(a), _) => a.to_string(),
+            (None, None, Some(l)) => l.to_owned(),
+            (None, None, None) => "unknown".to_owned(),
+        }
+    }
+}
+
+/// The `auth:` section of the configuration.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthConfig {
+    /// A tokens file (one `token` or `name:token` a line, `#` comments). The environment
+    /// variable `MCP_RUN_AUTH_TOKENS_FILE` overrides it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokens_file: Option<PathBuf>,
+    /// Refuse to start when no token is configured (so that a missing Secret cannot open the
+    /// gateway).
+    pub required: bool,
+    /// How often the tokens file is read again (a rotated Kubernetes Secret is picked up
+    /// without a restart); 0: read once at start.
+    pub reload_secs: u64,
+}
+
+impl Default for AuthConfig {
+    fn default() -> Self {
+        Self {
+            tokens_file: None,
+            required: false,
+            reload_secs: 10,
+        }
+    }
+}
+
+/// `limits.rate_limit`: a token bucket per client.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RateLimitConfig {
+    /// Executions a client may start per minute, on average.
+    pub per_minute: u32,
+    /// Executions a client may start at once after being idle (the bucket size).
+    pub burst: u32,
+}
+
+/// One configured token, kept as its SHA-256 digest.
+#[derive(Clone)]
+struct Token {
+    name: String,
+    digest: [u8; 32],
+}
+
+/// The bearer tokens the gateway accepts.
+pub struct Auth {
+    /// What is checked: the file's tokens, then the environment's.
+    tokens: std::sync::RwLock<Arc<Vec<Token>>>,
+    /// The tokens file, re-read by [`Auth::reload`].
+    file: Option<PathBuf>,
+    /// The digest of the file's last accepted content.
+    file_digest: Mutex<[u8; 32]>,
+    /// Tokens from `MCP_RUN_AUTH_TOKENS` (fixed for the process).
+    env_tokens: Vec<Token>,
+}
+
+/// `(name, token)` pairs as parsed.
+type Entries = Vec<(String, String)>;
+
+fn tokens_of(entries: Entries) -> Vec<Token> {
+    entries
+        .into_iter()
+        .map(|(name, token)| Token {
+            name,
+            digest: digest(token.as_bytes()),
+        })
+        .collect()
+}
+
+fn digest(token: &[u8]) -> [u8; 32] {
+    Sha256::digest(token).into()
+}
+
+impl Auth {
+    /// Parses token entries: `token` or `name:token`, one per line (or separated by commas
+    /// and whitespace for the environment variable); `#` starts a comment line. An unnamed
+    /// token is named `token-` and the first 8 hex digits of its SHA-256 (safe to log).
+    pub fn parse(
+        text: &str,
+        source: &str,
+        split_words: bool,
+    ) -> Result<Vec<(String, String)>, String> {
+        let mut out = Vec::new();
+        let entries: Vec<(usize, &str)> = if split_words {
+            text.split(|c: char| c == ',' || c.is_whitespace())
+                .enumerate()
+                .map(|(i, e)| (i + 1, e.trim()))
+                .filter(|(_, e)| !e.is_empty())
+                .collect()
+        } else {
+            text.lines()
+                .enumerate()
+                .map(|(i, l)| (i + 1, l.trim()))
+                .filter(|(_, l)| !l.is_empty() && !l.starts_with('#'))
+                .collect()
+        };
+        for (n, entry) in entries {
+            let (name, token) = match entry.split_once(':') {
+                Some((name, token)) => {
+                    let name = name.trim();
+                    if name.is_empty()
+                        || !name
+                            .bytes()
+                            .all(|b| b.is_ascii_alphanumeric() || b"-_.@".contains(&b))
+                    {
+                        return Err(format!(
+                            "{source}: entry {n}: the name before `:` must be letters, digits, `-_.@`"
+                        ));
+                    }
+                    (name.to_owned(), token.trim())
+                }
+                None => {
+                    let d = digest(entry.as_bytes());
+                    let hex: String = d[..4].iter().map(|b| format!("{b:02x}")).collect();
+                    (format!("token-{hex}"), entry)
+                }
+            };
+            if token.is_empty() {
+                return Err(format!("{source}: entry {n}: the token is empty"));
+            }
+            if token.len() < 16 {
+                tracing::warn!(%source, entry = n, name = %name, "auth token shorter than 16 characters");
+            }
+            out.push((name, token.to_owned()));
+        }
+        Ok(out)
+    }
+
+    /// Loads the tokens from `MCP_RUN_AUTH_TOKENS_FILE` (else `auth.tokens_file`) and
+    /// `MCP_RUN_AUTH_TOKENS`. `None`: no token anywhere, auth is off (an error instead when
+    /// `auth.required`).
+    pub fn load(
+        config: &AuthConfig,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Option<Auth>, String> {
+        let file = env(TOKENS_FILE_ENV)
+            .filter(|f| !f.is_empty())
+            .map(PathBuf::from)
+            .or_else(|| config.tokens_file.clone());
+        let (file_tokens, file_digest) = match &file {
+            Some(path) => {
+                let (entries, d) = Self::read_file(path)?;
+                (tokens_of(entries), d)
+            }
+            None => (Vec::new(), [0; 32]),
+        };
+        let env_tokens = match env(TOKENS_ENV) {
+            Some(text) => tokens_of(Self::parse(&text, TOKENS_ENV, true)?),
+            None => Vec::new(),
+        };
+        if file_tokens.is_empty() && env_tokens.is_empty() {
+            return if config.required {
+                Err(format!(
+                    "`auth.required` is set but no token is configured (set {TOKENS_FILE_ENV}, {TOKENS_ENV} or auth.tokens_file)"
+                ))
+            } else {
+                Ok(None)
+            };
+        }
+        let mut all = file_tokens;
+        all.extend(env_tokens.iter().cloned());
+        Ok(Some(Auth {
+            tokens: std::sync::RwLock::new(Arc::new(all)),
+            file,
+            file_digest: Mutex::new(file_digest),
+            env_tokens,
+        }))
+    }
+
+    /// The file's `(name, token)` entries and the digest of its content.
+    fn read_file(path: &std::path::Path) -> Result<(Entries, [u8; 32]), String> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read the auth tokens file {}: {e}", path.display()))?;
+        let entries = Self::parse(&text, &path.display().to_string(), false)?;
+        Ok((entries, digest(text.as_bytes())))
+    }
+
+    /// Fixed tokens, no file (tests, embedding).
+    pub fn new(entries: Vec<(String, String)>) -> Self {
+        let env_tokens = tokens_of(entries);
+        Self {
+            tokens: std::sync::RwLock::new(Arc::new(env_tokens.clone())),
+            file: None,
+            file_digest: Mutex::new([0; 32]),
+            env_tokens,
+        }
+    }
+
+    fn current(&self) -> Arc<Vec<Token>> {
+        self.tokens
+            .read()
+            .map(|t| t.clone())
+            .unwrap_or_else(|p| p.into_inner().clone())
+    }
+
+    pub fn len(&self) -> usize {
+        self.current().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.current().is_empty()
+    }
+
+    /// Reads the tokens file again. `Ok(true)`: its content changed and its tokens replace
+    /// the previous ones; `Err`: unreadable or invalid, the previous tokens stay. An emptied
+    /// file leaves only the environment's tokens (none: every request is refused).
+    pub fn reload(&self) -> Result<bool, String> {
+        let Some(path) = &self.file else {
+            return Ok(false);
+        };
+        let (entries, d) = Self::read_file(path)?;
+        let mut last = self.file_digest.lock().unwrap_or_else(|p| p.into_inner());
+        if *last == d {
+            return Ok(false);
+        }
+        let mut all = tokens_of(entries);
+        all.extend(self.env_tokens.iter().cloned());
+        *self.tokens.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(all);
+        *last = d;
+        Ok(true)
+    }
+
+    /// Re-reads the tokens file every `every` in a background task (nothing without a file).
+    pub fn watch(self: &Arc<Self>, every: std::time::Duration) {
+        if self.file.is_none() || every.is_zero() {
+            return;
+        }
+        let auth = Arc::downgrade(self);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                let Some(auth) = auth.upgrade() else { return };
+                match auth.reload() {
+                    Ok(true) => tracing::info!(
+                        tokens = auth.len(),
+                        "auth tokens file changed: tokens reloaded"
+                    ),
+                    Ok(false) => {}
+                    Err(e) => tracing::warn!("{e}; keeping the previous tokens"),
+                }
+            }
+        });
+    }
+
+    /// The name of the token presented, compared in constant time: digests of equal length
+    /// are compared with `subtle`, and every configured token is compared, match or not.
+    pub fn verify(&self, presented: &str) -> Option<String> {
+        let d = digest(presented.as_bytes());
+        let mut found = None;
+        for t in self.current().iter() {
+            if bool::from(t.digest.ct_eq(&d)) && found.is_none() {
+                found = Some(t.name.clone());
+            }
+        }
+        found
+    }
+
+    /// Checks a request's `Authorization` header.
+    pub fn check(&self, headers: &HeaderMap) -> Result<String, ErrorBody> {
+        let unauthorized = |m: &str| ErrorBody::new(ErrorCode::Unauthorized, m);
+        let value = headers
+            .get(header::AUTHORIZATION)
+            .ok_or_else(|| unauthorized("this gateway requires a bearer token (`Authorization: Bearer TOKEN`; run-remote sends RUN_REMOTE_TOKEN)"))?;
+        let value = value
+            .to_str()
+            .map_err(|_| unauthorized("the Authorization header is not valid text"))?;
+        let token = value
+            .split_once(' ')
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map(|(_, t)| t.trim())
+            .ok_or_else(|| unauthorized("the Authorization header must be `Bearer TOKEN`"))?;
+        self.verify(token)
+            .ok_or_else(|| unauthorized("the bearer token is not valid"))
+    }
+}
+
+/// A token bucket per client key.
+pub struct RateLimiter {
+    per_sec: f64,
+    burst: f64,
+    buckets: Mutex<HashMap<String, Bucket>>,
+}
+
+#[derive(Clone, Copy)]
+struct Bucket {
+    tokens: f64,
+    at: Instant,
+}
+
+/// Above this many tracked clients, full (idle) buckets are forgotten.
+const PRUNE_ABOVE: usize = 4096;
+
+impl RateLimiter {
+    pub fn new(config: &RateLimitConfig) -> Self {
+        Self {
+            per_sec: f64::from(config.per_minute) / 60.0,
+            burst: f64::from(config.burst.max(1)),
+            buckets: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Takes one token for `key` at `now`; `Err(secs)` is how long until one is there.
+    pub fn take_at(&self, key: &str, now: Instant) -> Result<(), u64> {
+        let mut buckets = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
+        if buckets.len() > PRUNE_ABOVE {
+            let (rate, burst) = (self.per_sec, self.burst);
+            buckets.retain(|_, b| {
+                b.tokens + now.saturating_duration_since(b.at).as_secs_f64() * rate < burst
+            });
+        }
+        let b = buckets.entry(key.to_owned()).or_insert(Bucket {
+            tokens: self.burst,
+            at: now,
+        });
+        let elapsed = now.saturating_duration_since(b.at).as_secs_f64();
+        b.tokens = (b.tokens + elapsed * self.per_sec).min(self.burst);
+        b.at = now;
+        if b.tokens >= 1.0 {
+            b.tokens -= 1.0;
+            Ok(())
+        } else if self.per_sec <= 0.0 {
+            Err(60)
+        } else {
+            Err(((1.0 - b.tokens) / self.per_sec).ceil().max(1.0) as u64)
+        }
+    }
+
+    /// Takes one token for `caller`, or a 429 with `Retry-After`.
+    pub fn take(&self, caller: &Caller) -> Result<(), ErrorBody> {
+        self.take_at(&caller.key(), Instant::now()).map_err(|secs| {
+            ErrorBody::new(
+                ErrorCode::TooManyRequests,
+                format!(
+                    "rate limit: {} is over limits.rate_limit ({} per minute, burst {}); retry in {secs} s",
+                    caller.describe(),
+                    (self.per_sec * 60.0).round(),
+                    self.burst
+                ),
+            )
+            .retry_after(secs)
+        })
+    }
+}
+
+/// The HTTP middleware: finds the caller's address and, when auth is on, checks the bearer
+/// token of every path but the open ones. The [`Caller`] goes into the request's extensions
+/// for the handlers (and, through rmcp, the MCP tools).
+pub async fn middleware(
+    State(auth): State<Option<Arc<Auth>>>,
+    mut req: Request,
+    next: Next,
+) -> Response {
+    let addr = req
+        .extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|c| c.0.ip());
+    let mut caller = Caller {
+        addr,
+        ..Caller::default()
+    };
+    if let Some(auth) = &auth
+        && !OPEN_PATHS.contains(&req.uri().path())
+    {
+        match auth.check(req.headers()) {
+            Ok(name) => caller.identity = Some(name),
+            Err(e) => {
+                tracing::info!(target: "mcp_run::audit", path = %req.uri().path(), client = %caller.describe(), outcome = "unauthorized", "{}", e.message);
+                crate::metrics::rejected(e.code);
+                return e.into_response();
+            }
+        }
+    }
+    req.extensions_mut().insert(caller);
+    next.run(req).await
+}
+
+/// The caller of an MCP request, from the HTTP request rmcp passes along (none over stdio).
+pub fn mcp_caller(extensions: &rmcp::model::Extensions) -> Option<Caller> {
+    extensions
+        .get::<axum::http::request::Parts>()
+        .and_then(|p| p.extensions.get::<Caller>())
+        .cloned()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[test]
+    fn token_files_and_names() {
+        let e = Auth::parse(
+            "# comment\n\nci:abcdefghijklmnopq\n  rawtoken-0123456789  \nx:y:z\n",
+            "f",
+            false,
+        )
+        .unwrap();
+        assert_eq!(e[0], ("ci".into(), "abcdefghijklmnopq".into()));
+        assert!(
+            e[1].0.starts_with("token-") && e[1].0.len() == 14,
+            "{:?}",
+            e[1]
+        );
+        assert_eq!(e[1].1, "rawtoken-0123456789");
+        // Split at the first colon: the token may contain more.
+        assert_eq!(e[2], ("x".into(), "y:z".into()));
+        let env = Auth::parse("a:1111, b:2222\nc:3333", "env", true).unwrap();
+        assert_eq!(env.len(), 3);
+        assert!(
+            Auth::parse("bad name:x", "f", false)
+                .unwrap_err()
+                .contains("entry 1")
+        );
+        assert!(Auth::parse("n:", "f", false).unwrap_err().contains("empty"));
+    }
+
+    #[test]
+    fn verify_and_check_headers() {
+        let auth = Auth::new(vec![
+            ("a".into(), "secret-a-0123456789".into()),
+            ("b".into(), "secret-b-0123456789".into()),
+        ]);
+        assert_eq!(auth.verify("secret-b-0123456789").as_deref(), Some("b"));
+        assert_eq!(auth.verify("secret-b-012345678"), None);
+        assert_eq!(auth.verify(""), None);
+        let mut h = HeaderMap::new();
+        assert_eq!(auth.check(&h).unwrap_err().code, ErrorCode::Unauthorized);
+        h.insert(header::AUTHORIZATION, "Basic x".parse().unwrap());
+        assert!(auth.check(&h).unwrap_err().message.contains("Bearer"));
+        h.insert(
+            header::AUTHORIZATION,
+            "bearer secret-a-0123456789".parse().unwrap(),
+        );
+        assert_eq!(auth.check(&h).unwrap(), "a");
+    }
+
+    #[test]
+    fn load_from_env_and_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("tokens");
+        std::fs::write(&file, "f:file-token-0123456789\n").unwrap();
+        let f = file.to_str().unwrap().to_owned();
+        let env = |k: &str| match k {
+            TOKENS_FILE_ENV => Some(f.clone()),
+            TOKENS_ENV => Some("e:env-token-0123456789".into()),
+            _ => None,
+        };
+        let auth = Auth::load(&AuthConfig::default(), env).unwrap().unwrap();
+        assert_eq!(auth.len(), 2);
+        assert_eq!(auth.verify("env-token-0123456789").as_deref(), Some("e"));
+        assert!(
+            Auth::load(&AuthConfig::default(), |_| None)
+                .unwrap()
+                .is_none()
+        );
+        let required = AuthConfig {
+            required: true,
+            ..Default::default()
+        };
+        assert!(
+            Auth::load(&required, |_| None)
+                .err()
+                .unwrap()
+                .contains("auth.required")
+        );
+        let missing = |k: &str| (k == TOKENS_FILE_ENV).then(|| "/nonexistent/tokens".to_owned());
+        assert!(
+            Auth::load(&AuthConfig::default(), missing)
+                .err()
+                .unwrap()
+                .contains("/nonexistent/tokens")
+        );
+    }
+
+    #[test]
+    fn reload_replaces_the_file_tokens_and_keeps_them_on_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("tokens");
+        std::fs::write(&file, "old:old-token-0123456789\n").unwrap();
+        let f = file.to_str().unwrap().to_owned();
+        let env = |k: &str| match k {
+            TOKENS_FILE_ENV => Some(f.clone()),
+            TOKENS_ENV => Some("e:env-token-0123456789".into()),
+            _ => None,
+        };
+        let auth = Auth::load(&AuthConfig::default(), env).unwrap().unwrap();
+        assert_eq!(auth.reload(), Ok(false));
+        std::fs::write(&file, "new:new-token-0123456789\n").unwrap();
+        assert_eq!(auth.reload(), Ok(true));
+        assert_eq!(auth.verify("old-token-0123456789"), None);
+        assert_eq!(auth.verify("new-token-0123456789").as_deref(), Some("new"));
+        assert_eq!(auth.verify("env-token-0123456789").as_deref(), Some("e"));
+        std::fs::write(&file, "bad name:x\n").unwrap();
+        assert!(auth.reload().is_err());
+        assert_eq!(auth.verify("new-token-0123456789").as_deref(), Some("new"));
+        std::fs::write(&file, "# emptied\n").unwrap();
+        assert_eq!(auth.reload(), Ok(true));
+        assert_eq!(auth.len(), 1);
+    }
+
+    #[test]
+    fn token_bucket() {
+        let rl = RateLimiter::new(&RateLimitConfig {
+            per_minute: 60,
+            burst: 2,
+        });
+        let t0 = Instant::now();
+        assert!(rl.take_at("a", t0).is_ok());
+        assert!(rl.take_at("a", t0).is_ok());
+        assert_eq!(rl.take_at("a", t0), Err(1));
+        // Another client has its own bucket.
+        assert!(rl.take_at("b", t0).is_ok());
+        // One token per second comes back.
+        assert!(rl.take_at("a", t0 + Duration::from_millis(1000)).is_ok());
+        assert!(rl.take_at("a", t0 + Duration::from_millis(1500)).is_err());
+        let slow = RateLimiter::new(&RateLimitConfig {
+            per_minute: 2,
+            burst: 1,
+        });
+        assert!(slow.take_at("a", t0).is_ok());
+        assert_eq!(slow.take_at("a", t0), Err(30));
+    }
+
+    #[test]
+    fn caller_keys() {
+        let ip: IpAddr = "10.0.0.1".parse().unwrap();
+        let c = Caller {
+            identity: Some("ci".into()),
+            addr: Some(ip),
+            local: None,
+        };
+        assert_eq!(c.key(), "id:ci");
+        assert_eq!(c.describe(), "ci@10.0.0.1");
+        let anon = Caller {
+            addr: Some(ip),
+            ..Default::default()
+        };
+        assert_eq!(anon.key(), "ip:10.0.0.1");
+        assert_eq!(Caller::local("stdio").key(), "local:stdio");
+    }
+}

@@ -1,0 +1,136 @@
+//! The runtime capabilities document: which runtime executes an agent's commands, what is
+//! allowed and what is not (the capability-reporting pattern of the design references).
+//! The same document is the `mcp-run/runtime` experimental capability of the MCP
+//! `initialize` result, the MCP resource `mcp-run://capabilities`, and `GET /capabilities`.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::config::Limits;
+
+/// The URI of the capabilities resource.
+pub const RESOURCE_URI: &str = "mcp-run://capabilities";
+/// The key of the experimental capability in the MCP `initialize` result.
+pub const EXPERIMENTAL_KEY: &str = "mcp-run/runtime";
+
+/// What a backend says about itself.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct BackendCapabilities {
+    /// `kubernetes`, `local`, or a remote gateway's backend.
+    pub backend: String,
+    /// `isolated-pod` (each command in its own pod), `host-process` (processes of the
+    /// gateway's host, no isolation), or what a remote gateway reports.
+    pub safety_level: String,
+    /// One or two lines for agents: where commands run.
+    pub description: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+    /// The runner profiles a request may name (`profile`).
+    pub profiles: Vec<ProfileInfo>,
+    /// For the `remote` backend: the gateway that runs the commands.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gateway: Option<String>,
+}
+
+/// A runner profile as agents see it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ProfileInfo {
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime_class: Option<String>,
+    /// Requests and limits, as in a pod spec.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<serde_json::Value>,
+    /// Warm pods kept for this profile by each gateway replica (0: none).
+    #[serde(default)]
+    pub warm_pool: usize,
+}
+
+/// The limits a request meets.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct LimitsInfo {
+    pub default_timeout_secs: u64,
+    pub max_timeout_secs: u64,
+    /// Per stream, in MCP results (head and tail kept); `/raw` is not capped.
+    pub max_output_bytes: usize,
+    pub stdin: bool,
+    pub tty: bool,
+}
+
+/// The whole document.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Capabilities {
+    pub server: ServerInfo,
+    #[serde(flatten)]
+    pub backend: BackendCapabilities,
+    pub limits: LimitsInfo,
+    /// What agents cannot do, in words.
+    pub limitations: Vec<String>,
+    /// The execution policy in force; null when none is configured.
+    pub policy: Option<serde_json::Value>,
+    /// Output templates on offer (names).
+    pub templates: Vec<String>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ServerInfo {
+    pub name: String,
+    pub version: String,
+}
+
+impl Capabilities {
+    pub fn new(backend: BackendCapabilities, limits: &Limits, max_output_bytes: usize) -> Self {
+        let mut limitations = vec![
+            "no stdin: commands read nothing (use files or arguments)".to_string(),
+            "no TTY: interactive programs do not work".into(),
+            format!(
+                "MCP results keep the first and last {} KiB of each stream",
+                max_output_bytes / 2048
+            ),
+            "arguments are passed as argv, never through a shell: use `sh -c` explicitly when you need one".into(),
+        ];
+        if backend.safety_level == "isolated-pod" {
+            limitations.push(
+                "each call runs in a fresh pod: nothing persists between calls except mounted volumes".into(),
+            );
+        }
+        Self {
+            server: ServerInfo {
+                name: "mcp-run".into(),
+                version: env!("CARGO_PKG_VERSION").into(),
+            },
+            backend,
+            limits: LimitsInfo {
+                default_timeout_secs: limits.default_timeout_secs,
+                max_timeout_secs: limits.max_timeout_secs,
+                max_output_bytes,
+                stdin: false,
+                tty: false,
+            },
+            limitations,
+            policy: None,
+            templates: Vec::new(),
+        }
+    }
+
+    /// One line for tool descriptions.
+    pub fn where_line(&self) -> String {
+        let b = &self.backend;
+        let mut s = b.description.clone();
+        if !b.profiles.is_empty() && b.backend == "kubernetes" {
+            let p: Vec<String> = b
+                .profiles
+                .iter()
+                .map(|p| format!("{} ({})", p.name, p.image.as_deref().unwrap_or("?")))
+                .collect();
+            s.push_str(&format!(" Profiles: {}.", p.join(", ")));
+        }
+        s
+    }
+}

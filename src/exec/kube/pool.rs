@@ -1,0 +1,354 @@
+//! The warm pool: per profile, `warm_pool.size` runner pods that are already Running and
+//! unclaimed, so that a request costs an exec rather than a pod start, while each request
+//! still gets a pod of its own that is deleted after use and never reused.
+//!
+//! - Pool pods are ordinary runner pods with two more labels: `mcp-run.dev/pool=<profile>`
+//!   and `mcp-run.dev/state=idle`. Every gateway replica watches the idle pods of its
+//!   installation (a reflector: no polling) and keeps `size` of its own in the pool.
+//! - A request claims an idle pod with a JSON merge patch that sets `state=claimed` and
+//!   names the claiming gateway, carrying the pod's `metadata.resourceVersion` as a
+//!   precondition: if anyone changed the pod since it was seen (another replica claimed it),
+//!   the API server answers 409 Conflict and the request tries the next pod. Two replicas
+//!   can never run in the same pod.
+//! - Empty pool (or no claimable pod): the request falls back to creating its own pod, and
+//!   the miss is counted. The pool refills in the background.
+//! - A pool pod is claimable while its deadline leaves room for the request's timeout;
+//!   older idle pods are replaced (`warm_pool.max_idle_secs`).
+//! - Per-request `cwd` and `env` apply through the exec wrapper, as for fresh pods.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt as _;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt as _;
+use kube::api::{Patch, PatchParams, PostParams};
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt as _, watcher};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use super::config::Profile;
+use super::pod::{self, ANNOTATION_EXPIRES, LABEL_GATEWAY, LABEL_POOL, LABEL_STATE};
+use super::status::{self, PodState};
+use super::{CONTAINER, Shared};
+
+/// A claim needs at least this beyond the request's timeout before the pod's deadline.
+const CLAIM_MARGIN: Duration = Duration::from_secs(60);
+
+/// The pool of one profile.
+pub(super) struct WarmPool {
+    shared: Arc<Shared>,
+    profile_name: String,
+    profile: Profile,
+    size: usize,
+    max_idle: Duration,
+    /// `activeDeadlineSeconds` of pool pods: idle time plus the longest request.
+    deadline_secs: u64,
+    store: Store<Pod>,
+    /// Pods this gateway created for the pool that the store has not shown yet.
+    creating: Mutex<HashMap<String, Instant>>,
+    /// Pool pods whose time to Running was recorded.
+    measured: Mutex<std::collections::HashSet<String>>,
+    wake: Notify,
+    stop: CancellationToken,
+}
+
+impl WarmPool {
+    /// Starts watching the idle pods of the profile and refilling the pool.
+    pub fn start(
+        shared: Arc<Shared>,
+        profile_name: &str,
+        profile: &Profile,
+        longest_request: Duration,
+        stop: CancellationToken,
+    ) -> Arc<Self> {
+        let size = profile.warm_pool.size;
+        let max_idle = Duration::from_secs(profile.warm_pool.max_idle_secs);
+        let selector = format!(
+            "{},{LABEL_POOL}={},{LABEL_STATE}=idle",
+            shared.identity.instance_selector(),
+            pod::label_value(profile_name)
+        );
+        let (store, writer) = reflector::store();
+        let events = reflector::reflector(
+            writer,
+            watcher(
+                shared.pods.clone(),
+                watcher::Config::default().labels(&selector),
+            ),
+        )
+        .default_backoff()
+        .touched_objects();
+        let pool = Arc::new(Self {
+            shared,
+            profile_name: profile_name.to_string(),
+            profile: profile.clone(),
+            size,
+            max_idle,
+            deadline_secs: (max_idle + longest_request + CLAIM_MARGIN).as_secs(),
+            store,
+            creating: Mutex::new(HashMap::new()),
+            measured: Mutex::new(Default::default()),
+            wake: Notify::new(),
+            stop,
+        });
+        let watch_pool = pool.clone();
+        tokio::spawn(async move {
+            let mut events = std::pin::pin!(events);
+            loop {
+                tokio::select! {
+                    _ = watch_pool.stop.cancelled() => return,
+                    ev = events.next() => match ev {
+                        Some(Ok(_)) => watch_pool.wake.notify_one(),
+                        Some(Err(e)) => tracing::warn!(profile = watch_pool.profile_name, "warm pool watch: {e}"),
+                        None => return,
+                    }
+                }
+            }
+        });
+        let refill_pool = pool.clone();
+        tokio::spawn(async move { refill_pool.refill_loop().await });
+        pool
+    }
+
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Idle pods of this gateway (Running or starting), as the store sees them.
+    pub fn idle(&self) -> usize {
+        let me = &self.shared.identity.gateway;
+        self.store
+            .state()
+            .iter()
+            .filter(|p| {
+                p.labels().get(LABEL_GATEWAY) == Some(me) && p.metadata.deletion_timestamp.is_none()
+            })
+            .count()
+    }
+
+    /// Claims a Running idle pod whose deadline leaves room for `timeout`; `None` is a miss.
+    /// On success the pod's name is in the live set and its node is returned.
+    pub async fn claim(&self, timeout: Duration) -> Option<(String, String)> {
+        let now = Timestamp::now();
+        let me = self.shared.identity.gateway.clone();
+        let mut candidates: Vec<Arc<Pod>> = self
+            .store
+            .state()
+            .into_iter()
+            .filter(|p| {
+                p.metadata.deletion_timestamp.is_none()
+                    && room_left(p, now) >= timeout + CLAIM_MARGIN
+            })
+            .collect();
+        // Our own pods first (no contention with other replicas), oldest first.
+        candidates.sort_by_key(|p| {
+            (
+                p.labels().get(LABEL_GATEWAY) != Some(&me),
+                p.creation_timestamp().map(|t| t.0),
+            )
+        });
+        for p in candidates {
+            let PodState::Running { node } = status::assess(&p, CONTAINER) else {
+                continue;
+            };
+            let name = p.name_any();
+            let Some(rv) = p.resource_version() else {
+                continue;
+            };
+            self.shared.track(&name);
+            let patch = serde_json::json!({
+                "metadata": {
+                    "resourceVersion": rv,
+                    "labels": {LABEL_STATE: "claimed", LABEL_GATEWAY: me},
+                }
+            });
+            match self
+                .shared
+                .pods
+                .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+            {
+                Ok(_) => {
+                    crate::metrics::warm_pool_claim(&self.profile_name, true);
+                    self.wake.notify_one();
+                    return Some((name, node));
+                }
+                Err(e) => {
+                    self.shared.untrack(&name);
+                    match e {
+                        kube::Error::Api(s) if s.code == 409 || s.code == 404 => {
+                            tracing::debug!(pod = name, "warm pod taken by someone else");
+                        }
+                        other => {
+                            tracing::warn!(pod = name, "cannot claim warm pod: {other}");
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        crate::metrics::warm_pool_claim(&self.profile_name, false);
+        self.wake.notify_one();
+        None
+    }
+
+    /// Keeps `size` idle pods of this gateway: creates what is missing, replaces what is too
+    /// old or cannot start, backs off while pods fail to start.
+    async fn refill_loop(self: Arc<Self>) {
+        if self.store.wait_until_ready().await.is_err() {
+            return;
+        }
+        let mut backoff = Duration::from_secs(1);
+        loop {
+            let failed = self.tend().await;
+            let wait = if failed {
+                backoff = (backoff * 2).min(Duration::from_secs(60));
+                backoff
+            } else {
+                backoff = Duration::from_secs(1);
+                Duration::from_secs(5)
+            };
+            tokio::select! {
+                _ = self.stop.cancelled() => return,
+                _ = self.wake.notified() => {}
+                _ = tokio::time::sleep(wait) => {}
+            }
+            if failed {
+                tokio::select! {
+                    _ = self.stop.cancelled() => return,
+                    _ = tokio::time::sleep(wait) => {}
+                }
+            }
+        }
+    }
+
+    /// One refill pass; true when a pool pod failed to start.
+    async fn tend(&self) -> bool {
+        let me = &self.shared.identity.gateway;
+        let now = Timestamp::now();
+        let mine: Vec<Arc<Pod>> = self
+            .store
+            .state()
+            .into_iter()
+            .filter(|p| {
+                p.labels().get(LABEL_GATEWAY) == Some(me) && p.metadata.deletion_timestamp.is_none()
+            })
+            .collect();
+        let mut failed = false;
+        let mut healthy = 0;
+        for p in &mine {
+            let name = p.name_any();
+            let too_old = p
+                .creation_timestamp()
+                .and_then(|t| Duration::try_from(now.duration_since(t.0)).ok())
+                .is_some_and(|age| age > self.max_idle);
+            match status::assess(p, CONTAINER) {
+                PodState::Failed(e) => {
+                    tracing::warn!(
+                        profile = self.profile_name,
+                        pod = name,
+                        "warm pod cannot start: {}",
+                        e.message
+                    );
+                    failed = true;
+                    self.shared.delete(&name).await;
+                }
+                _ if too_old => {
+                    tracing::debug!(pod = name, "replacing an old warm pod");
+                    self.shared.delete(&name).await;
+                }
+                PodState::Running { .. } => {
+                    healthy += 1;
+                    let mut measured = self.measured.lock().unwrap_or_else(|e| e.into_inner());
+                    if measured.insert(name.clone())
+                        && let Some(age) = p
+                            .creation_timestamp()
+                            .and_then(|t| Duration::try_from(now.duration_since(t.0)).ok())
+                    {
+                        crate::metrics::warm_pool_refill(&self.profile_name, age);
+                    }
+                }
+                PodState::Waiting(_) => healthy += 1,
+            }
+        }
+        self.measured
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|n| mine.iter().any(|p| p.metadata.name.as_deref() == Some(n)));
+        let creating = {
+            let mut c = self.creating.lock().unwrap_or_else(|e| e.into_inner());
+            c.retain(|name, at| {
+                !mine
+                    .iter()
+                    .any(|p| p.metadata.name.as_deref() == Some(name))
+                    && at.elapsed() < Duration::from_secs(30)
+            });
+            c.len()
+        };
+        let missing = self.size.saturating_sub(healthy + creating);
+        for _ in 0..missing {
+            if self.stop.is_cancelled() {
+                break;
+            }
+            let name = pod::pod_name();
+            let mut manifest = pod::build(
+                &pod::PodRequest {
+                    name: &name,
+                    namespace: &self.shared.namespace,
+                    profile_name: &self.profile_name,
+                    profile: &self.profile,
+                    active_deadline_secs: self.deadline_secs as i64,
+                    now,
+                },
+                &self.shared.identity,
+            );
+            let labels = manifest.metadata.labels.get_or_insert_default();
+            labels.insert(LABEL_POOL.into(), pod::label_value(&self.profile_name));
+            labels.insert(LABEL_STATE.into(), "idle".into());
+            self.creating
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(name.clone(), Instant::now());
+            match self
+                .shared
+                .pods
+                .create(&PostParams::default(), &manifest)
+                .await
+            {
+                Ok(_) => {}
+                Err(e) => {
+                    self.creating
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .remove(&name);
+                    tracing::warn!(profile = self.profile_name, "cannot create a warm pod: {e}");
+                    return true;
+                }
+            }
+        }
+        failed
+    }
+
+    /// Deletes this gateway's idle pods (at shutdown).
+    pub async fn drain(&self) {
+        let me = &self.shared.identity.gateway;
+        for p in self.store.state() {
+            if p.labels().get(LABEL_GATEWAY) == Some(me) {
+                self.shared.delete(&p.name_any()).await;
+            }
+        }
+    }
+}
+
+/// How long a pod may still live: until its `mcp-run.dev/expires-at`.
+fn room_left(p: &Pod, now: Timestamp) -> Duration {
+    p.annotations()
+        .get(ANNOTATION_EXPIRES)
+        .and_then(|t| t.parse::<Timestamp>().ok())
+        .and_then(|t| Duration::try_from(t.duration_since(now)).ok())
+        .unwrap_or(Duration::ZERO)
+}

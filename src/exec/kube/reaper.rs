@@ -1,0 +1,198 @@
+//! The reaper: deletes runner pods that nobody will delete otherwise (a gateway that crashed,
+//! a deletion that failed), by label and age, and never a pod it does not own.
+//!
+//! Ownership is the label selector: `app.kubernetes.io/managed-by=mcp-run`,
+//! `app.kubernetes.io/component=runner` and `mcp-run.dev/instance=<this installation>`.
+//! Within it:
+//! - pods of this gateway (`mcp-run.dev/gateway=<its pod name or host>`) that it is not
+//!   running are leftovers: all of them at start-up, the untracked ones later;
+//! - pods of other replicas of the same installation may be in use, so they are deleted
+//!   only once they cannot be: past their `mcp-run.dev/expires-at` (their
+//!   `activeDeadlineSeconds` has passed) or finished (Succeeded/Failed), and at least
+//!   `reaper_min_age_secs` old.
+
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt as _;
+use kube::api::{Api, DeleteParams, ListParams};
+
+use super::pod::{ANNOTATION_EXPIRES, Identity, LABEL_GATEWAY, LABEL_STATE};
+
+pub(super) struct Reaper {
+    pub pods: Api<Pod>,
+    pub identity: Identity,
+    pub min_age: Duration,
+}
+
+impl Reaper {
+    /// At start-up nothing runs yet: every pod of this gateway is a leftover.
+    pub async fn startup(&self) -> Result<usize, kube::Error> {
+        let pods = self
+            .pods
+            .list(&ListParams::default().labels(&self.identity.gateway_selector()))
+            .await?;
+        let mut n = 0;
+        for p in pods.items {
+            if p.metadata.deletion_timestamp.is_none() && self.delete(&p).await {
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+
+    /// One periodic pass; `is_live` says whether this gateway is using a pod.
+    pub async fn sweep(
+        &self,
+        is_live: &(dyn Fn(&str) -> bool + Send + Sync),
+    ) -> Result<usize, kube::Error> {
+        let pods = self
+            .pods
+            .list(&ListParams::default().labels(&self.identity.instance_selector()))
+            .await?;
+        let now = Timestamp::now();
+        let mut n = 0;
+        for p in pods.items {
+            if is_leftover(&p, &self.identity, now, self.min_age, is_live) && self.delete(&p).await
+            {
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+
+    async fn delete(&self, p: &Pod) -> bool {
+        let name = p.name_any();
+        // Preconditioned on the uid: a pod recreated under the same name is not ours to judge.
+        let mut params = DeleteParams::background().grace_period(0);
+        if let Some(uid) = p.uid() {
+            params = params.preconditions(kube::api::Preconditions {
+                uid: Some(uid),
+                resource_version: None,
+            });
+        }
+        match self.pods.delete(&name, &params).await {
+            Ok(_) => {
+                tracing::info!(pod = name, "reaper deleted runner pod");
+                true
+            }
+            Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => false,
+            Err(e) => {
+                tracing::warn!(pod = name, "reaper cannot delete runner pod: {e}");
+                false
+            }
+        }
+    }
+}
+
+/// Whether a pod listed under this installation's selector is a leftover to delete.
+pub(super) fn is_leftover(
+    p: &Pod,
+    me: &Identity,
+    now: Timestamp,
+    min_age: Duration,
+    is_live: &(dyn Fn(&str) -> bool + Send + Sync),
+) -> bool {
+    if p.metadata.deletion_timestamp.is_some() {
+        return false;
+    }
+    let name = p.name_any();
+    let labels = p.labels();
+    let expired = p
+        .annotations()
+        .get(ANNOTATION_EXPIRES)
+        .and_then(|t| t.parse::<Timestamp>().ok())
+        .is_some_and(|t| t <= now);
+    if labels.get(LABEL_GATEWAY) == Some(&me.gateway) {
+        // Our idle warm pool pods wait for requests: only their deadline ends them.
+        let idle = labels.get(LABEL_STATE).is_some_and(|s| s == "idle");
+        return if idle { expired } else { !is_live(&name) };
+    }
+    let age = p
+        .creation_timestamp()
+        .and_then(|t| now.duration_since(t.0).try_into().ok())
+        .unwrap_or(Duration::ZERO);
+    if age < min_age {
+        return false;
+    }
+    let finished = p
+        .status
+        .as_ref()
+        .and_then(|s| s.phase.as_deref())
+        .is_some_and(|ph| ph == "Succeeded" || ph == "Failed");
+    expired || finished
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn me() -> Identity {
+        Identity {
+            instance: "prod".into(),
+            gateway: "gw-a".into(),
+            owner: None,
+        }
+    }
+
+    fn pod(gateway: &str, created: &str, expires: &str, phase: &str) -> Pod {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {
+                "name": format!("p-{gateway}-{phase}"),
+                "creationTimestamp": created,
+                "labels": {"mcp-run.dev/gateway": gateway},
+                "annotations": {"mcp-run.dev/expires-at": expires}
+            },
+            "status": {"phase": phase}
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn leftovers() {
+        let now: Timestamp = "2026-11-23T12:00:00Z".parse().unwrap();
+        let min = Duration::from_secs(300);
+        let none_live = |_: &str| false;
+        let all_live = |_: &str| true;
+        // Mine: leftover unless I run it, whatever its age.
+        let mine = pod(
+            "gw-a",
+            "2026-11-23T11:59:59Z",
+            "2026-11-23T13:00:00Z",
+            "Running",
+        );
+        assert!(is_leftover(&mine, &me(), now, min, &none_live));
+        assert!(!is_leftover(&mine, &me(), now, min, &all_live));
+        // Another replica's running pod: never, until it expired.
+        let theirs = pod(
+            "gw-b",
+            "2026-11-23T11:00:00Z",
+            "2026-11-23T13:00:00Z",
+            "Running",
+        );
+        assert!(!is_leftover(&theirs, &me(), now, min, &none_live));
+        let expired = pod(
+            "gw-b",
+            "2026-11-23T10:00:00Z",
+            "2026-11-23T11:30:00Z",
+            "Running",
+        );
+        assert!(is_leftover(&expired, &me(), now, min, &none_live));
+        // Finished: once old enough.
+        let done = pod(
+            "gw-b",
+            "2026-11-23T11:50:00Z",
+            "2026-11-23T13:00:00Z",
+            "Failed",
+        );
+        assert!(is_leftover(&done, &me(), now, min, &none_live));
+        let young = pod(
+            "gw-b",
+            "2026-11-23T11:58:00Z",
+            "2026-11-23T11:59:00Z",
+            "Failed",
+        );
+        assert!(!is_leftover(&young, &me(), now, min, &none_live));
+    }
+}

@@ -1,0 +1,551 @@
+//! Structured results (after the structured-output RFC in the design references): what an
+//! MCP tool call, `run-remote --output-format json|markdown` and any other consumer that
+//! wants the whole run at once get, instead of a stream.
+//!
+//! Output is captured with a cap per stream: the head and the tail are kept and a marker
+//! says how many bytes were left out, so that a build that prints megabytes still fits an
+//! agent's context and the error at the end survives. `/raw` streams are never capped.
+//! Bytes are shown as UTF-8, invalid sequences replaced by U+FFFD (a cut can split a
+//! character at the marker too).
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::contract::{ErrorBody, Event, ExitInfo, RunContext, RunRequest};
+use crate::exec::Execution;
+
+/// The default cap per stream in MCP results: 1 MiB.
+pub const DEFAULT_MAX_OUTPUT_BYTES: usize = 1024 * 1024;
+
+/// Where and how a command ran.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ExecutionContext {
+    /// The tool (or client) that ran the command.
+    pub tool: String,
+    /// The command line, quoted for reading (it ran as argv, not through a shell).
+    pub command_line: String,
+    /// `kubernetes`, `local`, or what a remote gateway reported.
+    pub backend: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub profile: Option<String>,
+    /// The host of a local-process run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cwd: Option<String>,
+}
+
+/// One command's captured result.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct CommandOutput {
+    pub command: String,
+    pub stdout: String,
+    pub stderr: String,
+    /// The exit code; null when a signal killed the command or it never ran.
+    pub exit_code: Option<i32>,
+    /// The signal that killed it.
+    pub signal: Option<i32>,
+    pub duration_ms: u64,
+    /// When it started, RFC 3339.
+    pub started_at: String,
+    /// Whether stdout or stderr was cut to the cap (the text says where and how much).
+    pub truncated: bool,
+    /// Whether the gateway's timeout killed it.
+    #[serde(default)]
+    pub timed_out: bool,
+}
+
+/// The whole result.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct StructuredResult {
+    pub context: ExecutionContext,
+    pub outputs: Vec<CommandOutput>,
+    /// Every command started and exited 0.
+    pub success: bool,
+    pub total_duration_ms: u64,
+    /// One line for people and agents.
+    pub summary: String,
+    /// Why the command did not run or did not finish (`code: message`), if so.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// One stream captured with a cap: the first half and the last half of the cap are kept.
+#[derive(Debug, Clone)]
+pub struct Capture {
+    head_cap: usize,
+    tail_cap: usize,
+    head: Vec<u8>,
+    tail: VecDeque<u8>,
+    total: u64,
+}
+
+impl Capture {
+    pub fn new(cap: usize) -> Self {
+        let head_cap = cap / 2;
+        Self {
+            head_cap,
+            tail_cap: cap - head_cap,
+            head: Vec::new(),
+            tail: VecDeque::new(),
+            total: 0,
+        }
+    }
+
+    pub fn push(&mut self, mut data: &[u8]) {
+        self.total += data.len() as u64;
+        if self.head.len() < self.head_cap {
+            let n = data.len().min(self.head_cap - self.head.len());
+            self.head.extend_from_slice(&data[..n]);
+            data = &data[n..];
+        }
+        if data.len() >= self.tail_cap {
+            self.tail.clear();
+            self.tail.extend(&data[data.len() - self.tail_cap..]);
+            return;
+        }
+        let overflow = (self.tail.len() + data.len()).saturating_sub(self.tail_cap);
+        self.tail.drain(..overflow);
+        self.tail.extend(data);
+    }
+
+    /// Bytes that were written but are not kept.
+    pub fn omitted(&self) -> u64 {
+        self.total - (self.head.len() + self.tail.len()) as u64
+    }
+
+    /// The kept bytes with a marker where bytes were left out; and whether any were.
+    pub fn text(&self) -> (String, bool) {
+        let omitted = self.omitted();
+        let mut bytes = self.head.clone();
+        if omitted > 0 {
+            if bytes.last().is_some_and(|b| *b != b'\n') {
+                bytes.push(b'\n');
+            }
+            bytes.extend_from_slice(
+                format!(
+                    "[... mcp-run: {omitted} bytes left out of {} ...]\n",
+                    self.total
+                )
+                .as_bytes(),
+            );
+        }
+        bytes.extend(self.tail.iter());
+        (String::from_utf8_lossy(&bytes).into_owned(), omitted > 0)
+    }
+
+    pub fn total(&self) -> u64 {
+        self.total
+    }
+}
+
+/// A run as collected from its events.
+#[derive(Debug)]
+pub struct Collected {
+    pub context: RunContext,
+    pub stdout: Capture,
+    pub stderr: Capture,
+    pub exit: Option<ExitInfo>,
+    pub error: Option<ErrorBody>,
+    pub started_at: String,
+    pub duration: Duration,
+}
+
+/// Which stream a chunk came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stream {
+    Stdout,
+    Stderr,
+}
+
+/// Reads an execution to its end, capturing both streams; `on_output` sees every chunk
+/// (for progress reports).
+pub async fn collect(
+    mut execution: Execution,
+    cap: usize,
+    mut on_output: impl FnMut(Stream, &[u8]),
+) -> Collected {
+    let started = Instant::now();
+    let started_at = k8s_openapi::jiff::Timestamp::now().to_string();
+    let context = execution.context().clone();
+    let (mut stdout, mut stderr) = (Capture::new(cap), Capture::new(cap));
+    let (mut exit, mut error) = (None, None);
+    while let Some(event) = execution.next().await {
+        match event {
+            Event::Stdout { data } => {
+                on_output(Stream::Stdout, &data);
+                stdout.push(&data);
+            }
+            Event::Stderr { data } => {
+                on_output(Stream::Stderr, &data);
+                stderr.push(&data);
+            }
+            Event::Exit(info) => exit = Some(info),
+            Event::Error { code, message } => error = Some(ErrorBody::new(code, message)),
+            _ => {}
+        }
+    }
+    Collected {
+        context,
+        stdout,
+        stderr,
+        exit,
+        error,
+        started_at,
+        duration: started.elapsed(),
+    }
+}
+
+/// An argv as a reader would type it: plain words as they are, others single-quoted.
+pub fn command_line(executable: &str, args: &[String]) -> String {
+    std::iter::once(executable)
+        .chain(args.iter().map(String::as_str))
+        .map(|a| {
+            let plain = !a.is_empty()
+                && a.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-_./=:,+@%^".contains(&b));
+            if plain {
+                a.to_string()
+            } else {
+                format!("'{}'", a.replace('\'', "'\\''"))
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+impl StructuredResult {
+    fn context_for(tool: &str, req: &RunRequest, ctx: Option<&RunContext>) -> ExecutionContext {
+        let ctx = ctx.cloned().unwrap_or_default();
+        ExecutionContext {
+            tool: tool.into(),
+            command_line: command_line(&req.executable, &req.args),
+            backend: ctx.backend,
+            namespace: ctx.namespace,
+            pod: ctx.pod,
+            node: ctx.node,
+            image: ctx.image,
+            profile: ctx.profile.or_else(|| req.profile.clone()),
+            host: ctx.host,
+            cwd: req.cwd.clone(),
+        }
+    }
+
+    /// The result of a run that started.
+    pub fn from_run(tool: &str, req: &RunRequest, run: &Collected) -> Self {
+        let context = Self::context_for(tool, req, Some(&run.context));
+        let (stdout, t1) = run.stdout.text();
+        let (stderr, t2) = run.stderr.text();
+        let exit = run.exit.unwrap_or_default();
+        let duration_ms = run
+            .exit
+            .map(|e| e.duration_ms)
+            .unwrap_or(run.duration.as_millis() as u64);
+        let output = CommandOutput {
+            command: context.command_line.clone(),
+            stdout,
+            stderr,
+            exit_code: run.exit.and_then(|e| e.code),
+            signal: run.exit.and_then(|e| e.signal),
+            duration_ms,
+            started_at: run.started_at.clone(),
+            truncated: t1 || t2,
+            timed_out: exit.timed_out,
+        };
+        let success =
+            run.error.is_none() && run.exit.is_some_and(|e| e.code == Some(0) && !e.timed_out);
+        let error = run
+            .error
+            .as_ref()
+            .map(|e| format!("{}: {}", e.code, e.message));
+        let how = match (&run.error, run.exit) {
+            (Some(e), _) => format!("failed: {}", e.message),
+            (None, Some(e)) if e.timed_out => format!("timed out after {} ms", e.duration_ms),
+            (None, Some(ExitInfo { code: Some(c), .. })) => format!("exited {c}"),
+            (
+                None,
+                Some(ExitInfo {
+                    signal: Some(s), ..
+                }),
+            ) => format!("killed by signal {s}"),
+            _ => "ended without an exit status".into(),
+        };
+        let summary = format!(
+            "`{}` {how} in {} ms {}",
+            context.command_line,
+            duration_ms,
+            where_line(&context)
+        );
+        Self {
+            total_duration_ms: run.duration.as_millis() as u64,
+            context,
+            outputs: vec![output],
+            success,
+            summary,
+            error,
+        }
+    }
+
+    /// The result of a request that was refused or could not start.
+    pub fn not_started(tool: &str, req: &RunRequest, error: &ErrorBody) -> Self {
+        let context = Self::context_for(tool, req, None);
+        Self {
+            summary: format!(
+                "`{}` did not run: {} ({})",
+                context.command_line, error.message, error.code
+            ),
+            context,
+            outputs: Vec::new(),
+            success: false,
+            total_duration_ms: 0,
+            error: Some(format!("{}: {}", error.code, error.message)),
+        }
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).unwrap_or_default()
+    }
+
+    /// Markdown for agents and people: where it ran, status, duration, output, errors.
+    pub fn to_markdown(&self) -> String {
+        let mut md = format!("## Execution: `{}`\n\n", self.context.tool);
+        md.push_str(&format!(
+            "**Where:** {}\n",
+            where_line(&self.context).trim_start_matches("on ")
+        ));
+        let status = if self.success {
+            "✓ Success".to_string()
+        } else if let Some(e) = &self.error {
+            format!("✗ Failed: {e}")
+        } else if let Some(o) = self.outputs.first() {
+            match (o.exit_code, o.signal, o.timed_out) {
+                (_, _, true) => "✗ Timed out".to_string(),
+                (Some(c), _, _) => format!("✗ Failed (exit code {c})"),
+                (None, Some(s), _) => format!("✗ Killed by signal {s}"),
+                _ => "✗ Failed".to_string(),
+            }
+        } else {
+            "✗ Failed".to_string()
+        };
+        md.push_str(&format!("**Status:** {status}\n"));
+        md.push_str(&format!("**Duration:** {}ms\n\n", self.total_duration_ms));
+        for o in &self.outputs {
+            md.push_str(&format!("### `{}` ({}ms)\n\n", o.command, o.duration_ms));
+            for (title, text) in [("Output", &o.stdout), ("Errors", &o.stderr)] {
+                if text.is_empty() {
+                    continue;
+                }
+                let fence = fence_for(text);
+                md.push_str(&format!("**{title}:**\n{fence}\n{text}"));
+                if !text.ends_with('\n') {
+                    md.push('\n');
+                }
+                md.push_str(&format!("{fence}\n\n"));
+            }
+            match (o.exit_code, o.signal) {
+                (Some(c), _) if c != 0 => md.push_str(&format!("**Exit Code:** {c}\n\n")),
+                (None, Some(s)) => md.push_str(&format!("**Signal:** {s}\n\n")),
+                _ => {}
+            }
+        }
+        md
+    }
+}
+
+/// A code fence longer than any run of backticks in the text.
+fn fence_for(text: &str) -> String {
+    let (mut longest, mut run) = (0, 0);
+    for c in text.chars() {
+        if c == '`' {
+            run += 1;
+            longest = longest.max(run);
+        } else {
+            run = 0;
+        }
+    }
+    "`".repeat((longest + 1).max(3))
+}
+
+/// "on pod P on node N (namespace S, image I)" or "on host H".
+fn where_line(c: &ExecutionContext) -> String {
+    match (&c.pod, &c.host) {
+        (Some(pod), _) => {
+            let mut s = format!("on pod `{pod}`");
+            if let Some(n) = &c.node {
+                s.push_str(&format!(" on node `{n}`"));
+            }
+            let extra: Vec<String> = [
+                c.namespace.as_ref().map(|n| format!("namespace `{n}`")),
+                c.image.as_ref().map(|i| format!("image `{i}`")),
+            ]
+            .into_iter()
+            .flatten()
+            .collect();
+            if !extra.is_empty() {
+                s.push_str(&format!(" ({})", extra.join(", ")));
+            }
+            s
+        }
+        (None, Some(host)) => format!("on host `{host}` ({} backend)", c.backend),
+        (None, None) if !c.backend.is_empty() => format!("on the {} backend", c.backend),
+        _ => "nowhere (it did not start)".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::contract::ErrorCode;
+
+    #[test]
+    fn capture_keeps_head_and_tail_with_a_marker() {
+        let mut c = Capture::new(10);
+        c.push(b"0123");
+        c.push(b"456789abcdefghij");
+        c.push(b"XYZ");
+        assert_eq!(c.total(), 23);
+        assert_eq!(c.omitted(), 13);
+        let (text, truncated) = c.text();
+        assert!(truncated);
+        assert_eq!(
+            text,
+            "01234\n[... mcp-run: 13 bytes left out of 23 ...]\nijXYZ"
+        );
+        let mut small = Capture::new(10);
+        small.push(b"abc");
+        assert_eq!(small.text(), ("abc".to_string(), false));
+    }
+
+    #[test]
+    fn command_lines_are_quoted_for_reading() {
+        let args = vec!["-c".to_string(), "echo 'hi' $HOME".into(), "".into()];
+        assert_eq!(
+            command_line("sh", &args),
+            r#"sh -c 'echo '\''hi'\'' $HOME' ''"#
+        );
+    }
+
+    fn req() -> RunRequest {
+        serde_json::from_value(
+            serde_json::json!({"executable": "sh", "args": ["-c", "make"], "cwd": "/src"}),
+        )
+        .unwrap()
+    }
+
+    fn run(code: Option<i32>, signal: Option<i32>, stdout: &str, stderr: &str) -> Collected {
+        let (mut o, mut e) = (Capture::new(1024), Capture::new(1024));
+        o.push(stdout.as_bytes());
+        e.push(stderr.as_bytes());
+        Collected {
+            context: RunContext {
+                backend: "kubernetes".into(),
+                namespace: Some("ci".into()),
+                pod: Some("mcp-run-abc".into()),
+                node: Some("node-1".into()),
+                image: Some("rust:1".into()),
+                profile: Some("default".into()),
+                ..Default::default()
+            },
+            stdout: o,
+            stderr: e,
+            exit: Some(ExitInfo {
+                code,
+                signal,
+                duration_ms: 42,
+                timed_out: false,
+            }),
+            error: None,
+            started_at: "2026-11-23T10:00:00Z".into(),
+            duration: Duration::from_millis(50),
+        }
+    }
+
+    #[test]
+    fn markdown_of_a_failure() {
+        let r = StructuredResult::from_run(
+            "run_network_tool",
+            &req(),
+            &run(Some(2), None, "building\n", "error: boom\n"),
+        );
+        assert!(!r.success);
+        assert_eq!(
+            r.to_markdown(),
+            "## Execution: `run_network_tool`\n\n\
+             **Where:** pod `mcp-run-abc` on node `node-1` (namespace `ci`, image `rust:1`)\n\
+             **Status:** ✗ Failed (exit code 2)\n\
+             **Duration:** 50ms\n\n\
+             ### `sh -c make` (42ms)\n\n\
+             **Output:**\n```\nbuilding\n```\n\n\
+             **Errors:**\n```\nerror: boom\n```\n\n\
+             **Exit Code:** 2\n\n"
+        );
+        assert_eq!(
+            r.summary,
+            "`sh -c make` exited 2 in 42 ms on pod `mcp-run-abc` on node `node-1` (namespace `ci`, image `rust:1`)"
+        );
+    }
+
+    #[test]
+    fn json_of_a_success_and_of_a_refusal() {
+        let r =
+            StructuredResult::from_run("run_network_tool", &req(), &run(Some(0), None, "ok\n", ""));
+        let v: serde_json::Value = serde_json::from_str(&r.to_json()).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({
+                "context": {"tool": "run_network_tool", "command_line": "sh -c make", "backend": "kubernetes",
+                            "namespace": "ci", "pod": "mcp-run-abc", "node": "node-1", "image": "rust:1",
+                            "profile": "default", "cwd": "/src"},
+                "outputs": [{"command": "sh -c make", "stdout": "ok\n", "stderr": "", "exit_code": 0, "signal": null,
+                             "duration_ms": 42, "started_at": "2026-11-23T10:00:00Z", "truncated": false, "timed_out": false}],
+                "success": true, "total_duration_ms": 50,
+                "summary": "`sh -c make` exited 0 in 42 ms on pod `mcp-run-abc` on node `node-1` (namespace `ci`, image `rust:1`)"
+            })
+        );
+        let refused = StructuredResult::not_started(
+            "run_network_tool",
+            &req(),
+            &ErrorBody::new(ErrorCode::UnknownProfile, "no profile gpu"),
+        );
+        assert!(!refused.success && refused.outputs.is_empty());
+        assert_eq!(
+            refused.error.as_deref(),
+            Some("unknown_profile: no profile gpu")
+        );
+        assert!(
+            refused
+                .to_markdown()
+                .contains("**Status:** ✗ Failed: unknown_profile: no profile gpu")
+        );
+    }
+
+    #[test]
+    fn fences_outgrow_backticks_in_output() {
+        let r = StructuredResult::from_run(
+            "t",
+            &req(),
+            &run(Some(0), None, "```rust\nfn x() {}\n```\n", ""),
+        );
+        assert!(
+            r.to_markdown().contains("**Output:**\n````\n```rust"),
+            "{}",
+            r.to_markdown()
+        );
+        let killed = StructuredResult::from_run("t", &req(), &run(None, Some(9), "", ""));
+        assert!(
+            killed.to_markdown().contains("✗ Killed by signal 9")
+                && killed.to_markdown().contains("**Signal:** 9")
+        );
+    }
+}

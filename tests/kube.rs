@@ -1,0 +1,603 @@
+//! The Kubernetes backend through the real binaries, against the API-server test double
+//! (tests/kube_double): the shared behavioural suite, plus pod cleanup on every path, start
+//! failures with their reasons, the reaper, the concurrency limit and the readiness checks.
+//! e2e/ runs the same suite against a real cluster.
+
+mod kube_double;
+mod support;
+
+use std::time::{Duration, Instant};
+
+use kube_double::KubeDouble;
+use serde_json::json;
+use support::{Gateway, config_file, http, raw, wait_until};
+
+const NS: &str = "default";
+
+/// A gateway on the kube backend, pointed at the double.
+fn gateway(double: &KubeDouble, extra: &[&str]) -> Gateway {
+    let kubeconfig = double.kubeconfig();
+    let mut args = vec![
+        "--backend",
+        "kube",
+        "--kubeconfig",
+        kubeconfig.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    Gateway::start(&args)
+}
+
+/// Waits until the double holds no pod in `NS`.
+fn no_pods_left(double: &KubeDouble, within: Duration) {
+    let ok = wait_until(within, || double.pod_names(NS).is_empty());
+    assert!(ok, "pods left: {:?}", double.pod_names(NS));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn behavioural_suite() {
+    let double = KubeDouble::start();
+    let gw = gateway(&double, &["--max-concurrent-pods", "64"]);
+    support::suite::run_all(&gw).await;
+    no_pods_left(&double, Duration::from_secs(10));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn started_context_names_pod_node_and_image_and_the_pod_is_hardened() {
+    let double = KubeDouble::start();
+    let gw = gateway(&double, &["--image", "registry.example/tools:1"]);
+    let r = raw(
+        &gw,
+        json!({"executable": "sh", "args": ["-c", "sleep 1; echo hi"]}),
+    )
+    .await;
+    let ctx = r.context.clone().expect("context");
+    assert_eq!(ctx.backend, "kubernetes");
+    assert_eq!(ctx.namespace.as_deref(), Some(NS));
+    assert_eq!(ctx.container.as_deref(), Some("runner"));
+    assert_eq!(ctx.image.as_deref(), Some("registry.example/tools:1"));
+    assert_eq!(ctx.profile.as_deref(), Some("default"));
+    assert!(
+        ctx.node.as_deref().is_some_and(|n| !n.is_empty()),
+        "{ctx:?}"
+    );
+    assert!(ctx.pod_start_ms.is_some());
+    let pod_name = ctx.pod.clone().expect("pod");
+    assert_eq!(r.stdout_str(), "hi\n");
+    // The pod the gateway created, as the API server stored it.
+    let created = double
+        .created_pods()
+        .into_iter()
+        .find(|p| p.metadata.name.as_deref() == Some(&pod_name))
+        .expect("the double saw the pod");
+    let spec = created.spec.as_ref().unwrap();
+    assert_eq!(spec.automount_service_account_token, Some(false));
+    assert_eq!(spec.enable_service_links, Some(false));
+    assert_eq!(spec.restart_policy.as_deref(), Some("Never"));
+    assert!(spec.active_deadline_seconds.is_some_and(|d| d > 600));
+    let sc = spec.containers[0].security_context.as_ref().unwrap();
+    assert_eq!(sc.allow_privilege_escalation, Some(false));
+    assert_eq!(
+        sc.capabilities.as_ref().unwrap().drop.as_ref().unwrap(),
+        &["ALL"]
+    );
+    assert_eq!(sc.seccomp_profile.as_ref().unwrap().type_, "RuntimeDefault");
+    let labels = created.metadata.labels.as_ref().unwrap();
+    assert_eq!(labels["app.kubernetes.io/managed-by"], "mcp-run");
+    assert_eq!(labels["app.kubernetes.io/component"], "runner");
+    assert_eq!(labels["mcp-run.dev/instance"], "mcp-run");
+    no_pods_left(&double, Duration::from_secs(5));
+    assert!(double.deletions().iter().any(|(_, n)| *n == pod_name));
+}
+
+/// The pod goes on every path: exit 0, non-zero, command not found, timeout, client gone,
+/// gateway shutdown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_pod_is_deleted_on_every_path() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let double = KubeDouble::start();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config_file(&dir, "server:\n  shutdown_grace_secs: 1\n");
+    let gw = gateway(&double, &["--config", cfg.to_str().unwrap()]);
+
+    for (what, body) in [
+        ("success", json!({"executable": "true"})),
+        (
+            "failure",
+            json!({"executable": "sh", "args": ["-c", "exit 3"]}),
+        ),
+        (
+            "not found",
+            json!({"executable": "no-such-program-mcp-run"}),
+        ),
+        (
+            "timeout",
+            json!({"executable": "sleep", "args": ["30"], "timeout_secs": 1}),
+        ),
+    ] {
+        let before = double.deletions().len();
+        let r = raw(&gw, body).await;
+        assert!(r.exit.is_some(), "{what}: {r:?}");
+        no_pods_left(&double, Duration::from_secs(5));
+        assert!(
+            double.deletions().len() > before,
+            "{what}: deleted through the API"
+        );
+    }
+
+    // Client gone mid-run: a raw socket closed after the first output.
+    let mut sock = tokio::net::TcpStream::connect(gw.base.trim_start_matches("http://"))
+        .await
+        .unwrap();
+    let body = json!({"executable": "sh", "args": ["-c", "echo up; sleep 300"]}).to_string();
+    let req = format!(
+        "POST /raw HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    sock.write_all(req.as_bytes()).await.unwrap();
+    let mut seen = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !String::from_utf8_lossy(&seen).contains("\"stdout\"") {
+        assert!(
+            Instant::now() < deadline,
+            "no output: {}",
+            String::from_utf8_lossy(&seen)
+        );
+        let mut chunk = [0u8; 4096];
+        let n = sock.read(&mut chunk).await.unwrap();
+        assert!(n > 0, "connection closed early");
+        seen.extend_from_slice(&chunk[..n]);
+    }
+    assert_eq!(double.pod_names(NS).len(), 1);
+    drop(sock);
+    no_pods_left(&double, Duration::from_secs(5));
+    assert!(
+        wait_until(Duration::from_secs(5), || double.running_execs() == 0),
+        "the command was killed with its pod"
+    );
+
+    // Shutdown: a running command, SIGTERM, grace 1 s: the pod goes before the gateway exits.
+    let gw_url = gw.raw_url();
+    let running = tokio::spawn(async move {
+        http()
+            .post(gw_url)
+            .json(&json!({"executable": "sleep", "args": ["300"]}))
+            .send()
+            .await
+            .map(|r| r.status())
+    });
+    assert!(
+        wait_until(Duration::from_secs(10), || double.pod_names(NS).len() == 1),
+        "pod for the long command"
+    );
+    let status = support::terminate(gw).await;
+    assert!(
+        status.0.is_some_and(|s| s.success()),
+        "gateway exit {:?}",
+        status.0
+    );
+    assert!(
+        double.pod_names(NS).is_empty(),
+        "deleted before the gateway exited"
+    );
+    let _ = running.await;
+}
+
+/// A pod that cannot start surfaces Kubernetes' reason as a specific error, before the
+/// stream, and is deleted.
+#[tokio::test(flavor = "multi_thread")]
+async fn start_failures_carry_the_reason() {
+    let double = KubeDouble::start();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config_file(
+        &dir,
+        r#"
+kubernetes:
+  pod_start_timeout_secs: 3
+profiles:
+  default:
+    image: busybox:1.36
+  pull:
+    image: registry.example/pull-error:1
+  config:
+    image: registry.example/config-error:1
+  nowhere:
+    image: busybox:1.36
+    node_selector: {kubernetes.io/arch: s390x}
+  slow:
+    image: registry.example/never-starts:1
+"#,
+    );
+    let gw = gateway(&double, &["--config", cfg.to_str().unwrap()]);
+    for (profile, status, code, needle) in [
+        ("pull", 502, "image_pull_failed", "pull-error"),
+        (
+            "config",
+            502,
+            "container_config_error",
+            "CreateContainerConfigError",
+        ),
+        ("nowhere", 502, "unschedulable", "Unschedulable"),
+        ("slow", 504, "pod_start_timeout", "pod_start_timeout_secs"),
+        ("nope", 400, "unknown_profile", "nope"),
+    ] {
+        let r = raw(&gw, json!({"executable": "true", "profile": profile})).await;
+        assert_eq!(r.status, status, "{profile}: {r:?}");
+        let err = r
+            .rejection
+            .unwrap_or_else(|| panic!("{profile}: no error body"))
+            .error;
+        assert_eq!(err.code.as_str(), code, "{profile}: {}", err.message);
+        assert!(err.message.contains(needle), "{profile}: {}", err.message);
+        no_pods_left(&double, Duration::from_secs(5));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn beyond_max_concurrent_pods_is_429() {
+    let double = KubeDouble::start();
+    let gw = gateway(&double, &["--max-concurrent-pods", "2"]);
+    let long = || raw(&gw, json!({"executable": "sleep", "args": ["5"]}));
+    let (a, b, c) = tokio::join!(long(), long(), async {
+        // Both long requests hold their slot from the moment they arrive.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let r = http()
+            .post(gw.raw_url())
+            .json(&json!({"executable": "true"}))
+            .send()
+            .await
+            .unwrap();
+        (
+            r.status().as_u16(),
+            r.headers().get("retry-after").is_some(),
+            r.text().await.unwrap(),
+        )
+    });
+    assert_eq!((a.code(), b.code()), (Some(0), Some(0)));
+    assert_eq!(c.0, 429, "{}", c.2);
+    assert!(c.1, "Retry-After");
+    assert!(c.2.contains("too_many_requests"), "{}", c.2);
+    // Capacity comes back once the pods are gone.
+    no_pods_left(&double, Duration::from_secs(5));
+    assert_eq!(
+        raw(&gw, json!({"executable": "true"})).await.code(),
+        Some(0)
+    );
+}
+
+/// Stale labelled pods of this installation are deleted, at start-up and periodically;
+/// pods of other installations, unlabelled pods and other replicas' live pods are not.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_reaper_deletes_only_its_own_leftovers() {
+    use k8s_openapi::api::core::v1::Pod;
+    let double = KubeDouble::start();
+    let host = nix::unistd::gethostname().unwrap().into_string().unwrap();
+    let me = mcp_run::exec::kube::pod::label_value(&host);
+    let pod = |name: &str, labels: serde_json::Value, created: &str, expires: &str| -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {
+                "name": name, "namespace": NS,
+                "creationTimestamp": created,
+                "labels": labels,
+                "annotations": {"mcp-run.dev/expires-at": expires}
+            },
+            "spec": {"containers": [{"name": "runner", "image": "busybox:1.36", "command": ["sleep", "3600"]}]}
+        }))
+        .unwrap()
+    };
+    let ours = |gateway: &str, instance: &str| {
+        json!({
+            "app.kubernetes.io/name": "mcp-run",
+            "app.kubernetes.io/component": "runner",
+            "app.kubernetes.io/managed-by": "mcp-run",
+            "mcp-run.dev/instance": instance,
+            "mcp-run.dev/gateway": gateway
+        })
+    };
+    let old = "2026-01-01T00:00:00Z";
+    let past = "2026-01-01T01:00:00Z";
+    let future = "2999-01-01T00:00:00Z";
+    double.insert_pod(pod("mine-leftover", ours(&me, "mcp-run"), old, future));
+    double.insert_pod(pod(
+        "other-replica-expired",
+        ours("gw-b", "mcp-run"),
+        old,
+        past,
+    ));
+    double.insert_pod(pod(
+        "other-replica-live",
+        ours("gw-b", "mcp-run"),
+        old,
+        future,
+    ));
+    double.insert_pod(pod("other-install", ours(&me, "other"), old, past));
+    double.insert_pod(pod("unlabelled", json!({"app": "web"}), old, past));
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config_file(
+        &dir,
+        "kubernetes:\n  reaper_interval_secs: 1\n  reaper_min_age_secs: 1\n",
+    );
+    let gw = gateway(&double, &["--config", cfg.to_str().unwrap()]);
+    let gone = |n: &str| !double.pod_names(NS).iter().any(|p| p == n);
+    assert!(
+        wait_until(Duration::from_secs(10), || gone("mine-leftover")
+            && gone("other-replica-expired")),
+        "leftovers deleted: {:?}",
+        double.pod_names(NS)
+    );
+    // Another pass or two of the reaper, then the others must still be there.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let mut left = double.pod_names(NS);
+    left.sort();
+    assert_eq!(left, ["other-install", "other-replica-live", "unlabelled"]);
+    // And it never touches the pods of running commands.
+    let r = raw(&gw, json!({"executable": "sleep", "args": ["3"]})).await;
+    assert_eq!(r.code(), Some(0), "{r:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn readiness_reflects_api_server_and_permissions() {
+    let double = KubeDouble::start();
+    double.deny(NS, "pods", "exec", "create");
+    let gw = gateway(&double, &[]);
+    let r = http().get(gw.url("/readyz")).send().await.unwrap();
+    assert_eq!(r.status(), 503);
+    let body = r.text().await.unwrap();
+    assert!(body.contains("create pods/exec"), "{body}");
+    assert!(
+        gw.log_text().contains("create pods/exec"),
+        "logged: {}",
+        gw.log_text()
+    );
+    drop(double);
+    let r = http().get(gw.url("/readyz")).send().await.unwrap();
+    assert_eq!(r.status(), 503, "API server gone");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn ready_when_allowed() {
+    let double = KubeDouble::start();
+    let gw = gateway(&double, &[]);
+    let r = http().get(gw.url("/readyz")).send().await.unwrap();
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap_or_default());
+}
+
+/// Two gateway replicas with warm pools, many concurrent requests: every request ran in a
+/// pod of its own (no pod is claimed twice), warm pods were used, the pools refill, and the
+/// idle pods go at shutdown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn warm_pool_claims_are_exclusive_across_replicas() {
+    let double = KubeDouble::start();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config_file(
+        &dir,
+        "profiles:\n  default:\n    image: busybox:1.36\n    warm_pool:\n      size: 4\n",
+    );
+    let kubeconfig = double.kubeconfig();
+    let start = |who: &str| {
+        Gateway::start_with_env(
+            &[
+                "--backend",
+                "kube",
+                "--kubeconfig",
+                kubeconfig.to_str().unwrap(),
+                "--config",
+                cfg.to_str().unwrap(),
+            ],
+            &[("MCP_RUN_POD_NAME", who)],
+        )
+    };
+    let a = start("gw-a");
+    let b = start("gw-b");
+    let idle = |double: &KubeDouble| {
+        double
+            .pods(NS)
+            .iter()
+            .filter(|p| {
+                p.metadata
+                    .labels
+                    .as_ref()
+                    .is_some_and(|l| l.get("mcp-run.dev/state").map(String::as_str) == Some("idle"))
+            })
+            .filter(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"))
+            .count()
+    };
+    assert!(
+        wait_until(Duration::from_secs(20), || idle(&double) == 8),
+        "two pools of 4: {} idle",
+        idle(&double)
+    );
+    let pool_pods: Vec<String> = double.pod_names(NS);
+
+    let runs = (0..24).map(|i| {
+        let gw = if i % 2 == 0 { &a } else { &b };
+        async move {
+            raw(
+                gw,
+                json!({"executable": "sh", "args": ["-c", "echo $MCP_RUN_X; sleep 1"], "env": {"MCP_RUN_X": format!("run{i}")}}),
+            )
+            .await
+        }
+    });
+    let results = futures_util::future::join_all(runs).await;
+    let mut pods = Vec::new();
+    for (i, r) in results.iter().enumerate() {
+        assert_eq!(r.code(), Some(0), "request {i}: {r:?}");
+        assert_eq!(
+            r.stdout_str(),
+            format!("run{i}\n"),
+            "env applies in warm pods"
+        );
+        pods.push(r.context.as_ref().and_then(|c| c.pod.clone()).expect("pod"));
+    }
+    let mut unique = pods.clone();
+    unique.sort();
+    unique.dedup();
+    assert_eq!(unique.len(), pods.len(), "a pod was used twice: {pods:?}");
+    let hits = pods.iter().filter(|p| pool_pods.contains(p)).count();
+    assert!(hits >= 4, "warm pods were used: {hits} of {}", pods.len());
+    let metrics = http()
+        .get(a.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("mcp_run_warm_pool_claims_total{profile=\"default\",result=\"hit\"}"),
+        "{metrics}"
+    );
+    // The pools refill, then the gateways delete their idle pods when they stop.
+    assert!(
+        wait_until(Duration::from_secs(20), || idle(&double) == 8),
+        "refilled: {} idle",
+        idle(&double)
+    );
+    let ((sa, _), (sb, _)) = tokio::join!(support::terminate(a), support::terminate(b));
+    assert!(sa.is_some_and(|s| s.success()) && sb.is_some_and(|s| s.success()));
+    no_pods_left(&double, Duration::from_secs(5));
+}
+
+/// An API server that only speaks `v4.channel.k8s.io`: the backend falls back to it, with
+/// the same results (v4 has no stream-close frames; stdout, stderr and the status channel
+/// are the same).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn exec_falls_back_to_v4() {
+    let double = KubeDouble::start_with(kube_double::DoubleOptions {
+        exec_protocols: vec!["v4.channel.k8s.io".into()],
+        ..Default::default()
+    });
+    let gw = gateway(&double, &[]);
+    support::suite::stream_separation_and_order(&gw).await;
+    support::suite::exit_codes(&gw).await;
+    support::suite::killed_by_signal(&gw).await;
+    support::suite::missing_executable_and_bad_cwd(&gw).await;
+    support::suite::binary_round_trip(&gw, 4 * 1024 * 1024).await;
+    assert!(
+        double.requests().iter().any(|r| r.contains("/exec?")),
+        "exec went through the double"
+    );
+}
+
+/// MCP on the Kubernetes backend: the capabilities say isolated pods, namespace and
+/// profiles; a tool call reports the pod and node it ran on.
+#[tokio::test(flavor = "multi_thread")]
+async fn mcp_on_kubernetes() {
+    use rmcp::ServiceExt as _;
+    let double = KubeDouble::start();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config_file(
+        &dir,
+        "profiles:\n  default:\n    image: busybox:1.36\n  build:\n    description: Rust builds\n    image: rust:1-slim\n    runtime_class_name: gvisor\n    warm_pool: {size: 1}\n",
+    );
+    let gw = gateway(&double, &["--config", cfg.to_str().unwrap()]);
+    let caps = support::get_json(&gw, "/capabilities").await;
+    assert_eq!(caps["backend"], "kubernetes");
+    assert_eq!(caps["safety_level"], "isolated-pod");
+    assert_eq!(caps["namespace"], NS);
+    assert_eq!(caps["profiles"][0]["name"], "build");
+    assert_eq!(caps["profiles"][0]["image"], "rust:1-slim");
+    assert_eq!(caps["profiles"][0]["runtime_class"], "gvisor");
+    assert_eq!(caps["profiles"][0]["warm_pool"], 1);
+    assert_eq!(caps["profiles"][1]["name"], "default");
+
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let client = ()
+        .serve(rmcp::transport::StreamableHttpClientTransport::from_uri(
+            gw.url("/mcp"),
+        ))
+        .await
+        .unwrap();
+    let tools = client.list_tools(None).await.unwrap().tools;
+    assert_eq!(
+        tools[0].input_schema["properties"]["profile"]["enum"],
+        json!(["build", "default"])
+    );
+    assert!(
+        tools[0]
+            .description
+            .as_deref()
+            .unwrap_or("")
+            .contains("namespace default"),
+        "{:?}",
+        tools[0].description
+    );
+    let r = client
+        .call_tool(
+            rmcp::model::CallToolRequestParams::new("run_network_tool").with_arguments(
+                json!({"executable": "sh", "args": ["-c", "echo in-pod"]})
+                    .as_object()
+                    .cloned()
+                    .unwrap(),
+            ),
+        )
+        .await
+        .unwrap();
+    let s = r.structured_content.unwrap();
+    assert_eq!(s["outputs"][0]["stdout"], "in-pod\n");
+    assert_eq!(s["context"]["backend"], "kubernetes");
+    assert!(
+        s["context"]["pod"]
+            .as_str()
+            .unwrap()
+            .starts_with("mcp-run-")
+    );
+    assert_eq!(s["context"]["node"], "double-node-1");
+    assert_eq!(s["context"]["namespace"], NS);
+    client.cancel().await.unwrap();
+}
+
+/// A client that gives up while its pod is still starting: the pod goes anyway.
+#[tokio::test(flavor = "multi_thread")]
+async fn client_gone_during_pod_start_deletes_the_pod() {
+    let double = KubeDouble::start();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config_file(
+        &dir,
+        "profiles:\n  default:\n    image: busybox:1.36\n  slow:\n    image: registry.example/never-starts:1\n",
+    );
+    let gw = gateway(&double, &["--config", cfg.to_str().unwrap()]);
+    let req = http()
+        .post(gw.raw_url())
+        .json(&json!({"executable": "true", "profile": "slow"}))
+        .send();
+    assert!(
+        tokio::time::timeout(Duration::from_secs(1), req)
+            .await
+            .is_err(),
+        "still starting"
+    );
+    assert!(
+        double.created_pods().len() == 1,
+        "a pod was created: {:?}",
+        double.pod_names(NS)
+    );
+    no_pods_left(&double, Duration::from_secs(5));
+}
+
+/// A gateway killed with SIGKILL leaves its pod; the same gateway restarted deletes it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_restarted_gateway_deletes_what_its_crashed_run_left() {
+    let double = KubeDouble::start();
+    let gw = gateway(&double, &[]);
+    let url = gw.raw_url();
+    let running = tokio::spawn(async move {
+        let _ = http()
+            .post(url)
+            .json(&json!({"executable": "sleep", "args": ["300"]}))
+            .send()
+            .await;
+    });
+    assert!(
+        wait_until(Duration::from_secs(10), || double.pod_names(NS).len() == 1),
+        "pod for the long command"
+    );
+    let pid = gw.pid().unwrap() as i32;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL).unwrap();
+    drop(gw);
+    running.abort();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(double.pod_names(NS).len(), 1, "the crash left the pod");
+    let _restarted = gateway(&double, &[]);
+    no_pods_left(&double, Duration::from_secs(10));
+}
