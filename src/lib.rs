@@ -19,4 +19,5 @@ pub mod redact;
 pub mod result;
 pub mod runner;
 pub mod server;
+pub mod templates;
 pub mod tools;

@@ -1,5 +1,6 @@
 //! `run-remote [OPTIONS] -- <executable> [args...]`: runs a command on a gateway and
 //! behaves like the command: its output on our stdout and stderr, its exit code ours.
+//! `run-remote templates` lists the output templates (see [`super::run_remote_templates`]).
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -9,6 +10,7 @@ use clap::Parser;
 use tokio_util::sync::CancellationToken;
 
 use super::exit_codes as code;
+use super::run_remote_templates::{self as tpl, TemplateSink};
 use crate::contract::{ErrorCode, Event, ExitInfo, RunRequest};
 use crate::exec::remote::RemoteExecutor;
 
@@ -20,7 +22,10 @@ Environment:
 Exit status: the remote command's exit code; 128+N if signal N killed it; 124 if the gateway's
 timeout killed it. run-remote's own failures: 64 usage, 65 rejected by the gateway, 69 gateway
 unreachable, 70 failure on the gateway after the start, 74 output error, 76 protocol error,
-78 configuration error.";
+78 configuration error (also: an unknown template, an invalid .mcp-run/config.yaml).
+
+Templates: --template NAME prints the output filtered when the command ends (errors and
+summary), and names the file that keeps the full output. `run-remote templates` lists them.";
 
 /// Run a command on an mcp-run gateway, streaming its output and mirroring its exit code.
 ///
@@ -39,6 +44,10 @@ pub struct Args {
     /// The gateway's /raw URL; overrides RUN_REMOTE_SERVER.
     #[arg(long, value_name = "URL")]
     pub server: Option<String>,
+    /// Filter the output with this template when the command ends (see `run-remote
+    /// templates`); the full output is saved to a file that the filtered output names.
+    #[arg(long, value_name = "NAME")]
+    pub template: Option<String>,
     /// Run the command in this directory (on the runner) instead of the current one.
     #[arg(long, value_name = "DIR", conflicts_with = "no_cwd")]
     pub cwd: Option<String>,
@@ -71,6 +80,12 @@ pub enum OutputFormat {
 
 /// Runs the client and returns its exit code.
 pub fn main() -> i32 {
+    // `templates` as the first argument is the listing; a command always follows `--`, so
+    // this cannot shadow a run.
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    if argv.first().map(String::as_str) == Some("templates") {
+        return tpl::list_main(&argv[1..]);
+    }
     let args = match Args::try_parse() {
         Ok(a) => a,
         Err(e) => {
@@ -209,6 +224,27 @@ async fn run(args: Args) -> i32 {
                 return f.code;
             }
         };
+    // The template is resolved before anything is sent; in stream format its output goes
+    // through a sink that keeps the full output in a file.
+    let structured = args.output_format != OutputFormat::Stream;
+    let template = match args.template.as_deref().map(resolve_template) {
+        None => None,
+        Some(Ok(t)) => Some(t),
+        Some(Err(f)) => {
+            eprintln!("run-remote: {}", f.message);
+            return f.code;
+        }
+    };
+    let mut sink = match template.clone().filter(|_| !structured) {
+        None => None,
+        Some(t) => match TemplateSink::create(t, &std::env::temp_dir()) {
+            Ok(s) => Some(s),
+            Err(f) => {
+                eprintln!("run-remote: {}", f.message);
+                return f.code;
+            }
+        },
+    };
     let token = std::env::var("RUN_REMOTE_TOKEN")
         .ok()
         .filter(|t| !t.is_empty());
@@ -233,7 +269,10 @@ async fn run(args: Args) -> i32 {
     if args.output_format != OutputFormat::Stream {
         let collected =
             crate::result::collect(execution, args.max_output_bytes.max(1024), |_, _| {}).await;
-        let r = crate::result::StructuredResult::from_run("run-remote", &request, &collected);
+        let mut r = crate::result::StructuredResult::from_run("run-remote", &request, &collected);
+        if let Some(t) = &template {
+            crate::templates::apply_to_result(&mut r, t);
+        }
         if !print_result(&r, args.output_format) {
             return code::IO_ERROR;
         }
@@ -257,16 +296,28 @@ async fn run(args: Args) -> i32 {
         }
     };
     while let Some(event) = execution.next().await {
-        let written = match &event {
-            Event::Stdout { data } => stdout.write_all(data),
-            Event::Stderr { data } => stderr.write_all(data),
-            Event::Exit(info) => {
+        let written = match (&event, sink.as_mut()) {
+            (Event::Stdout { data }, None) => stdout.write_all(data),
+            (Event::Stderr { data }, None) => stderr.write_all(data),
+            (Event::Stdout { data }, Some(s)) => s.stdout(data).map_err(raw_file_error),
+            (Event::Stderr { data }, Some(s)) => s.stderr(data).map_err(raw_file_error),
+            (Event::Exit(info), _) => {
+                if let Some(s) = sink.take()
+                    && let Some(c) = finish(s, info.code, &mut stdout, &mut stderr)
+                {
+                    return c;
+                }
                 if info.timed_out {
                     eprintln!("run-remote: the command timed out and was killed");
                 }
                 return mirror_exit(info);
             }
-            Event::Error { code: c, message } => {
+            (Event::Error { code: c, message }, _) => {
+                if let Some(s) = sink.take()
+                    && let Some(c) = finish(s, None, &mut stdout, &mut stderr)
+                {
+                    return c;
+                }
                 eprintln!("run-remote: {message} ({c})");
                 return if *c == ErrorCode::ProtocolError {
                     code::PROTOCOL
@@ -285,7 +336,45 @@ async fn run(args: Args) -> i32 {
             return code::IO_ERROR;
         }
     }
+    if let Some(s) = sink.take()
+        && let Some(c) = finish(s, None, &mut stdout, &mut stderr)
+    {
+        return c;
+    }
     code::PROTOCOL
+}
+
+/// Resolves `--template` in the current directory.
+fn resolve_template(name: &str) -> Result<crate::templates::Template, Failure> {
+    let dir = std::env::current_dir().map_err(|e| {
+        fail(
+            code::CONFIG,
+            format!("cannot read the current directory: {e}"),
+        )
+    })?;
+    tpl::resolve(name, &dir)
+}
+
+/// A failed write to the raw output file: not a closed pipe, whatever the OS says.
+fn raw_file_error(e: std::io::Error) -> std::io::Error {
+    std::io::Error::other(format!("the full-output file: {e}"))
+}
+
+/// Prints the filtered output; `Some(code)` when that failed.
+fn finish(
+    sink: TemplateSink,
+    exit_code: Option<i32>,
+    stdout: &mut std::fs::File,
+    stderr: &mut std::fs::File,
+) -> Option<i32> {
+    match sink.finish(exit_code, stdout, stderr) {
+        Ok(()) => None,
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Some(code::BROKEN_PIPE),
+        Err(e) => {
+            let _ = writeln!(stderr, "run-remote: cannot write the output: {e}");
+            Some(code::IO_ERROR)
+        }
+    }
 }
 
 /// Prints a structured result on stdout; false when stdout is gone.

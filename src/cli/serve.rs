@@ -304,7 +304,22 @@ pub async fn capabilities(config: &Config, runner: &Runner) -> Capabilities {
         caps.limitations
             .push("configured secrets in the output are replaced by [REDACTED]".into());
     }
+    caps.templates = template_names();
     caps
+}
+
+/// The output templates on offer in the process's current directory (built-ins plus the
+/// nearest `.mcp-run/config.yaml`); with an invalid file, the error is logged and the
+/// built-ins are offered.
+fn template_names() -> Vec<String> {
+    let dir = std::env::current_dir().unwrap_or_else(|_| "/".into());
+    match crate::templates::Catalog::load(&dir) {
+        Ok(c) => c.names(),
+        Err(e) => {
+            tracing::warn!(error = %e, "invalid template configuration; offering the built-ins");
+            crate::templates::Catalog::builtin().names()
+        }
+    }
 }
 
 fn run_stdio(args: StdioArgs) -> anyhow::Result<()> {

@@ -36,6 +36,10 @@ pub struct McpService {
     max_output_bytes: usize,
     /// Operator-declared CLI tools (config `tools:`).
     tools: Arc<Vec<crate::tools::ToolConfig>>,
+    /// Output templates: the built-ins plus the nearest `.mcp-run/config.yaml` at or above
+    /// `template_dir`, reloaded after a TTL.
+    templates: Arc<crate::templates::TemplateStore>,
+    template_dir: std::path::PathBuf,
 }
 
 impl McpService {
@@ -49,7 +53,21 @@ impl McpService {
             capabilities,
             max_output_bytes,
             tools: Arc::new(Vec::new()),
+            templates: Arc::new(crate::templates::TemplateStore::default()),
+            template_dir: std::env::current_dir().unwrap_or_else(|_| "/".into()),
         }
+    }
+
+    /// Takes output templates from this store, configured for this directory (the
+    /// process's current directory by default).
+    pub fn with_templates(
+        mut self,
+        store: Arc<crate::templates::TemplateStore>,
+        dir: std::path::PathBuf,
+    ) -> Self {
+        self.templates = store;
+        self.template_dir = dir;
+        self
     }
 
     /// Serves these operator-declared CLI tools too, each as its own MCP tool.
@@ -173,6 +191,19 @@ impl McpService {
                 }
             }
         });
+        let catalog = self.templates.catalog(&self.template_dir);
+        let listing: Vec<String> = catalog
+            .entries()
+            .map(|(t, _)| format!("`{}`: {}", t.name, t.description))
+            .collect();
+        let mut input = input;
+        input["properties"]["template"] = json!({
+            "type": "string", "enum": catalog.names(),
+            "description": format!(
+                "Filter stdout and stderr down to errors and summary after the command ends (default: the raw output). On a failure, error lines and their locations are always kept. {}",
+                listing.join("; ")
+            )
+        });
         let output =
             serde_json::to_value(schemars::schema_for!(StructuredResult)).unwrap_or_default();
         let description = format!(
@@ -199,7 +230,30 @@ impl McpService {
         arguments: Option<serde_json::Map<String, Value>>,
         context: RequestContext<RoleServer>,
     ) -> CallToolResult {
-        let args = Value::Object(arguments.unwrap_or_default());
+        let mut arguments = arguments.unwrap_or_default();
+        // `template` is ours, not the runner's: resolve it before anything runs.
+        let template = match arguments.remove("template") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(name)) => match self.templates.get(&name, &self.template_dir) {
+                Some(t) => Some(t),
+                None => {
+                    return error_result(&ErrorBody::new(
+                        ErrorCode::InvalidRequest,
+                        format!(
+                            "unknown template {name:?}; available: {}",
+                            self.templates.names(&self.template_dir).join(", ")
+                        ),
+                    ));
+                }
+            },
+            Some(other) => {
+                return error_result(&ErrorBody::new(
+                    ErrorCode::InvalidRequest,
+                    format!("invalid arguments: template must be a string, not {other}"),
+                ));
+            }
+        };
+        let args = Value::Object(arguments);
         let req: RunRequest = match serde_json::from_value(args) {
             Ok(r) => r,
             Err(e) => {
@@ -265,11 +319,13 @@ impl McpService {
             p.abort();
         }
         match collected {
-            Some(c) => finish(StructuredResult::from_run(
-                TOOL,
-                &self.runner.redact_request(&req),
-                &c,
-            )),
+            Some(c) => {
+                let mut r = StructuredResult::from_run(TOOL, &self.runner.redact_request(&req), &c);
+                if let Some(t) = &template {
+                    crate::templates::apply_to_result(&mut r, t);
+                }
+                finish(r)
+            }
             None => error_result(&ErrorBody::new(
                 ErrorCode::InvalidRequest,
                 "cancelled by the client: the command was killed",

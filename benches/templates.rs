@@ -1,0 +1,68 @@
+//! Filtering speed: a template applied to 100,000 lines (target: ≤ 50 ms; docs/performance.md).
+
+use std::hint::black_box;
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use mcp_run::templates::Catalog;
+
+/// 100,000 lines shaped like `cargo test` output with a few failures among the passes.
+fn cargo_test_log() -> Vec<u8> {
+    let mut out = String::from("\nrunning 99990 tests\n");
+    for i in 0..100_000 {
+        if i % 20_000 == 7 {
+            out.push_str(&format!("test tests::case_{i:05} ... FAILED\n"));
+        } else {
+            out.push_str(&format!(
+                "test tests::module_{}::case_{i:05} ... ok\n",
+                i % 37
+            ));
+        }
+    }
+    out.push_str("\nfailures:\n\n---- tests::case_00007 stdout ----\n");
+    out.push_str("thread 'tests::case_00007' panicked at src/lib.rs:26:9:\n");
+    out.push_str("assertion `left == right` failed\n  left: 1\n right: 2\n\nfailures:\n");
+    out.push_str("    tests::case_00007\n\n");
+    out.push_str("test result: FAILED. 99975 passed; 5 failed; 0 ignored; finished in 3.1s\n");
+    out.into_bytes()
+}
+
+/// 100,000 lines of pytest -v output.
+fn pytest_log() -> Vec<u8> {
+    let mut out = String::from(
+        "============================= test session starts ==============================\ncollected 99990 items\n\n",
+    );
+    for i in 0..100_000 {
+        let r = if i % 25_000 == 3 { "FAILED" } else { "PASSED" };
+        out.push_str(&format!(
+            "tests/test_mod{}.py::test_case[{i}] {r}                       [ {:>2}%]\n",
+            i % 53,
+            i / 1000
+        ));
+    }
+    out.push_str(
+        "\n=========================== short test summary info ============================\n",
+    );
+    out.push_str("FAILED tests/test_mod3.py::test_case[3] - assert 1 == 2\n");
+    out.push_str(
+        "======================== 4 failed, 99986 passed in 91.2s =========================\n",
+    );
+    out.into_bytes()
+}
+
+fn bench(c: &mut Criterion) {
+    let catalog = Catalog::builtin();
+    for (name, log) in [("cargo-test", cargo_test_log()), ("pytest", pytest_log())] {
+        let lines = log.iter().filter(|b| **b == b'\n').count();
+        assert!(lines >= 100_000, "{name}: {lines} lines");
+        let t = catalog.get(name).unwrap().clone();
+        c.bench_function(&format!("{name} 100k lines, failed"), |b| {
+            b.iter(|| black_box(t.apply(black_box(&log), Some(1))))
+        });
+        c.bench_function(&format!("{name} 100k lines, passed"), |b| {
+            b.iter(|| black_box(t.apply(black_box(&log), Some(0))))
+        });
+    }
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

@@ -1,0 +1,238 @@
+//! Templates in `run-remote`: `--template NAME` collects the command's output, saves it
+//! whole to a file and prints it filtered when the command ends; `run-remote templates`
+//! lists what is available here.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use super::exit_codes as code;
+use super::run_remote::Failure;
+use crate::templates::{Catalog, Template};
+
+/// The template `name` as configured for `dir` (built-ins plus the nearest
+/// `.mcp-run/config.yaml`); an invalid configuration or an unknown name is a configuration
+/// error.
+pub fn resolve(name: &str, dir: &Path) -> Result<Template, Failure> {
+    let catalog = Catalog::load(dir).map_err(|e| Failure {
+        code: code::CONFIG,
+        message: e.to_string(),
+    })?;
+    catalog.get(name).cloned().ok_or_else(|| Failure {
+        code: code::CONFIG,
+        message: format!(
+            "unknown template {name:?}; available: {} (see `run-remote templates`)",
+            catalog.names().join(", ")
+        ),
+    })
+}
+
+/// Collects a run's output for a template: every chunk goes to the raw file as it arrives
+/// (in arrival order, as a terminal would show it) and to one buffer per stream.
+pub struct TemplateSink {
+    template: Template,
+    raw: std::fs::File,
+    raw_path: PathBuf,
+    stdout: Vec<u8>,
+    stderr: Vec<u8>,
+}
+
+impl TemplateSink {
+    /// Creates the raw output file in `dir` (the temporary directory).
+    pub fn create(template: Template, dir: &Path) -> Result<TemplateSink, Failure> {
+        let stamp = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis())
+            .unwrap_or_default();
+        let raw_path = dir.join(format!(
+            "run-remote-{}-{stamp}-{}.log",
+            template.name,
+            std::process::id()
+        ));
+        let raw = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&raw_path)
+            .map_err(|e| Failure {
+                code: code::IO_ERROR,
+                message: format!(
+                    "cannot create {} for the full output: {e}",
+                    raw_path.display()
+                ),
+            })?;
+        Ok(TemplateSink {
+            template,
+            raw,
+            raw_path,
+            stdout: Vec::new(),
+            stderr: Vec::new(),
+        })
+    }
+
+    pub fn stdout(&mut self, data: &[u8]) -> std::io::Result<()> {
+        self.stdout.extend_from_slice(data);
+        self.raw.write_all(data)
+    }
+
+    pub fn stderr(&mut self, data: &[u8]) -> std::io::Result<()> {
+        self.stderr.extend_from_slice(data);
+        self.raw.write_all(data)
+    }
+
+    pub fn raw_path(&self) -> &Path {
+        &self.raw_path
+    }
+
+    /// Writes the filtered streams and a closing note naming the raw file. `exit_code` is the
+    /// command's (`None` when it did not exit normally, which the template treats as a
+    /// failure).
+    pub fn finish(
+        self,
+        exit_code: Option<i32>,
+        out: &mut impl Write,
+        err: &mut impl Write,
+    ) -> std::io::Result<()> {
+        let o = self.template.apply(&self.stdout, exit_code);
+        let e = self.template.apply(&self.stderr, exit_code);
+        out.write_all(&o.output)?;
+        out.flush()?;
+        err.write_all(&e.output)?;
+        writeln!(
+            err,
+            "run-remote: template {}: {} of {} lines left out; the full output is in {}",
+            self.template.name,
+            o.omitted_lines() + e.omitted_lines(),
+            o.total_lines + e.total_lines,
+            self.raw_path.display()
+        )
+    }
+}
+
+/// `run-remote templates`: lists the templates available in the current directory.
+pub fn list_main(args: &[String]) -> i32 {
+    if let Some(a) = args.first() {
+        if a == "-h" || a == "--help" {
+            println!(
+                "List the output templates available here: the built-ins and those of the nearest\n\
+                 .mcp-run/config.yaml at or above the current directory.\n\n\
+                 Usage: run-remote templates"
+            );
+            return 0;
+        }
+        eprintln!("run-remote: templates takes no argument, got {a:?}");
+        return code::USAGE;
+    }
+    let dir = match std::env::current_dir() {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("run-remote: cannot read the current directory: {e}");
+            return code::CONFIG;
+        }
+    };
+    let catalog = match Catalog::load(&dir) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("run-remote: {e}");
+            return code::CONFIG;
+        }
+    };
+    let mut stdout = std::io::stdout().lock();
+    match write_list(&catalog, &mut stdout) {
+        Ok(()) => 0,
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => code::BROKEN_PIPE,
+        Err(e) => {
+            eprintln!("run-remote: cannot write the list: {e}");
+            code::IO_ERROR
+        }
+    }
+}
+
+/// One line per template: name, origin, description, in aligned columns.
+pub fn write_list(catalog: &Catalog, out: &mut impl Write) -> std::io::Result<()> {
+    let rows: Vec<(String, String, String)> = catalog
+        .entries()
+        .map(|(t, o)| (t.name.clone(), o.to_string(), t.description.clone()))
+        .collect();
+    let w0 = rows.iter().map(|r| r.0.len()).max().unwrap_or(0).max(4);
+    let w1 = rows.iter().map(|r| r.1.len()).max().unwrap_or(0).max(6);
+    writeln!(out, "{:w0$}  {:w1$}  DESCRIPTION", "NAME", "ORIGIN")?;
+    for (n, o, d) in rows {
+        writeln!(out, "{n:w0$}  {o:w1$}  {d}")?;
+    }
+    out.flush()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_template_and_bad_config_are_configuration_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = resolve("nope", dir.path()).unwrap_err();
+        assert_eq!(f.code, code::CONFIG);
+        assert!(f.message.contains("cargo-test"), "{}", f.message);
+        std::fs::create_dir_all(dir.path().join(".mcp-run")).unwrap();
+        std::fs::write(
+            dir.path().join(crate::templates::CONFIG_PATH),
+            "templates: [",
+        )
+        .unwrap();
+        let f = resolve("cargo-test", dir.path()).unwrap_err();
+        assert_eq!(f.code, code::CONFIG);
+        assert!(f.message.contains("config.yaml"), "{}", f.message);
+    }
+
+    #[test]
+    fn sink_keeps_everything_in_the_file_and_prints_filtered() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = resolve("cargo-test", dir.path()).unwrap();
+        let mut sink = TemplateSink::create(t, dir.path()).unwrap();
+        let mut noise = String::new();
+        for i in 0..50 {
+            noise.push_str(&format!("test t{i} ... ok\n"));
+        }
+        sink.stdout(noise.as_bytes()).unwrap();
+        sink.stderr(b"error: test failed\n").unwrap();
+        sink.stdout(
+            b"test x ... FAILED\n\nfailures:\n    x\n\ntest result: FAILED. 50 passed; 1 failed\n",
+        )
+        .unwrap();
+        let path = sink.raw_path().to_owned();
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        sink.finish(Some(101), &mut out, &mut err).unwrap();
+        let out = String::from_utf8(out).unwrap();
+        let err = String::from_utf8(err).unwrap();
+        assert!(
+            out.contains("test x ... FAILED\n") && !out.contains("test t7 ... ok"),
+            "{out}"
+        );
+        assert!(out.ends_with("test result: FAILED. 50 passed; 1 failed\n"));
+        assert!(err.starts_with("error: test failed\n"), "{err}");
+        assert!(
+            err.contains(&path.display().to_string()) && err.contains("51 of 57"),
+            "{err}"
+        );
+        let raw = std::fs::read_to_string(&path).unwrap();
+        assert!(raw.starts_with(&noise) && raw.contains("error: test failed\ntest x"));
+    }
+
+    #[test]
+    fn list_shows_origin() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join(crate::templates::CONFIG_PATH);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(
+            &p,
+            "templates:\n  mine:\n    description: Mine\n    include_regex: X\n",
+        )
+        .unwrap();
+        let mut out = Vec::new();
+        write_list(&Catalog::load(dir.path()).unwrap(), &mut out).unwrap();
+        let out = String::from_utf8(out).unwrap();
+        assert!(out.starts_with("NAME"), "{out}");
+        let mine = out.lines().find(|l| l.starts_with("mine ")).unwrap();
+        assert!(mine.contains(&p.display().to_string()) && mine.ends_with("Mine"));
+        let tsc = out.lines().find(|l| l.starts_with("tsc ")).unwrap();
+        assert!(tsc.contains("built-in"));
+    }
+}

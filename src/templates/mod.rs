@@ -1,0 +1,372 @@
+//! Output templates: filter the noisy output of builds and test runs down to the errors and
+//! the summary (docs/templates.md).
+//!
+//! A [`Template`] keeps the lines that match its `include_regex` plus the last
+//! `tail_paragraphs` paragraphs; on a non-zero exit, error-shaped lines and their locations
+//! survive whatever it says ([`filter::apply`]). The built-ins live in `builtin.yaml`;
+//! `.mcp-run/config.yaml`, found by walking up from the working directory, adds to them and
+//! overrides them by name ([`Catalog::load`]). Long-running processes use a
+//! [`TemplateStore`], which caches per directory with a TTL and keeps the last good
+//! configuration when the file turns invalid.
+
+pub mod filter;
+pub mod result;
+pub mod store;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+pub use filter::{Filtered, apply};
+pub use result::apply_to_result;
+pub use store::TemplateStore;
+
+/// The configuration file, relative to a directory on the way up from the working directory.
+pub const CONFIG_PATH: &str = ".mcp-run/config.yaml";
+
+const BUILTIN_YAML: &str = include_str!("builtin.yaml");
+
+fn default_tail() -> usize {
+    1
+}
+
+/// A template as written in YAML.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct TemplateSpec {
+    pub description: String,
+    pub include_regex: String,
+    #[serde(default = "default_tail")]
+    pub tail_paragraphs: usize,
+    #[serde(default)]
+    pub suppress_on_success: bool,
+}
+
+/// A template ready to apply.
+#[derive(Debug, Clone)]
+pub struct Template {
+    pub name: String,
+    pub description: String,
+    pub include_regex: String,
+    pub tail_paragraphs: usize,
+    pub suppress_on_success: bool,
+    include: regex::bytes::Regex,
+}
+
+impl Template {
+    /// Compiles the spec's regex.
+    pub fn new(name: &str, spec: TemplateSpec) -> Result<Template, regex::Error> {
+        let include = regex::bytes::RegexBuilder::new(&spec.include_regex)
+            // Bounded so that a pathological pattern from a config file cannot eat memory.
+            .size_limit(1 << 22)
+            .build()?;
+        Ok(Template {
+            name: name.to_owned(),
+            description: spec.description,
+            include_regex: spec.include_regex,
+            tail_paragraphs: spec.tail_paragraphs,
+            suppress_on_success: spec.suppress_on_success,
+            include,
+        })
+    }
+
+    /// Applies the template to one stream (see [`filter::apply`]).
+    pub fn apply(&self, output: &[u8], exit_code: Option<i32>) -> Filtered {
+        filter::apply(self, output, exit_code)
+    }
+}
+
+/// Where a template comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Origin {
+    BuiltIn,
+    Config(PathBuf),
+}
+
+impl std::fmt::Display for Origin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Origin::BuiltIn => f.write_str("built-in"),
+            Origin::Config(p) => write!(f, "{}", p.display()),
+        }
+    }
+}
+
+/// A template configuration that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{}: cannot read: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{}: invalid YAML: {message}", path.display())]
+    Yaml { path: PathBuf, message: String },
+    #[error("{}: template {template:?}: {message}", path.display())]
+    Template {
+        path: PathBuf,
+        template: String,
+        message: String,
+    },
+}
+
+/// The file's shape. Other top-level keys are left for other features.
+#[derive(Debug, Deserialize)]
+struct ConfigFile {
+    #[serde(default)]
+    templates: BTreeMap<String, yaml_serde::Value>,
+}
+
+/// Parses a configuration file's text into templates. `path` names the file in errors.
+pub fn parse_config(path: &Path, text: &str) -> Result<Vec<Template>, ConfigError> {
+    let file: Option<ConfigFile> = yaml_serde::from_str(text).map_err(|e| ConfigError::Yaml {
+        path: path.to_owned(),
+        message: e.to_string(),
+    })?;
+    let Some(file) = file else {
+        // An empty file: no templates.
+        return Ok(Vec::new());
+    };
+    let mut out = Vec::with_capacity(file.templates.len());
+    for (name, value) in file.templates {
+        let bad = |message: String| ConfigError::Template {
+            path: path.to_owned(),
+            template: name.clone(),
+            message,
+        };
+        if !valid_name(&name) {
+            return Err(bad(
+                "a name is 1 to 64 of a-z, 0-9, '-', '_' and '.', starting with a letter or digit"
+                    .into(),
+            ));
+        }
+        let spec: TemplateSpec = yaml_serde::from_value(value).map_err(|e| bad(e.to_string()))?;
+        let pattern = spec.include_regex.clone();
+        let t = Template::new(&name, spec).map_err(|e| {
+            bad(format!(
+                "invalid include_regex {pattern:?}: {}",
+                regex_error_line(&e)
+            ))
+        })?;
+        out.push(t);
+    }
+    Ok(out)
+}
+
+/// The cause of a regex error on one line (the parser's message draws a caret under the
+/// pattern over several lines).
+fn regex_error_line(e: &regex::Error) -> String {
+    let text = e.to_string();
+    let last = text.lines().last().unwrap_or_default().trim();
+    last.strip_prefix("error: ").unwrap_or(last).to_owned()
+}
+
+/// Template names are enum values in a tool schema and flags on a command line.
+fn valid_name(name: &str) -> bool {
+    let b = name.as_bytes();
+    !b.is_empty()
+        && b.len() <= 64
+        && b[0].is_ascii_alphanumeric()
+        && b.iter()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || b"-_.".contains(c))
+}
+
+/// The nearest `.mcp-run/config.yaml` at or above `dir`.
+pub fn find_config(dir: &Path) -> Option<PathBuf> {
+    dir.ancestors()
+        .map(|d| d.join(CONFIG_PATH))
+        .find(|p| p.is_file())
+}
+
+/// The templates available in one place: the built-ins, then one configuration file's.
+#[derive(Debug, Clone)]
+pub struct Catalog {
+    templates: BTreeMap<String, (Template, Origin)>,
+    config: Option<PathBuf>,
+}
+
+impl Catalog {
+    /// The built-in templates alone.
+    pub fn builtin() -> Catalog {
+        let templates = parse_config(Path::new("builtin.yaml"), BUILTIN_YAML)
+            .unwrap_or_else(|e| unreachable!("the built-in templates are tested: {e}"));
+        Catalog {
+            templates: templates
+                .into_iter()
+                .map(|t| (t.name.clone(), (t, Origin::BuiltIn)))
+                .collect(),
+            config: None,
+        }
+    }
+
+    /// The built-ins plus the nearest configuration file at or above `dir`, whose templates
+    /// override built-ins of the same name.
+    pub fn load(dir: &Path) -> Result<Catalog, ConfigError> {
+        match find_config(dir) {
+            Some(path) => Self::load_file(&path),
+            None => Ok(Self::builtin()),
+        }
+    }
+
+    /// The built-ins plus one configuration file.
+    pub fn load_file(path: &Path) -> Result<Catalog, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        let mut catalog = Self::builtin();
+        for t in parse_config(path, &text)? {
+            catalog
+                .templates
+                .insert(t.name.clone(), (t, Origin::Config(path.to_owned())));
+        }
+        catalog.config = Some(path.to_owned());
+        Ok(catalog)
+    }
+
+    /// The configuration file in use, if any.
+    pub fn config_path(&self) -> Option<&Path> {
+        self.config.as_deref()
+    }
+
+    pub fn get(&self, name: &str) -> Option<&Template> {
+        self.templates.get(name).map(|(t, _)| t)
+    }
+
+    /// Names in sorted order (for a tool schema's enum).
+    pub fn names(&self) -> Vec<String> {
+        self.templates.keys().cloned().collect()
+    }
+
+    /// Every template with its origin, sorted by name.
+    pub fn entries(&self) -> impl Iterator<Item = (&Template, &Origin)> {
+        self.templates.values().map(|(t, o)| (t, o))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BUILTINS: [&str; 10] = [
+        "cargo-build",
+        "cargo-test",
+        "go-test",
+        "gradle",
+        "jest",
+        "maven-build",
+        "maven-test",
+        "pytest",
+        "tsc",
+        "vitest",
+    ];
+
+    #[test]
+    fn builtins_parse_and_are_complete() {
+        let c = Catalog::builtin();
+        assert_eq!(c.names(), BUILTINS);
+        for (t, o) in c.entries() {
+            assert_eq!(*o, Origin::BuiltIn);
+            assert!(!t.description.is_empty(), "{}", t.name);
+        }
+    }
+
+    fn write(dir: &Path, text: &str) -> PathBuf {
+        let p = dir.join(CONFIG_PATH);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(&p, text).unwrap();
+        p
+    }
+
+    #[test]
+    fn discovery_walks_up_and_the_nearest_file_wins() {
+        let root = tempfile::tempdir().unwrap();
+        let sub = root.path().join("a/b");
+        std::fs::create_dir_all(&sub).unwrap();
+        assert_eq!(Catalog::load(&sub).unwrap().names(), BUILTINS);
+
+        let top = write(
+            root.path(),
+            "templates:\n  mine:\n    description: top\n    include_regex: X\n",
+        );
+        let c = Catalog::load(&sub).unwrap();
+        assert_eq!(c.config_path(), Some(top.as_path()));
+        assert_eq!(c.get("mine").unwrap().description, "top");
+        assert_eq!(c.get("mine").unwrap().tail_paragraphs, 1);
+        assert_eq!(c.names().len(), BUILTINS.len() + 1);
+
+        let near = write(
+            &root.path().join("a"),
+            "templates:\n  mine:\n    description: near\n    include_regex: Y\n    tail_paragraphs: 3\n",
+        );
+        let c = Catalog::load(&sub).unwrap();
+        assert_eq!(c.config_path(), Some(near.as_path()));
+        assert_eq!(c.get("mine").unwrap().description, "near");
+        assert_eq!(c.get("mine").unwrap().tail_paragraphs, 3);
+        assert!(
+            c.entries()
+                .any(|(t, o)| t.name == "mine" && *o == Origin::Config(near.clone()))
+        );
+    }
+
+    #[test]
+    fn a_custom_template_overrides_a_builtin() {
+        let root = tempfile::tempdir().unwrap();
+        let p = write(
+            root.path(),
+            "templates:\n  pytest:\n    description: ours\n    include_regex: OURS\n    suppress_on_success: true\n",
+        );
+        let c = Catalog::load(root.path()).unwrap();
+        let t = c.get("pytest").unwrap();
+        assert_eq!(t.description, "ours");
+        assert!(t.suppress_on_success);
+        assert_eq!(c.names(), BUILTINS);
+        let origin = c.entries().find(|(t, _)| t.name == "pytest").unwrap().1;
+        assert_eq!(*origin, Origin::Config(p));
+    }
+
+    #[test]
+    fn invalid_configuration_names_the_file_and_the_template() {
+        let root = tempfile::tempdir().unwrap();
+        let p = write(
+            root.path(),
+            "templates:\n  broken:\n    description: x\n    include_regex: '(unclosed'\n",
+        );
+        let e = Catalog::load(root.path()).unwrap_err().to_string();
+        assert!(e.contains(&p.display().to_string()), "{e}");
+        assert!(
+            e.contains("\"broken\"") && e.contains("include_regex"),
+            "{e}"
+        );
+        assert!(
+            e.ends_with("invalid include_regex \"(unclosed\": unclosed group"),
+            "{e}"
+        );
+
+        write(root.path(), "templates: [\n");
+        let e = Catalog::load(root.path()).unwrap_err();
+        assert!(matches!(e, ConfigError::Yaml { .. }), "{e}");
+        assert!(e.to_string().contains(&p.display().to_string()));
+
+        write(
+            root.path(),
+            "templates:\n  typo:\n    description: x\n    include_regexp: X\n",
+        );
+        let e = Catalog::load(root.path()).unwrap_err().to_string();
+        assert!(
+            e.contains("\"typo\"") && e.contains("include_regexp"),
+            "{e}"
+        );
+
+        write(
+            root.path(),
+            "templates:\n  Bad Name:\n    description: x\n    include_regex: X\n",
+        );
+        let e = Catalog::load(root.path()).unwrap_err().to_string();
+        assert!(e.contains("\"Bad Name\""), "{e}");
+
+        write(root.path(), "");
+        assert_eq!(Catalog::load(root.path()).unwrap().names(), BUILTINS);
+    }
+}

@@ -1,0 +1,374 @@
+//! Output templates against real tool logs (tests/fixtures/templates/, see the README there)
+//! and `run-remote --template` end to end against a gateway.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+
+use mcp_run::templates::Catalog;
+use support::Gateway;
+
+struct Fixture {
+    name: String,
+    template: String,
+    exit: i32,
+    stdout: Vec<u8>,
+    stderr: Vec<u8>,
+    must_keep: Vec<(String, String)>,
+}
+
+fn fixtures_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/templates")
+}
+
+fn fixtures() -> Vec<Fixture> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(fixtures_dir()).unwrap() {
+        let dir = entry.unwrap().path();
+        if !dir.join("template").is_file() {
+            continue;
+        }
+        let read = |f: &str| std::fs::read(dir.join(f)).unwrap();
+        let text = |f: &str| String::from_utf8(read(f)).unwrap().trim().to_owned();
+        let must_keep = text("must_keep")
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+            .map(|l| {
+                let (stream, needle) = l.split_once('|').unwrap();
+                (stream.to_owned(), needle.to_owned())
+            })
+            .collect();
+        out.push(Fixture {
+            name: dir.file_name().unwrap().to_string_lossy().into_owned(),
+            template: text("template"),
+            exit: text("exit").parse().unwrap(),
+            stdout: read("stdout"),
+            stderr: read("stderr"),
+            must_keep,
+        });
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    assert!(out.len() >= 14, "fixtures missing: {}", out.len());
+    out
+}
+
+/// Every failure line, location and summary listed in a fixture's must_keep survives its
+/// template; prints the raw → filtered table of docs/performance.md.
+#[test]
+fn every_failure_line_survives_and_the_output_shrinks() {
+    let catalog = Catalog::builtin();
+    let mut covered = std::collections::BTreeSet::new();
+    let mut lost = Vec::new();
+    println!(
+        "| fixture | template | exit | raw bytes | filtered bytes | filtered/raw | failure lines kept |"
+    );
+    println!("|---|---|---|---:|---:|---:|---|");
+    for f in fixtures() {
+        let t = catalog
+            .get(&f.template)
+            .unwrap_or_else(|| panic!("{}: no template {}", f.name, f.template));
+        covered.insert(f.template.clone());
+        let out = t.apply(&f.stdout, Some(f.exit));
+        let err = t.apply(&f.stderr, Some(f.exit));
+        for (stream, needle) in &f.must_keep {
+            let (raw, kept) = match stream.as_str() {
+                "stdout" => (&f.stdout, &out.output),
+                "stderr" => (&f.stderr, &err.output),
+                s => panic!("{}: bad stream {s}", f.name),
+            };
+            let raw = String::from_utf8_lossy(raw);
+            let kept = String::from_utf8_lossy(kept);
+            assert!(
+                raw.contains(needle.as_str()),
+                "{}: fixture lacks {needle:?}",
+                f.name
+            );
+            if !kept.contains(needle.as_str()) {
+                lost.push(format!("{}: {stream} lost {needle:?}", f.name));
+            }
+        }
+        let raw = f.stdout.len() + f.stderr.len();
+        let filtered = out.output.len() + err.output.len();
+        println!(
+            "| {} | {} | {} | {raw} | {filtered} | {:.1}% | all {} |",
+            f.name,
+            f.template,
+            f.exit,
+            100.0 * filtered as f64 / raw as f64,
+            f.must_keep.len()
+        );
+    }
+    assert!(lost.is_empty(), "lines lost:\n{}", lost.join("\n"));
+    assert_eq!(
+        covered,
+        catalog.names().into_iter().collect(),
+        "a built-in has no fixture"
+    );
+}
+
+/// Prints one fixture's filtered output: `FIXTURE=name cargo test --test templates show -- --nocapture`.
+#[test]
+fn show() {
+    let Ok(name) = std::env::var("FIXTURE") else {
+        return;
+    };
+    let f = fixtures().into_iter().find(|f| f.name == name).unwrap();
+    let t = Catalog::builtin().get(&f.template).unwrap().clone();
+    println!("--- stdout");
+    print!(
+        "{}",
+        String::from_utf8_lossy(&t.apply(&f.stdout, Some(f.exit)).output)
+    );
+    println!("--- stderr");
+    print!(
+        "{}",
+        String::from_utf8_lossy(&t.apply(&f.stderr, Some(f.exit)).output)
+    );
+}
+
+fn sh_cat_fixture(name: &str) -> Vec<String> {
+    let d = fixtures_dir().join(name);
+    let exit = std::fs::read_to_string(d.join("exit")).unwrap();
+    vec![
+        "sh".into(),
+        "-c".into(),
+        format!("cat \"$1\"; cat \"$2\" >&2; exit {}", exit.trim()),
+        "sh".into(),
+        d.join("stdout").display().to_string(),
+        d.join("stderr").display().to_string(),
+    ]
+}
+
+/// `run-remote --template` against a real gateway: the exit code is mirrored, the output is
+/// filtered, and the full output is in the file that the note names.
+#[test]
+fn run_remote_template_end_to_end() {
+    let gw = Gateway::start(&[]);
+    let tmp = tempfile::tempdir().unwrap();
+    let out = gw
+        .run_remote()
+        .env("TMPDIR", tmp.path())
+        .args(["--template", "cargo-test", "--"])
+        .args(sh_cat_fixture("cargo-test-fail"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(101));
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert!(stdout.starts_with("[template cargo-test: "), "{stdout}");
+    assert!(stdout.contains("test tests::parse_port_rejects_words ... FAILED\n"));
+    assert!(stdout.contains(" right: 43\n"));
+    assert!(!stdout.contains("... ok"), "{stdout}");
+    let note = stderr.lines().last().unwrap();
+    assert!(
+        note.starts_with("run-remote: template cargo-test: "),
+        "{stderr}"
+    );
+    let path = note.rsplit(" is in ").next().unwrap();
+    assert!(
+        path.starts_with(&tmp.path().display().to_string()),
+        "{note}"
+    );
+    let raw = std::fs::read(path).unwrap();
+    let d = fixtures_dir().join("cargo-test-fail");
+    let (o, e) = (
+        std::fs::read(d.join("stdout")).unwrap(),
+        std::fs::read(d.join("stderr")).unwrap(),
+    );
+    assert_eq!(raw.len(), o.len() + e.len());
+    assert!(raw.starts_with(&o));
+
+    // Success: the last paragraph, and the exit code stays 0.
+    let ok = gw
+        .run_remote()
+        .env("TMPDIR", tmp.path())
+        .args([
+            "--template",
+            "cargo-build",
+            "--",
+            "sh",
+            "-c",
+            "seq 1 100; echo; echo Finished",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(ok.status.code(), Some(0));
+    assert_eq!(
+        String::from_utf8_lossy(&ok.stdout),
+        "[template cargo-build: 101 of 102 lines left out]\nFinished\n"
+    );
+}
+
+/// An unknown template or an invalid configuration stops run-remote before anything runs,
+/// with its configuration-error code and one line; a custom template is found from the
+/// current directory and listed with its origin.
+#[test]
+fn run_remote_template_configuration() {
+    let gw = Gateway::start(&[]);
+    let repo = tempfile::tempdir().unwrap();
+    let sub = repo.path().join("pkg/src");
+    std::fs::create_dir_all(&sub).unwrap();
+    let marker = repo.path().join("ran");
+    let touch = ["--", "touch", marker.to_str().unwrap()];
+
+    let unknown = gw
+        .run_remote()
+        .current_dir(&sub)
+        .args(["--template", "nope"])
+        .args(touch)
+        .output()
+        .unwrap();
+    assert_eq!(unknown.status.code(), Some(78));
+    let msg = String::from_utf8(unknown.stderr).unwrap();
+    assert_eq!(msg.lines().count(), 1, "{msg}");
+    assert!(msg.contains("unknown template \"nope\""), "{msg}");
+    assert!(!marker.exists());
+
+    let config = repo.path().join(".mcp-run/config.yaml");
+    std::fs::create_dir_all(config.parent().unwrap()).unwrap();
+    std::fs::write(&config, "templates:\n  mine:\n    description: Only WANTED lines\n    include_regex: WANTED\n    tail_paragraphs: 0\n").unwrap();
+    let list = gw
+        .run_remote()
+        .current_dir(&sub)
+        .arg("templates")
+        .output()
+        .unwrap();
+    assert_eq!(list.status.code(), Some(0));
+    let list = String::from_utf8(list.stdout).unwrap();
+    let mine = list.lines().find(|l| l.starts_with("mine ")).unwrap();
+    assert!(mine.contains(&config.display().to_string()) && mine.ends_with("Only WANTED lines"));
+    assert!(
+        list.lines()
+            .any(|l| l.starts_with("cargo-test ") && l.contains("built-in"))
+    );
+
+    let tmp = tempfile::tempdir().unwrap();
+    let custom = gw
+        .run_remote()
+        .current_dir(&sub)
+        .env("TMPDIR", tmp.path())
+        .args([
+            "--template",
+            "mine",
+            "--",
+            "sh",
+            "-c",
+            "echo a; echo WANTED 1; echo b",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(custom.status.code(), Some(0));
+    assert_eq!(
+        String::from_utf8_lossy(&custom.stdout),
+        "[template mine: 2 of 3 lines left out]\nWANTED 1\n"
+    );
+
+    std::fs::write(
+        &config,
+        "templates:\n  mine:\n    description: x\n    include_regex: '(('\n",
+    )
+    .unwrap();
+    for args in [vec!["templates"], vec!["--template", "tsc", "--", "true"]] {
+        let bad = gw
+            .run_remote()
+            .current_dir(&sub)
+            .args(&args)
+            .output()
+            .unwrap();
+        assert_eq!(bad.status.code(), Some(78), "{args:?}");
+        let msg = String::from_utf8(bad.stderr).unwrap();
+        assert_eq!(msg.lines().count(), 1, "{msg}");
+        assert!(
+            msg.contains(&config.display().to_string()) && msg.contains("\"mine\""),
+            "{msg}"
+        );
+    }
+}
+
+/// MCP over stdio in a repository with its own template: the enum and the descriptions in
+/// the tool schema, the names in the runtime document, a filtered call that says what it
+/// removed, and an unknown name refused before anything runs.
+#[tokio::test(flavor = "multi_thread")]
+async fn mcp_template_parameter() {
+    use rmcp::ServiceExt as _;
+    use rmcp::model::CallToolRequestParams;
+    use serde_json::json;
+
+    let repo = tempfile::tempdir().unwrap();
+    let config = repo.path().join(".mcp-run/config.yaml");
+    std::fs::create_dir_all(config.parent().unwrap()).unwrap();
+    std::fs::write(
+        &config,
+        "templates:\n  mine:\n    description: Only WANTED lines\n    include_regex: WANTED\n    tail_paragraphs: 0\n",
+    )
+    .unwrap();
+    let mut cmd = tokio::process::Command::new(support::gateway_bin());
+    cmd.arg("stdio").current_dir(repo.path());
+    let transport = rmcp::transport::TokioChildProcess::new(cmd).unwrap();
+    let c = ().serve(transport).await.unwrap();
+
+    let runtime = c
+        .peer_info()
+        .unwrap()
+        .capabilities
+        .experimental
+        .as_ref()
+        .unwrap()["mcp-run/runtime"]
+        .clone();
+    let names: Vec<String> = serde_json::from_value(runtime["templates"].clone()).unwrap();
+    assert!(
+        names.contains(&"mine".into()) && names.contains(&"cargo-test".into()),
+        "{names:?}"
+    );
+
+    let tools = c.list_tools(None).await.unwrap().tools;
+    let schema = serde_json::Value::Object((*tools[0].input_schema).clone());
+    let t = &schema["properties"]["template"];
+    assert_eq!(t["enum"].as_array().unwrap().len(), names.len());
+    let desc = t["description"].as_str().unwrap();
+    assert!(
+        desc.contains("`mine`: Only WANTED lines") && desc.contains("`pytest`: "),
+        "{desc}"
+    );
+
+    let call = |args: serde_json::Value| {
+        CallToolRequestParams::new("run_network_tool")
+            .with_arguments(args.as_object().cloned().unwrap())
+    };
+    let r = c
+        .call_tool(call(json!({
+            "executable": "sh",
+            "args": ["-c", "seq 1 20; echo WANTED 1; echo oops >&2; exit 3"],
+            "template": "mine"
+        })))
+        .await
+        .unwrap();
+    assert_eq!(r.is_error, Some(true));
+    let s = r.structured_content.unwrap();
+    assert_eq!(
+        s["outputs"][0]["stdout"],
+        "[template mine: 20 of 21 lines left out]\nWANTED 1\n"
+    );
+    // A failing command's short stderr survives any template.
+    assert_eq!(s["outputs"][0]["stderr"], "oops\n");
+    assert_eq!(s["outputs"][0]["exit_code"], 3);
+    let summary = s["summary"].as_str().unwrap();
+    assert!(
+        summary.contains("template `mine` removed 20 of 22")
+            && summary.contains("without a template"),
+        "{summary}"
+    );
+
+    let bad = c
+        .call_tool(call(json!({"executable": "true", "template": "nope"})))
+        .await
+        .unwrap();
+    assert_eq!(bad.is_error, Some(true));
+    let text: String = bad
+        .content
+        .iter()
+        .filter_map(|c| c.as_text().map(|t| t.text.clone()))
+        .collect();
+    assert!(text.contains("unknown template \"nope\""), "{text}");
+    c.cancel().await.unwrap();
+}
