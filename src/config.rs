@@ -287,6 +287,26 @@ impl Config {
         self.policy
             .validate(&self.limits)
             .map_err(|e| invalid(&e.field, e.message))?;
+        // An override for a profile no request can name would be dead configuration.
+        for name in self.policy.profiles.keys() {
+            if name != "default" && !self.profiles.contains_key(name) {
+                return Err(invalid(
+                    &format!("policy.profiles.{name}"),
+                    format!(
+                        "names no profile of `profiles` (known: {})",
+                        std::iter::once("default")
+                            .chain(
+                                self.profiles
+                                    .keys()
+                                    .map(String::as_str)
+                                    .filter(|k| *k != "default")
+                            )
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                ));
+            }
+        }
         Ok(())
     }
 

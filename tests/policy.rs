@@ -185,6 +185,10 @@ fn invalid_policy_stops_the_gateway_naming_the_field() {
             "policy.profiles.p.timeout.default_secs",
         ),
         ("policy:\n  bogus: 1\n", "bogus"),
+        (
+            "policy:\n  profiles:\n    typo:\n      args: {max_count: 1}\n",
+            "policy.profiles.typo",
+        ),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let path = config_file(&dir, yaml);
