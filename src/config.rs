@@ -287,6 +287,17 @@ impl Config {
         self.policy
             .validate(&self.limits)
             .map_err(|e| invalid(&e.field, e.message))?;
+        for (i, t) in self.tools.iter().enumerate() {
+            if let Some(p) = &t.profile
+                && p != "default"
+                && !self.profiles.contains_key(p)
+            {
+                return Err(invalid(
+                    &format!("tools[{i}].profile"),
+                    format!("{p:?} names no profile of `profiles`"),
+                ));
+            }
+        }
         // An override for a profile no request can name would be dead configuration.
         for name in self.policy.profiles.keys() {
             if name != "default" && !self.profiles.contains_key(name) {
