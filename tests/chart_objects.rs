@@ -488,4 +488,11 @@ fn the_gateway_accepts_the_rendered_config() {
         assert_eq!(c.kubernetes.instance, "mcp-run", "the release name");
         assert_eq!(c.server.backend, mcp_run::config::BackendKind::Kube);
     }
+    // With auth on (the full values), the gateway refuses to start without its tokens.
+    let full = full();
+    let text = &full.config_maps[0].data.as_ref().unwrap()["config.yaml"];
+    let c = mcp_run::config::Config::parse(text, None).unwrap();
+    assert!(c.auth.required);
+    assert_eq!(c.tools.len(), 1);
+    assert!(!c.policy.executables.deny.is_empty());
 }

@@ -97,7 +97,7 @@ async fn the_pod_is_deleted_on_every_path() {
     let double = KubeDouble::start();
     let dir = tempfile::tempdir().unwrap();
     let cfg = config_file(&dir, "server:\n  shutdown_grace_secs: 1\n");
-    let mut gw = gateway(&double, &["--config", cfg.to_str().unwrap()]);
+    let gw = gateway(&double, &["--config", cfg.to_str().unwrap()]);
 
     for (what, body) in [
         ("success", json!({"executable": "true"})),
@@ -169,12 +169,7 @@ async fn the_pod_is_deleted_on_every_path() {
         wait_until(Duration::from_secs(10), || double.pod_names(NS).len() == 1),
         "pod for the long command"
     );
-    let status = tokio::task::spawn_blocking(move || {
-        let s = gw.terminate();
-        (s, gw)
-    })
-    .await
-    .unwrap();
+    let status = support::terminate(gw).await;
     assert!(
         status.0.is_some_and(|s| s.success()),
         "gateway exit {:?}",
@@ -391,8 +386,8 @@ async fn warm_pool_claims_are_exclusive_across_replicas() {
             &[("MCP_RUN_POD_NAME", who)],
         )
     };
-    let mut a = start("gw-a");
-    let mut b = start("gw-b");
+    let a = start("gw-a");
+    let b = start("gw-b");
     let idle = |double: &KubeDouble| {
         double
             .pods(NS)
@@ -458,9 +453,7 @@ async fn warm_pool_claims_are_exclusive_across_replicas() {
         "refilled: {} idle",
         idle(&double)
     );
-    let (sa, sb) = tokio::task::spawn_blocking(move || (a.terminate(), b.terminate()))
-        .await
-        .unwrap();
+    let ((sa, _), (sb, _)) = tokio::join!(support::terminate(a), support::terminate(b));
     assert!(sa.is_some_and(|s| s.success()) && sb.is_some_and(|s| s.success()));
     no_pods_left(&double, Duration::from_secs(5));
 }
@@ -498,14 +491,7 @@ async fn mcp_on_kubernetes() {
         "profiles:\n  default:\n    image: busybox:1.36\n  build:\n    description: Rust builds\n    image: rust:1-slim\n    runtime_class_name: gvisor\n    warm_pool: {size: 1}\n",
     );
     let gw = gateway(&double, &["--config", cfg.to_str().unwrap()]);
-    let caps: serde_json::Value = http()
-        .get(gw.url("/capabilities"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let caps = support::get_json(&gw, "/capabilities").await;
     assert_eq!(caps["backend"], "kubernetes");
     assert_eq!(caps["safety_level"], "isolated-pod");
     assert_eq!(caps["namespace"], NS);

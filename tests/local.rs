@@ -243,7 +243,7 @@ fn run_remote_own_failures_have_documented_codes() {
 async fn graceful_shutdown_kills_after_grace() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config_file(&dir, "server:\n  shutdown_grace_secs: 1\n");
-    let mut gw = Gateway::start(&["--config", cfg.to_str().unwrap()]);
+    let gw = Gateway::start(&["--config", cfg.to_str().unwrap()]);
     let pidfile = dir.path().join("pid");
     let body = json!({"executable": "sh", "args": ["-c", format!("echo $$ > {}; sleep 300", pidfile.display())]});
     let gw_url = gw.raw_url();
@@ -267,12 +267,7 @@ async fn graceful_shutdown_kills_after_grace() {
         .parse()
         .unwrap();
     let t = Instant::now();
-    let status = tokio::task::spawn_blocking(move || {
-        let s = gw.terminate();
-        (s, gw)
-    })
-    .await
-    .unwrap();
+    let status = support::terminate(gw).await;
     assert!(
         status.0.is_some_and(|s| s.success()),
         "gateway exits cleanly: {:?}",
@@ -296,7 +291,7 @@ async fn graceful_shutdown_kills_after_grace() {
 async fn graceful_shutdown_lets_short_commands_finish() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config_file(&dir, "server:\n  shutdown_grace_secs: 20\n");
-    let mut gw = Gateway::start(&["--config", cfg.to_str().unwrap()]);
+    let gw = Gateway::start(&["--config", cfg.to_str().unwrap()]);
     let url = gw.raw_url();
     let run = tokio::spawn(async move {
         http()
@@ -310,9 +305,7 @@ async fn graceful_shutdown_lets_short_commands_finish() {
             .unwrap()
     });
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let status = tokio::task::spawn_blocking(move || gw.terminate())
-        .await
-        .unwrap();
+    let (status, _) = support::terminate(gw).await;
     assert!(status.is_some_and(|s| s.success()));
     let text = run.await.unwrap();
     assert!(text.contains("\"code\":0"), "{text}");

@@ -143,14 +143,7 @@ async fn http_initialize_tools_and_calls() {
     };
     let runtime = Value::Object(runtime.clone());
     assert_eq!(doc, runtime);
-    let over_http: Value = http()
-        .get(gw.url("/capabilities"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let over_http = support::get_json(&gw, "/capabilities").await;
     assert_eq!(over_http, runtime);
     c.cancel().await.unwrap();
 }
@@ -404,16 +397,14 @@ async fn progress_notifications_carry_the_latest_line() {
 /// a stray RUN_REMOTE_SERVER does not stop a gateway that does not use it.
 #[tokio::test(flavor = "multi_thread")]
 async fn gateway_stops_with_an_open_session() {
-    let mut gw = Gateway::start_with_env(&[], &[("RUN_REMOTE_SERVER", "not a url")]);
+    let gw = Gateway::start_with_env(&[], &[("RUN_REMOTE_SERVER", "not a url")]);
     let c = http_client(&gw).await;
     assert_eq!(
         tool_call(&c, json!({"executable": "true"})).await.is_error,
         Some(false)
     );
     let t = std::time::Instant::now();
-    let status = tokio::task::spawn_blocking(move || gw.terminate())
-        .await
-        .unwrap();
+    let (status, _) = support::terminate(gw).await;
     assert!(status.is_some_and(|s| s.success()), "{status:?}");
     assert!(
         t.elapsed() < Duration::from_secs(20),

@@ -168,6 +168,26 @@ impl Drop for Gateway {
     }
 }
 
+/// SIGTERM from a blocking thread, for async tests: the exit status, and the gateway back
+/// (its log stays readable).
+pub async fn terminate(mut gw: Gateway) -> (Option<std::process::ExitStatus>, Gateway) {
+    tokio::task::spawn_blocking(move || (gw.terminate(), gw))
+        .await
+        .expect("terminate")
+}
+
+/// `GET path` on the gateway, as JSON.
+pub async fn get_json(gw: &Gateway, path: &str) -> serde_json::Value {
+    http()
+        .get(gw.url(path))
+        .send()
+        .await
+        .expect("GET")
+        .json()
+        .await
+        .expect("JSON body")
+}
+
 /// An HTTP client for tests (reqwest is built without a default crypto provider).
 pub fn http() -> reqwest::Client {
     let _ = rustls::crypto::ring::default_provider().install_default();

@@ -79,5 +79,9 @@ app.kubernetes.io/managed-by: mcp-run
 {{- $kube := merge (dict "namespace" (include "mcp-run.runnerNamespace" .) "instance" .Release.Name) (default dict $cfg.kubernetes) }}
 {{- $_ := set $cfg "server" $server }}
 {{- $_ := set $cfg "kubernetes" $kube }}
+{{- if .Values.auth.enabled }}
+{{- /* With auth on, a missing token file must stop the gateway rather than open it. */}}
+{{- $_ := set $cfg "auth" (dict "required" true) }}
+{{- end }}
 {{- toYaml $cfg }}
 {{- end }}

@@ -1,0 +1,715 @@
+//! `pods/exec` over WebSocket: the remotecommand channel protocols, backed by a local process.
+
+use std::os::unix::process::ExitStatusExt;
+use std::path::Path as FsPath;
+use std::process::Stdio;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::ws::rejection::WebSocketUpgradeRejection;
+use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade, close_code};
+use axum::extract::{Path, RawQuery, State};
+use axum::http::{HeaderMap, HeaderValue, Method, header};
+use axum::response::{IntoResponse, Response};
+use base64::Engine;
+use futures_util::{SinkExt, StreamExt};
+use k8s_openapi::api::core::v1::Pod;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::sync::mpsc;
+
+use super::server::{first, flag, parse_query};
+use super::status::{ApiError, Cause, Details, Empty, Status};
+use super::{ExecEntry, Shared};
+
+const STDIN: u8 = 0;
+const STDOUT: u8 = 1;
+const STDERR: u8 = 2;
+const ERROR: u8 = 3;
+const RESIZE: u8 = 4;
+/// v5: "close this stream", the stream id in the next byte.
+const CLOSE: u8 = 255;
+
+/// The negotiated subprotocol.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Proto {
+    /// `channel.k8s.io`, also what an upgrade without any protocol gets.
+    V1,
+    /// `base64.channel.k8s.io`.
+    V1Base64,
+    V4,
+    V4Base64,
+    V5,
+}
+
+impl Proto {
+    fn name(self) -> &'static str {
+        match self {
+            Proto::V1 => "channel.k8s.io",
+            Proto::V1Base64 => "base64.channel.k8s.io",
+            Proto::V4 => "v4.channel.k8s.io",
+            Proto::V4Base64 => "v4.base64.channel.k8s.io",
+            Proto::V5 => "v5.channel.k8s.io",
+        }
+    }
+
+    fn base64(self) -> bool {
+        matches!(self, Proto::V1Base64 | Proto::V4Base64)
+    }
+
+    /// v4 and later send a JSON Status on the error channel; earlier ones the bare message.
+    fn status_json(self) -> bool {
+        matches!(self, Proto::V4 | Proto::V4Base64 | Proto::V5)
+    }
+}
+
+/// Picks the protocol as the API server does: v5 whenever it is offered (the API server
+/// serves that one itself), otherwise the first offered that the kubelet knows. `Ok(None)`:
+/// no protocol was offered at all.
+pub fn negotiate(headers: &HeaderMap, served: &[String]) -> Result<Option<Proto>, Vec<String>> {
+    let serves = |p: Proto| served.iter().any(|s| s == p.name());
+    let offered: Vec<String> = headers
+        .get_all(header::SEC_WEBSOCKET_PROTOCOL)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|p| p.trim().to_string())
+        .filter(|p| !p.is_empty())
+        .collect();
+    if offered.is_empty() {
+        return Ok(None);
+    }
+    if serves(Proto::V5) && offered.iter().any(|p| p == Proto::V5.name()) {
+        return Ok(Some(Proto::V5));
+    }
+    for p in &offered {
+        for cand in [Proto::V4, Proto::V4Base64, Proto::V1, Proto::V1Base64] {
+            if p == cand.name() && serves(cand) {
+                return Ok(Some(cand));
+            }
+        }
+    }
+    Err(offered)
+}
+
+struct Request {
+    argv: Vec<String>,
+    container: String,
+    stdin: bool,
+    stdout: bool,
+    stderr: bool,
+    tty: bool,
+}
+
+fn container_running(pod: &Pod, container: &str) -> bool {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref())
+        .and_then(|cs| cs.iter().find(|c| c.name == container))
+        .and_then(|c| c.state.as_ref())
+        .is_some_and(|st| st.running.is_some())
+}
+
+/// Validates the request the way the API server's exec REST handler and the kubelet do.
+fn check(
+    shared: &Shared,
+    ns: &str,
+    name: &str,
+    raw: Option<&str>,
+) -> Result<(Request, Pod), ApiError> {
+    let q = parse_query(raw);
+    let argv: Vec<String> = q
+        .iter()
+        .filter(|(k, _)| k == "command")
+        .map(|(_, v)| v.clone())
+        .collect();
+    let (stdin, stdout, stderr) = (flag(&q, "stdin"), flag(&q, "stdout"), flag(&q, "stderr"));
+    let tty = flag(&q, "tty");
+    let pod = shared
+        .lock()
+        .pods
+        .get(&(ns.to_string(), name.to_string()))
+        .cloned()
+        .ok_or_else(|| ApiError::not_found("pods", name))?;
+    let names: Vec<String> = pod
+        .spec
+        .as_ref()
+        .map(|s| s.containers.iter().map(|c| c.name.clone()).collect())
+        .unwrap_or_default();
+    let container = match first(&q, "container") {
+        Some(c) if !c.is_empty() => {
+            if !names.iter().any(|n| n == c) {
+                return Err(ApiError::bad_request(format!(
+                    "container {c} is not valid for pod {name}"
+                )));
+            }
+            c.to_string()
+        }
+        _ if names.len() == 1 => names[0].clone(),
+        _ => {
+            return Err(ApiError::bad_request(format!(
+                "a container name must be specified for pod {name}, choose one of: [{}]",
+                names.join(" ")
+            )));
+        }
+    };
+    if pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.node_name.as_ref())
+        .is_none()
+    {
+        return Err(ApiError::bad_request(format!(
+            "pod {name} does not have a host assigned"
+        )));
+    }
+    if argv.is_empty() {
+        return Err(ApiError::bad_request(
+            "you must specify at least one command for the container",
+        ));
+    }
+    if !stdin && !stdout && !stderr {
+        return Err(ApiError::bad_request(
+            "you must specify at least 1 of stdin, stdout, stderr",
+        ));
+    }
+    Ok((
+        Request {
+            argv,
+            container,
+            stdin,
+            stdout,
+            // Like the kubelet: with a terminal there is no separate stderr stream.
+            stderr: stderr && !tty,
+            tty,
+        },
+        pod,
+    ))
+}
+
+pub async fn exec(
+    State(shared): State<Arc<Shared>>,
+    Path((ns, name)): Path<(String, String)>,
+    RawQuery(raw): RawQuery,
+    method: Method,
+    headers: HeaderMap,
+    ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
+) -> Response {
+    if method != Method::GET && method != Method::POST {
+        return ApiError::method_not_allowed().into_response();
+    }
+    let (req, pod) = match check(&shared, &ns, &name, raw.as_deref()) {
+        Ok(x) => x,
+        Err(e) => return e.into_response(),
+    };
+    let Ok(mut ws) = ws else {
+        return ApiError::bad_request("Upgrade request required").into_response();
+    };
+    let running = container_running(&pod, &req.container);
+    let not_found = format!("container not found ({:?})", req.container);
+    let proto = match negotiate(&headers, &shared.opts.exec_protocols) {
+        // v5 is upgraded by the API server's stream translator before it dials the kubelet,
+        // so a kubelet refusal arrives as a status frame (see `Outcome::UpgradeFailed`).
+        Ok(Some(Proto::V5)) => {
+            ws.set_selected_protocol(HeaderValue::from_static(Proto::V5.name()));
+            Proto::V5
+        }
+        // Otherwise the kubelet answers directly: its container lookup comes before the
+        // WebSocket handshake, and its plain-text error is passed through.
+        _ if !running => return plain(500, not_found),
+        Ok(Some(p)) => {
+            ws.set_selected_protocol(HeaderValue::from_static(p.name()));
+            p
+        }
+        Ok(None) => Proto::V1,
+        Err(offered) => {
+            // golang.org/x/net/websocket answers a failed subprotocol handshake with 403.
+            return plain(
+                403,
+                format!(
+                    "requested protocol(s) are not supported: [{}]; supports [channel.k8s.io base64.channel.k8s.io v4.channel.k8s.io v4.base64.channel.k8s.io]",
+                    offered.join(" ")
+                ),
+            );
+        }
+    };
+    let refused = (!running).then(|| format!("unable to upgrade connection: {not_found}"));
+    let spec = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.containers.iter().find(|c| c.name == req.container))
+        .cloned()
+        .unwrap_or_default();
+    let mut env: Vec<(String, String)> = spec
+        .env
+        .iter()
+        .flatten()
+        .filter(|e| e.value_from.is_none())
+        .map(|e| (e.name.clone(), e.value.clone().unwrap_or_default()))
+        .collect();
+    if !env.iter().any(|(k, _)| k == "PATH") {
+        env.push(("PATH".into(), std::env::var("PATH").unwrap_or_default()));
+    }
+    let cwd = spec
+        .working_dir
+        .filter(|d| !d.is_empty())
+        .unwrap_or_else(|| "/".into());
+    ws.on_upgrade(move |socket| async move {
+        let session = Session {
+            shared,
+            ns,
+            pod: name,
+            proto,
+            req,
+            env,
+            cwd,
+            refused,
+        };
+        session.run(socket).await;
+    })
+}
+
+struct Session {
+    shared: Arc<Shared>,
+    ns: String,
+    pod: String,
+    proto: Proto,
+    req: Request,
+    env: Vec<(String, String)>,
+    cwd: String,
+    /// The kubelet refused the stream (v5 only; the socket is already upgraded).
+    refused: Option<String>,
+}
+
+fn plain(code: u16, text: String) -> Response {
+    let code = axum::http::StatusCode::from_u16(code)
+        .unwrap_or(axum::http::StatusCode::INTERNAL_SERVER_ERROR);
+    (
+        code,
+        [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
+        text,
+    )
+        .into_response()
+}
+
+/// Removes the exec from the registry however the session ends.
+struct Registered {
+    shared: Arc<Shared>,
+    id: u64,
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        self.shared.lock().execs.remove(&self.id);
+    }
+}
+
+fn frame(proto: Proto, ch: u8, data: &[u8]) -> Message {
+    if proto.base64() {
+        let mut s = String::with_capacity(1 + data.len() * 4 / 3 + 4);
+        s.push((b'0' + ch) as char);
+        s.push_str(&base64::engine::general_purpose::STANDARD.encode(data));
+        Message::text(s)
+    } else {
+        let mut v = Vec::with_capacity(data.len() + 1);
+        v.push(ch);
+        v.extend_from_slice(data);
+        Message::binary(v)
+    }
+}
+
+/// A 64-hex-digit exec id, as containerd names exec processes.
+fn exec_id() -> String {
+    format!(
+        "{}{}",
+        super::pods::new_uid().replace('-', ""),
+        super::pods::new_uid().replace('-', "")
+    )
+}
+
+/// What runc reports when the process cannot be started, wrapped as containerd and the CRI
+/// streaming server wrap it.
+fn start_error(argv0: &str, cwd: &str, err: &std::io::Error) -> String {
+    let cause = if !FsPath::new(cwd).is_dir() {
+        format!("chdir to cwd (\"{cwd}\") set in config.json failed: no such file or directory")
+    } else {
+        match err.kind() {
+            std::io::ErrorKind::NotFound if argv0.contains('/') => {
+                format!("exec: \"{argv0}\": stat {argv0}: no such file or directory")
+            }
+            std::io::ErrorKind::NotFound => {
+                format!("exec: \"{argv0}\": executable file not found in $PATH")
+            }
+            std::io::ErrorKind::PermissionDenied => format!("exec: \"{argv0}\": permission denied"),
+            _ => format!("exec: \"{argv0}\": {err}"),
+        }
+    };
+    format!(
+        "error executing command in container: failed to exec in container: failed to start exec \"{}\": OCI runtime exec failed: exec failed: unable to start container process: {cause}: unknown",
+        exec_id()
+    )
+}
+
+/// The error-channel payload for the outcome (None: nothing is sent).
+fn status_payload(proto: Proto, outcome: &Outcome, argv: &[String]) -> Option<String> {
+    let text = match outcome {
+        Outcome::Exit(0) => {
+            if !proto.status_json() {
+                return None;
+            }
+            let s = Status {
+                kind: None,
+                api_version: None,
+                metadata: Empty {},
+                status: "Success",
+                message: None,
+                reason: None,
+                details: None,
+                code: None,
+            };
+            return serde_json::to_string(&s).ok();
+        }
+        Outcome::Exit(code) => {
+            // The CRI runtime's exit error; v5 is answered by the API server's stream
+            // translator, which re-wraps the exit error its SPDY client decoded.
+            let message = if proto == Proto::V5 {
+                format!(
+                    "command terminated with non-zero exit code: command terminated with exit code {code}"
+                )
+            } else {
+                format!(
+                    "command terminated with non-zero exit code: error executing command [{}], exit code {code}",
+                    argv.join(" ")
+                )
+            };
+            if !proto.status_json() {
+                return Some(message);
+            }
+            let details = Details {
+                causes: vec![Cause::new(Some("ExitCode"), &code.to_string(), None)],
+                ..Details::default()
+            };
+            let s = Status {
+                kind: None,
+                api_version: None,
+                metadata: Empty {},
+                status: "Failure",
+                message: Some(&message),
+                reason: Some("NonZeroExitCode"),
+                details: Some(&details),
+                code: None,
+            };
+            return serde_json::to_string(&s).ok();
+        }
+        Outcome::StartFailed(err) => err,
+        Outcome::UpgradeFailed(err) => {
+            let e = ApiError::internal(err);
+            let s = Status {
+                kind: None,
+                api_version: None,
+                metadata: Empty {},
+                status: "Failure",
+                message: Some(&e.message),
+                reason: Some(e.reason),
+                details: e.details.as_ref(),
+                code: Some(e.code),
+            };
+            return serde_json::to_string(&s).ok();
+        }
+    };
+    let mut e = ApiError::internal(text);
+    if proto == Proto::V5 {
+        // The translator's SPDY client turns the kubelet's Status into an error carrying its
+        // message, which the translator wraps in an InternalError once more.
+        e = ApiError::internal(&e.message);
+    }
+    if !proto.status_json() {
+        return Some(e.message);
+    }
+    // The streaming server writes the Status without kind/apiVersion.
+    let s = Status {
+        kind: None,
+        api_version: None,
+        metadata: Empty {},
+        status: "Failure",
+        message: Some(&e.message),
+        reason: Some(e.reason),
+        details: e.details.as_ref(),
+        code: Some(e.code),
+    };
+    serde_json::to_string(&s).ok()
+}
+
+enum Outcome {
+    Exit(i32),
+    /// The runtime could not start the process.
+    StartFailed(String),
+    /// v5: the translator's SPDY connection to the kubelet was refused.
+    UpgradeFailed(String),
+}
+
+/// Forwards one pipe as frames; one read per sent frame, so a slow client slows the reader.
+async fn pump(mut r: impl AsyncRead + Unpin, ch: u8, proto: Proto, tx: mpsc::Sender<Message>) {
+    let mut buf = vec![0u8; 32 * 1024];
+    loop {
+        match r.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => {
+                if tx.send(frame(proto, ch, &buf[..n])).await.is_err() {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+fn killpg(pgid: i32) {
+    let _ = nix::sys::signal::killpg(
+        nix::unistd::Pid::from_raw(pgid),
+        nix::sys::signal::Signal::SIGKILL,
+    );
+}
+
+impl Session {
+    async fn run(self, socket: WebSocket) {
+        let proto = self.proto;
+        let (mut sink, stream) = socket.split();
+        let (tx, mut rx) = mpsc::channel::<Message>(1);
+        let writer = tokio::spawn(async move {
+            while let Some(m) = rx.recv().await {
+                let close = matches!(m, Message::Close(_));
+                if sink.send(m).await.is_err() || close {
+                    break;
+                }
+            }
+        });
+        // The kubelet's handshake: an empty frame on the lowest writable channel.
+        let first_ch = if self.req.stdout {
+            STDOUT
+        } else if self.req.stderr {
+            STDERR
+        } else {
+            ERROR
+        };
+        let _ = tx.send(frame(proto, first_ch, &[])).await;
+
+        let pipe = |on: bool| if on { Stdio::piped() } else { Stdio::null() };
+        let mut cmd = tokio::process::Command::new(&self.req.argv[0]);
+        cmd.args(&self.req.argv[1..])
+            .env_clear()
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .current_dir(&self.cwd)
+            .process_group(0)
+            .stdin(pipe(self.req.stdin))
+            .stdout(pipe(self.req.stdout))
+            .stderr(pipe(self.req.stderr || (self.req.tty && self.req.stdout)))
+            .kill_on_drop(true);
+        let spawned = match self.refused.clone() {
+            Some(why) => Err(why),
+            None => Ok(cmd.spawn()),
+        };
+        let outcome = match spawned {
+            Err(why) => Outcome::UpgradeFailed(why),
+            Ok(Err(e)) => Outcome::StartFailed(start_error(&self.req.argv[0], &self.cwd, &e)),
+            Ok(Ok(mut child)) => {
+                let pgid = child.id().map(|p| p as i32).unwrap_or(0);
+                let _reg = {
+                    let mut st = self.shared.lock();
+                    st.next_exec += 1;
+                    let id = st.next_exec;
+                    st.execs.insert(
+                        id,
+                        ExecEntry {
+                            namespace: self.ns.clone(),
+                            pod: self.pod.clone(),
+                            pgid,
+                        },
+                    );
+                    // The pod may have gone (or stopped) while the process was starting; its
+                    // container would have taken the process with it.
+                    let alive = st
+                        .pods
+                        .get(&(self.ns.clone(), self.pod.clone()))
+                        .is_some_and(|p| container_running(p, &self.req.container));
+                    if !alive {
+                        killpg(pgid);
+                    }
+                    Registered {
+                        shared: self.shared.clone(),
+                        id,
+                    }
+                };
+                let out = child
+                    .stdout
+                    .take()
+                    .map(|o| tokio::spawn(pump(o, STDOUT, proto, tx.clone())));
+                let err = child
+                    .stderr
+                    .take()
+                    // Without a real terminal, tty output of stderr goes where a pty would
+                    // send it: the stdout stream.
+                    .map(|o| {
+                        let ch = if self.req.tty { STDOUT } else { STDERR };
+                        tokio::spawn(pump(o, ch, proto, tx.clone()))
+                    });
+                let stdin_tx = child.stdin.take().map(|mut w| {
+                    let (stx, mut srx) = mpsc::channel::<Bytes>(8);
+                    tokio::spawn(async move {
+                        while let Some(b) = srx.recv().await {
+                            if w.write_all(&b).await.is_err() {
+                                return;
+                            }
+                        }
+                        let _ = w.shutdown().await;
+                    });
+                    stx
+                });
+                let reader = tokio::spawn(read_client(stream, proto, stdin_tx, pgid));
+                let status = child.wait().await;
+                if let Some(h) = out {
+                    let _ = h.await;
+                }
+                if let Some(h) = err {
+                    let _ = h.await;
+                }
+                // The process is gone: what the client sends now (its close reply) must not
+                // kill a process group id that may be reused.
+                reader.abort();
+                match status {
+                    Ok(s) => {
+                        Outcome::Exit(s.code().unwrap_or_else(|| 128 + s.signal().unwrap_or(9)))
+                    }
+                    Err(e) => {
+                        Outcome::StartFailed(format!("error executing command in container: {e}"))
+                    }
+                }
+            }
+        };
+        if let Some(p) = status_payload(proto, &outcome, &self.req.argv) {
+            let _ = tx.send(frame(proto, ERROR, p.as_bytes())).await;
+        }
+        let _ = tx
+            .send(Message::Close(Some(CloseFrame {
+                code: close_code::NORMAL,
+                reason: "".into(),
+            })))
+            .await;
+        drop(tx);
+        let _ = writer.await;
+    }
+}
+
+/// Reads client frames: stdin data, v5 stream closes, resizes (ignored: no terminal). A
+/// client that goes away gets the process group killed.
+async fn read_client(
+    mut stream: futures_util::stream::SplitStream<WebSocket>,
+    proto: Proto,
+    mut stdin: Option<mpsc::Sender<Bytes>>,
+    pgid: i32,
+) {
+    loop {
+        let (ch, data): (u8, Bytes) = match stream.next().await {
+            Some(Ok(Message::Binary(b))) if !proto.base64() && !b.is_empty() => {
+                (b[0], b.slice(1..))
+            }
+            Some(Ok(Message::Text(t))) if proto.base64() && !t.is_empty() => {
+                let s = t.as_str();
+                let ch = s.as_bytes()[0].wrapping_sub(b'0');
+                match base64::engine::general_purpose::STANDARD.decode(&s[1..]) {
+                    Ok(d) => (ch, Bytes::from(d)),
+                    Err(_) => continue,
+                }
+            }
+            Some(Ok(Message::Close(_))) | None | Some(Err(_)) => {
+                killpg(pgid);
+                return;
+            }
+            Some(Ok(_)) => continue,
+        };
+        match ch {
+            STDIN => {
+                if let Some(tx) = &stdin
+                    && tx.send(data).await.is_err()
+                {
+                    stdin = None;
+                }
+            }
+            CLOSE if proto == Proto::V5 && data.first() == Some(&STDIN) => {
+                stdin = None;
+            }
+            RESIZE => {}
+            _ => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hdr(v: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::SEC_WEBSOCKET_PROTOCOL,
+            HeaderValue::from_str(v).unwrap(),
+        );
+        h
+    }
+
+    #[test]
+    fn negotiation_prefers_v5_then_client_order() {
+        let all: Vec<String> = [
+            Proto::V5,
+            Proto::V4,
+            Proto::V4Base64,
+            Proto::V1,
+            Proto::V1Base64,
+        ]
+        .iter()
+        .map(|p| p.name().to_string())
+        .collect();
+        let negotiate = |h: &HeaderMap| negotiate(h, &all);
+        let v4_only = vec!["v4.channel.k8s.io".to_string()];
+        assert_eq!(
+            super::negotiate(&hdr("v5.channel.k8s.io, v4.channel.k8s.io"), &v4_only),
+            Ok(Some(Proto::V4))
+        );
+        assert!(super::negotiate(&hdr("v5.channel.k8s.io"), &v4_only).is_err());
+        assert_eq!(
+            negotiate(&hdr("v4.channel.k8s.io, v5.channel.k8s.io")),
+            Ok(Some(Proto::V5))
+        );
+        assert_eq!(
+            negotiate(&hdr("base64.channel.k8s.io, v4.channel.k8s.io")),
+            Ok(Some(Proto::V1Base64))
+        );
+        assert_eq!(negotiate(&HeaderMap::new()), Ok(None));
+        assert!(negotiate(&hdr("chat")).is_err());
+    }
+
+    #[test]
+    fn status_payloads_match_the_streaming_server() {
+        let argv = vec!["sh".to_string(), "-c".into(), "exit 3".into()];
+        assert_eq!(
+            status_payload(Proto::V4, &Outcome::Exit(0), &argv).as_deref(),
+            Some(r#"{"metadata":{},"status":"Success"}"#)
+        );
+        assert_eq!(
+            status_payload(Proto::V4, &Outcome::Exit(3), &argv).as_deref(),
+            Some(
+                r#"{"metadata":{},"status":"Failure","message":"command terminated with non-zero exit code: error executing command [sh -c exit 3], exit code 3","reason":"NonZeroExitCode","details":{"causes":[{"reason":"ExitCode","message":"3"}]}}"#
+            )
+        );
+        assert_eq!(
+            status_payload(Proto::V5, &Outcome::Exit(3), &argv).as_deref(),
+            Some(
+                r#"{"metadata":{},"status":"Failure","message":"command terminated with non-zero exit code: command terminated with exit code 3","reason":"NonZeroExitCode","details":{"causes":[{"reason":"ExitCode","message":"3"}]}}"#
+            )
+        );
+        let v5 = status_payload(Proto::V5, &Outcome::StartFailed("boom".into()), &argv).unwrap();
+        assert_eq!(
+            v5,
+            r#"{"metadata":{},"status":"Failure","message":"Internal error occurred: Internal error occurred: boom","reason":"InternalError","details":{"causes":[{"message":"Internal error occurred: boom"}]},"code":500}"#
+        );
+        assert_eq!(status_payload(Proto::V1, &Outcome::Exit(0), &argv), None);
+    }
+}

@@ -1,0 +1,271 @@
+//! Routing, bearer-token authentication, the request log and the small endpoints (version,
+//! health, discovery, SelfSubjectAccessReview).
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{Request, State};
+use axum::http::{StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{any, get, post};
+use serde_json::{Value, json};
+
+use super::Shared;
+use super::status::{ApiError, json_response};
+use super::{exec, pods};
+
+pub fn router(shared: Arc<Shared>) -> Router {
+    Router::new()
+        .route("/version", get(version))
+        .route("/livez", get(ok_text))
+        .route("/readyz", get(ok_text))
+        .route("/healthz", get(ok_text))
+        .route("/api", get(api_versions))
+        .route("/apis", get(api_groups))
+        .route("/api/v1", get(core_resources))
+        .route(
+            "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
+            post(ssar),
+        )
+        .route("/api/v1/pods", get(pods::list_all))
+        .route(
+            "/api/v1/namespaces/{ns}/pods",
+            get(pods::list)
+                .post(pods::create)
+                .delete(pods::delete_collection),
+        )
+        .route(
+            "/api/v1/namespaces/{ns}/pods/{name}",
+            get(pods::get)
+                .delete(pods::delete)
+                .patch(pods::patch)
+                .put(pods::replace),
+        )
+        .route("/api/v1/namespaces/{ns}/pods/{name}/exec", any(exec::exec))
+        .fallback(unknown)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(shared.clone(), gate))
+        .with_state(shared)
+}
+
+/// Logs the request, then requires the bearer token (401 Status otherwise).
+async fn gate(State(shared): State<Arc<Shared>>, req: Request, next: Next) -> Response {
+    let line = match req.uri().query() {
+        Some(q) => format!("{} {}?{}", req.method(), req.uri().path(), q),
+        None => format!("{} {}", req.method(), req.uri().path()),
+    };
+    shared.lock().requests.push(line);
+    let expected = format!("Bearer {}", shared.opts.token);
+    let authorized = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v == expected);
+    if !authorized {
+        return ApiError::unauthorized().into_response();
+    }
+    next.run(req).await
+}
+
+async fn unknown() -> ApiError {
+    ApiError::unknown_path()
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::method_not_allowed()
+}
+
+async fn ok_text() -> &'static str {
+    "ok"
+}
+
+async fn version() -> Response {
+    json_response(
+        StatusCode::OK,
+        &json!({
+            "major": "1",
+            "minor": "33",
+            "emulationMajor": "1",
+            "emulationMinor": "33",
+            "minCompatibilityMajor": "1",
+            "minCompatibilityMinor": "32",
+            "gitVersion": "v1.33.1",
+            "gitCommit": "8adc0f041b8e7ad1d30e29cc59c6ae7a15e19828",
+            "gitTreeState": "clean",
+            "buildDate": "2025-05-15T08:19:08Z",
+            "goVersion": "go1.24.2",
+            "compiler": "gc",
+            "platform": "linux/amd64"
+        }),
+    )
+}
+
+async fn api_versions() -> Response {
+    json_response(
+        StatusCode::OK,
+        &json!({
+            "kind": "APIVersions",
+            "versions": ["v1"],
+            "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": "127.0.0.1:6443"}]
+        }),
+    )
+}
+
+async fn api_groups() -> Response {
+    let group = |name: &str| {
+        json!({
+            "name": name,
+            "versions": [{"groupVersion": format!("{name}/v1"), "version": "v1"}],
+            "preferredVersion": {"groupVersion": format!("{name}/v1"), "version": "v1"}
+        })
+    };
+    json_response(
+        StatusCode::OK,
+        &json!({
+            "kind": "APIGroupList",
+            "apiVersion": "v1",
+            "groups": [group("authorization.k8s.io")]
+        }),
+    )
+}
+
+async fn core_resources() -> Response {
+    json_response(
+        StatusCode::OK,
+        &json!({
+            "kind": "APIResourceList",
+            "groupVersion": "v1",
+            "resources": [
+                {"name": "pods", "singularName": "pod", "namespaced": true, "kind": "Pod",
+                 "verbs": ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"],
+                 "shortNames": ["po"], "categories": ["all"]},
+                {"name": "pods/exec", "singularName": "", "namespaced": true, "kind": "PodExecOptions",
+                 "verbs": ["create", "get"]}
+            ]
+        }),
+    )
+}
+
+/// SelfSubjectAccessReview: echoes the spec with `status.allowed`, as the authorizer answers.
+async fn ssar(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
+    let review: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => {
+            return ApiError::bad_request(format!("the object provided is unrecognized: {e}"))
+                .into_response();
+        }
+    };
+    let Some(attrs) = review.pointer("/spec/resourceAttributes") else {
+        // Non-resource attributes (URLs) are always allowed here.
+        if review.pointer("/spec/nonResourceAttributes").is_some() {
+            return ssar_answer(&review, true);
+        }
+        return ApiError::invalid(
+            "SelfSubjectAccessReview",
+            "",
+            &[(
+                "FieldValueRequired",
+                "spec.resourceAttributes".into(),
+                "Required value: exactly one of nonResourceAttributes or resourceAttributes must be specified".into(),
+            )],
+        )
+        .into_response();
+    };
+    let field = |k: &str| {
+        attrs
+            .get(k)
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_string()
+    };
+    let key = (
+        field("namespace"),
+        field("resource"),
+        field("subresource"),
+        field("verb"),
+    );
+    let allowed = !shared.lock().denied.contains(&key);
+    ssar_answer(&review, allowed)
+}
+
+fn ssar_answer(review: &Value, allowed: bool) -> Response {
+    let mut status = json!({"allowed": allowed});
+    if !allowed {
+        status["reason"] = json!("denied by the test double");
+    }
+    json_response(
+        StatusCode::CREATED,
+        &json!({
+            "kind": "SelfSubjectAccessReview",
+            "apiVersion": "authorization.k8s.io/v1",
+            "metadata": {"creationTimestamp": null},
+            "spec": review.get("spec").cloned().unwrap_or(json!({})),
+            "status": status
+        }),
+    )
+}
+
+/// Parses a query string into ordered pairs (repeated keys kept, `+` is a space).
+pub fn parse_query(raw: Option<&str>) -> Vec<(String, String)> {
+    let Some(raw) = raw else { return Vec::new() };
+    raw.split('&')
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            let (k, v) = p.split_once('=').unwrap_or((p, ""));
+            (decode(k), decode(v))
+        })
+        .collect()
+}
+
+fn decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'+' => out.push(b' '),
+            b'%' if i + 2 < b.len() => {
+                let hex = |c: u8| (c as char).to_digit(16);
+                match (hex(b[i + 1]), hex(b[i + 2])) {
+                    (Some(h), Some(l)) => {
+                        out.push((h * 16 + l) as u8);
+                        i += 2;
+                    }
+                    _ => out.push(b'%'),
+                }
+            }
+            c => out.push(c),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The first value of a query parameter.
+pub fn first<'a>(q: &'a [(String, String)], key: &str) -> Option<&'a str> {
+    q.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
+}
+
+/// A boolean query parameter as the API server's conversion reads it.
+pub fn flag(q: &[(String, String)], key: &str) -> bool {
+    matches!(first(q, key), Some("true" | "1" | "True" | "TRUE"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn query_decoding_keeps_repeats() {
+        let q = parse_query(Some("command=sh&command=-c&command=echo%20a+b&x=%zz"));
+        let cmds: Vec<&str> = q
+            .iter()
+            .filter(|(k, _)| k == "command")
+            .map(|(_, v)| v.as_str())
+            .collect();
+        assert_eq!(cmds, ["sh", "-c", "echo a b"]);
+        assert_eq!(first(&q, "x"), Some("%zz"));
+    }
+}
