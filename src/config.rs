@@ -346,6 +346,17 @@ mod tests {
         assert_eq!(c.server.listen.port(), 8080);
     }
 
+    /// The example at the top of docs/configuration.md is a valid configuration.
+    #[test]
+    fn documented_example_is_valid() {
+        let doc = include_str!("../docs/configuration.md");
+        let start = doc.find("```yaml\n").expect("a yaml block") + 8;
+        let len = doc[start..].find("```").expect("its end");
+        let c = Config::parse(&doc[start..start + len], None).unwrap();
+        assert_eq!(c.tools.len(), 1);
+        assert_eq!(c.limits.max_concurrent_executions, Some(16));
+    }
+
     #[test]
     fn errors_name_file_and_field() {
         let e = Config::parse(
