@@ -33,9 +33,10 @@ GATEWAY = os.path.join(REL, "mcp-run")
 CLIENT = os.path.join(REL, "run-remote")
 
 
-def start_gateway():
+def start_gateway(config=None):
+    extra = ["--config", config] if config else []
     p = subprocess.Popen(
-        [GATEWAY, "serve", "--listen", "127.0.0.1:0"],
+        [GATEWAY, "serve", "--listen", "127.0.0.1:0", *extra],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -110,6 +111,8 @@ def main():
     ap.add_argument("--size-mb", type=int, default=512)
     ap.add_argument("--runs", type=int, default=300)
     ap.add_argument("--repeat", type=int, default=3, help="best of N for throughput")
+    ap.add_argument("--redaction", action="store_true",
+                    help="also measure throughput through a gateway with redaction configured")
     args = ap.parse_args()
     for b in (GATEWAY, CLIENT):
         if not os.path.exists(b):
@@ -133,9 +136,26 @@ def main():
 
         pipe = best_of(args.repeat, lambda: timed(["sh", "-c", f"cat '{big}' | cat > /dev/null"]))
         remote = best_of(args.repeat, lambda: timed([CLIENT, "--", "cat", big], stdout=null, env=env))
+        if args.redaction:
+            # A literal and a 40-byte token pattern: the stream redactor copies and scans
+            # every chunk and holds back 39 bytes per stream (docs/policy.md).
+            conf = os.path.join(tmp, "redaction.yaml")
+            with open(conf, "w") as f:
+                f.write("redaction:\n  secrets: [not-in-the-data-0123456789]\n"
+                        "  patterns: [{regex: 'ghp_[A-Za-z0-9]{36}', max_len: 40}]\n")
+            rgw, raddr = start_gateway(conf)
+            renv = {**os.environ, "RUN_REMOTE_SERVER": f"http://{raddr}/raw"}
+            try:
+                red = best_of(args.repeat, lambda: timed([CLIENT, "--", "cat", big], stdout=null, env=renv))
+            finally:
+                rgw.send_signal(signal.SIGTERM)
+                rgw.wait(timeout=30)
         mb = size / 1e6
         rows.append(("throughput", "`cat F | cat` (baseline)", f"{mb / pipe:.0f} MB/s", "1.00"))
         rows.append(("throughput", "`run-remote -- cat F`", f"{mb / remote:.0f} MB/s", f"{pipe / remote:.2f}"))
+        if args.redaction:
+            rows.append(("throughput", "`run-remote -- cat F`, redaction on", f"{mb / red:.0f} MB/s",
+                         f"{pipe / red:.2f}"))
         sshd = start_sshd(tmp)
         if sshd:
             proc, ssh = sshd

@@ -287,6 +287,37 @@ impl Config {
         self.policy
             .validate(&self.limits)
             .map_err(|e| invalid(&e.field, e.message))?;
+        for (i, t) in self.tools.iter().enumerate() {
+            if let Some(p) = &t.profile
+                && p != "default"
+                && !self.profiles.contains_key(p)
+            {
+                return Err(invalid(
+                    &format!("tools[{i}].profile"),
+                    format!("{p:?} names no profile of `profiles`"),
+                ));
+            }
+        }
+        // An override for a profile no request can name would be dead configuration.
+        for name in self.policy.profiles.keys() {
+            if name != "default" && !self.profiles.contains_key(name) {
+                return Err(invalid(
+                    &format!("policy.profiles.{name}"),
+                    format!(
+                        "names no profile of `profiles` (known: {})",
+                        std::iter::once("default")
+                            .chain(
+                                self.profiles
+                                    .keys()
+                                    .map(String::as_str)
+                                    .filter(|k| *k != "default")
+                            )
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -313,6 +344,17 @@ mod tests {
         let c = Config::parse("", None).unwrap();
         assert_eq!(c.limits.default_timeout_secs, 600);
         assert_eq!(c.server.listen.port(), 8080);
+    }
+
+    /// The example at the top of docs/configuration.md is a valid configuration.
+    #[test]
+    fn documented_example_is_valid() {
+        let doc = include_str!("../docs/configuration.md");
+        let start = doc.find("```yaml\n").expect("a yaml block") + 8;
+        let len = doc[start..].find("```").expect("its end");
+        let c = Config::parse(&doc[start..start + len], None).unwrap();
+        assert_eq!(c.tools.len(), 1);
+        assert_eq!(c.limits.max_concurrent_executions, Some(16));
     }
 
     #[test]

@@ -168,7 +168,8 @@ impl Redactor {
             .map(|s| s.len())
             .chain(patterns.iter().map(|p| p.max_len))
             .max()
-            .unwrap_or(1);
+            .unwrap_or(1)
+            .max(1);
         let re = Regex::new(&alternatives.join("|"))
             .map_err(|e| err("redaction.patterns".into(), e.to_string()))?;
         Ok(Some(Arc::new(Redactor { re, window })))

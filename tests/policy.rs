@@ -185,6 +185,10 @@ fn invalid_policy_stops_the_gateway_naming_the_field() {
             "policy.profiles.p.timeout.default_secs",
         ),
         ("policy:\n  bogus: 1\n", "bogus"),
+        (
+            "policy:\n  profiles:\n    typo:\n      args: {max_count: 1}\n",
+            "policy.profiles.typo",
+        ),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let path = config_file(&dir, yaml);
@@ -234,6 +238,18 @@ async fn mcp_calls_meet_the_same_policy() {
             json!({"executable": "true", "cwd": "/etc"}),
             "policy.cwd.allow",
         ),
+        (
+            json!({"executable": "true", "args": ["x".repeat(17)]}),
+            "policy.args.max_length",
+        ),
+        (
+            json!({"executable": "true", "env": {"HOME": "/"}}),
+            "policy.env.allow",
+        ),
+        (
+            json!({"executable": "echo", "profile": "wide"}),
+            "policy.profiles.wide.executables.allow",
+        ),
     ] {
         let r = client
             .call_tool(call(args.clone()))
@@ -247,13 +263,29 @@ async fn mcp_calls_meet_the_same_policy() {
             "{args}: {s}"
         );
     }
+    // The timeout maximum is an invalid request, as on /raw.
     let r = client
-        .call_tool(call(
-            json!({"executable": "echo", "args": ["ok"], "cwd": "/tmp"}),
-        ))
+        .call_tool(call(json!({"executable": "true", "timeout_secs": 31})))
         .await
         .expect("tools/call");
-    assert_eq!(r.is_error, Some(false), "{r:?}");
+    assert_eq!(r.is_error, Some(true));
+    let s = r.structured_content.clone().expect("structured content");
+    let error = s["error"].as_str().unwrap_or_default();
+    assert!(
+        error.starts_with("invalid_request: ") && error.contains("policy.timeout.max_secs"),
+        "{s}"
+    );
+    // Allowed: every rule met, and a profile's override.
+    for args in [
+        json!({"executable": "echo", "args": ["ok"], "cwd": "/usr/lib/..", "env": {"APP_X": "1"}, "timeout_secs": 30}),
+        json!({"executable": "ls", "profile": "wide", "timeout_secs": 100}),
+    ] {
+        let r = client
+            .call_tool(call(args.clone()))
+            .await
+            .expect("tools/call");
+        assert_eq!(r.is_error, Some(false), "{args}: {r:?}");
+    }
     client.cancel().await.ok();
 
     let caps: Value = support::http()

@@ -180,6 +180,10 @@ fn tool_config_errors_name_the_field() {
             "tools[0].flags.-v",
         ),
         (
+            "tools:\n  - {name: a, description: d, executable: x, profile: nope}\n",
+            "tools[0].profile",
+        ),
+        (
             "tools:\n  - {name: a, description: d, executable: x, flags: {v: {type: maybe}}}\n",
             "maybe",
         ),
