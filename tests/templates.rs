@@ -199,6 +199,28 @@ fn run_remote_template_end_to_end() {
     );
 }
 
+/// With a structured output format the template filters the result, and no file is written.
+#[test]
+fn run_remote_template_with_json_output() {
+    let gw = Gateway::start(&[]);
+    let tmp = tempfile::tempdir().unwrap();
+    let out = gw
+        .run_remote()
+        .env("TMPDIR", tmp.path())
+        .args(["--template", "pytest", "--output-format", "json", "--"])
+        .args(sh_cat_fixture("pytest-fail"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let stdout = v["outputs"][0]["stdout"].as_str().unwrap();
+    assert!(stdout.starts_with("[template pytest: "), "{stdout}");
+    assert!(stdout.contains("E       assert 1.5 == 1\n") && !stdout.contains("PASSED"));
+    let summary = v["summary"].as_str().unwrap();
+    assert!(summary.contains("template `pytest` removed"), "{summary}");
+    assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
+}
+
 /// An unknown template or an invalid configuration stops run-remote before anything runs,
 /// with its configuration-error code and one line; a custom template is found from the
 /// current directory and listed with its origin.
