@@ -394,3 +394,62 @@ async fn mcp_template_parameter() {
     assert!(text.contains("unknown template \"nope\""), "{text}");
     c.cancel().await.unwrap();
 }
+
+/// Under `serve`, the templates come from the gateway's own configuration file; an invalid
+/// one stops the start with an error naming the file and the template.
+#[tokio::test(flavor = "multi_thread")]
+async fn gateway_config_templates() {
+    use rmcp::ServiceExt as _;
+    let dir = tempfile::tempdir().unwrap();
+    let good = support::config_file(
+        &dir,
+        "templates:\n  gw-only:\n    description: From the gateway\n    include_regex: X\n",
+    );
+    let gw = Gateway::start(&["--config", good.to_str().unwrap()]);
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let transport = rmcp::transport::StreamableHttpClientTransport::from_uri(gw.url("/mcp"));
+    let c = ().serve(transport).await.unwrap();
+    let tools = c.list_tools(None).await.unwrap().tools;
+    let schema = serde_json::Value::Object((*tools[0].input_schema).clone());
+    let names = schema["properties"]["template"]["enum"].as_array().unwrap();
+    assert!(
+        names.contains(&"gw-only".into()) && names.contains(&"tsc".into()),
+        "{names:?}"
+    );
+    let caps: serde_json::Value = support::http()
+        .get(gw.url("/capabilities"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(
+        caps["templates"]
+            .as_array()
+            .unwrap()
+            .contains(&"gw-only".into())
+    );
+    c.cancel().await.unwrap();
+
+    let bad = support::config_file(
+        &dir,
+        "templates:\n  broken:\n    description: x\n    include_regex: '['\n",
+    );
+    let out = std::process::Command::new(support::gateway_bin())
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--config",
+            bad.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(bad.to_str().unwrap()) && err.contains("\"broken\""),
+        "{err}"
+    );
+}
