@@ -63,6 +63,9 @@ pub struct Config {
     pub redaction: crate::redact::RedactionConfig,
     /// Operator-declared CLI tools, each its own MCP tool (docs/tools.md).
     pub tools: Vec<crate::tools::ToolConfig>,
+    /// Output templates of the MCP tool, added to the built-ins (docs/templates.md);
+    /// checked at start by `templates::Catalog::with_templates`.
+    pub templates: BTreeMap<String, yaml_serde::Value>,
     /// The file this was loaded from, for error messages.
     #[serde(skip)]
     pub source: Option<PathBuf>,

@@ -43,6 +43,8 @@ pub struct McpSettings {
     pub stop: tokio_util::sync::CancellationToken,
     /// Operator-declared CLI tools served next to `run_network_tool`.
     pub tools: Arc<Vec<crate::tools::ToolConfig>>,
+    /// Output templates for `run_network_tool` (the built-ins plus the config's).
+    pub templates: Arc<crate::templates::TemplateStore>,
 }
 
 impl IntoResponse for ErrorBody {
@@ -81,7 +83,8 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
             state.capabilities.clone(),
             state.mcp.max_output_bytes,
         )
-        .with_tools(state.mcp.tools.clone());
+        .with_tools(state.mcp.tools.clone())
+        .with_templates(state.mcp.templates.clone(), "/".into());
         let mut config = StreamableHttpServerConfig::default()
             .with_allowed_hosts(state.mcp.allowed_hosts.clone());
         if state.mcp.allowed_hosts.is_empty() {

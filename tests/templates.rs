@@ -199,6 +199,28 @@ fn run_remote_template_end_to_end() {
     );
 }
 
+/// With a structured output format the template filters the result, and no file is written.
+#[test]
+fn run_remote_template_with_json_output() {
+    let gw = Gateway::start(&[]);
+    let tmp = tempfile::tempdir().unwrap();
+    let out = gw
+        .run_remote()
+        .env("TMPDIR", tmp.path())
+        .args(["--template", "pytest", "--output-format", "json", "--"])
+        .args(sh_cat_fixture("pytest-fail"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let stdout = v["outputs"][0]["stdout"].as_str().unwrap();
+    assert!(stdout.starts_with("[template pytest: "), "{stdout}");
+    assert!(stdout.contains("E       assert 1.5 == 1\n") && !stdout.contains("PASSED"));
+    let summary = v["summary"].as_str().unwrap();
+    assert!(summary.contains("template `pytest` removed"), "{summary}");
+    assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
+}
+
 /// An unknown template or an invalid configuration stops run-remote before anything runs,
 /// with its configuration-error code and one line; a custom template is found from the
 /// current directory and listed with its origin.
@@ -371,4 +393,63 @@ async fn mcp_template_parameter() {
         .collect();
     assert!(text.contains("unknown template \"nope\""), "{text}");
     c.cancel().await.unwrap();
+}
+
+/// Under `serve`, the templates come from the gateway's own configuration file; an invalid
+/// one stops the start with an error naming the file and the template.
+#[tokio::test(flavor = "multi_thread")]
+async fn gateway_config_templates() {
+    use rmcp::ServiceExt as _;
+    let dir = tempfile::tempdir().unwrap();
+    let good = support::config_file(
+        &dir,
+        "templates:\n  gw-only:\n    description: From the gateway\n    include_regex: X\n",
+    );
+    let gw = Gateway::start(&["--config", good.to_str().unwrap()]);
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let transport = rmcp::transport::StreamableHttpClientTransport::from_uri(gw.url("/mcp"));
+    let c = ().serve(transport).await.unwrap();
+    let tools = c.list_tools(None).await.unwrap().tools;
+    let schema = serde_json::Value::Object((*tools[0].input_schema).clone());
+    let names = schema["properties"]["template"]["enum"].as_array().unwrap();
+    assert!(
+        names.contains(&"gw-only".into()) && names.contains(&"tsc".into()),
+        "{names:?}"
+    );
+    let caps: serde_json::Value = support::http()
+        .get(gw.url("/capabilities"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(
+        caps["templates"]
+            .as_array()
+            .unwrap()
+            .contains(&"gw-only".into())
+    );
+    c.cancel().await.unwrap();
+
+    let bad = support::config_file(
+        &dir,
+        "templates:\n  broken:\n    description: x\n    include_regex: '['\n",
+    );
+    let out = std::process::Command::new(support::gateway_bin())
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--config",
+            bad.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(bad.to_str().unwrap()) && err.contains("\"broken\""),
+        "{err}"
+    );
 }

@@ -224,7 +224,10 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
 pub async fn serve(config: Config) -> anyhow::Result<()> {
     let executor = build_executor(&config).await?;
     let runner = Arc::new(build_runner(&config, executor)?);
-    let capabilities = Arc::new(capabilities(&config, &runner).await);
+    let templates = template_store(&config, false)?;
+    let mut capabilities = capabilities(&config, &runner).await;
+    capabilities.templates = templates.names(&working_dir());
+    let capabilities = Arc::new(capabilities);
     let drained = tokio_util::sync::CancellationToken::new();
     let state = AppState {
         runner: runner.clone(),
@@ -235,6 +238,7 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
             allowed_hosts: config.mcp.allowed_hosts.clone(),
             stop: drained.clone(),
             tools: Arc::new(config.tools.clone()),
+            templates,
         },
         auth: crate::access::Auth::load(&config.auth, |k| std::env::var(k).ok())
             .map_err(anyhow::Error::msg)?
@@ -304,22 +308,31 @@ pub async fn capabilities(config: &Config, runner: &Runner) -> Capabilities {
         caps.limitations
             .push("configured secrets in the output are replaced by [REDACTED]".into());
     }
-    caps.templates = template_names();
     caps
 }
 
-/// The output templates on offer in the process's current directory (built-ins plus the
-/// nearest `.mcp-run/config.yaml`); with an invalid file, the error is logged and the
-/// built-ins are offered.
-fn template_names() -> Vec<String> {
-    let dir = std::env::current_dir().unwrap_or_else(|_| "/".into());
-    match crate::templates::Catalog::load(&dir) {
-        Ok(c) => c.names(),
-        Err(e) => {
-            tracing::warn!(error = %e, "invalid template configuration; offering the built-ins");
-            crate::templates::Catalog::builtin().names()
-        }
-    }
+/// The MCP tool's output templates: the built-ins plus the configuration file's
+/// `templates:` (an invalid one stops the start, naming the file and the template); with
+/// `discover` (stdio), plus the nearest `.mcp-run/config.yaml` of the working directory.
+pub fn template_store(
+    config: &Config,
+    discover: bool,
+) -> anyhow::Result<Arc<crate::templates::TemplateStore>> {
+    let path = config
+        .source
+        .clone()
+        .unwrap_or_else(|| "configuration".into());
+    let base = crate::templates::Catalog::with_templates(&path, config.templates.clone())?;
+    Ok(Arc::new(crate::templates::TemplateStore::with_base(
+        crate::templates::store::DEFAULT_TTL,
+        base,
+        discover,
+    )))
+}
+
+/// The process's working directory, where `.mcp-run/config.yaml` is looked for.
+fn working_dir() -> std::path::PathBuf {
+    std::env::current_dir().unwrap_or_else(|_| "/".into())
 }
 
 fn run_stdio(args: StdioArgs) -> anyhow::Result<()> {
@@ -336,9 +349,12 @@ pub async fn stdio(config: Config) -> anyhow::Result<()> {
     use rmcp::ServiceExt as _;
     let executor = build_executor(&config).await?;
     let runner = Arc::new(build_runner(&config, executor)?);
-    let caps = Arc::new(capabilities(&config, &runner).await);
-    let service = McpService::new(runner.clone(), caps, config.mcp.max_output_bytes)
-        .with_tools(Arc::new(config.tools.clone()));
+    let templates = template_store(&config, true)?;
+    let mut caps = capabilities(&config, &runner).await;
+    caps.templates = templates.names(&working_dir());
+    let service = McpService::new(runner.clone(), Arc::new(caps), config.mcp.max_output_bytes)
+        .with_tools(Arc::new(config.tools.clone()))
+        .with_templates(templates, working_dir());
     let running = service
         .serve(rmcp::transport::stdio())
         .await

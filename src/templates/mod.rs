@@ -124,12 +124,20 @@ pub fn parse_config(path: &Path, text: &str) -> Result<Vec<Template>, ConfigErro
         path: path.to_owned(),
         message: e.to_string(),
     })?;
-    let Some(file) = file else {
+    match file {
+        Some(file) => parse_templates(path, file.templates),
         // An empty file: no templates.
-        return Ok(Vec::new());
-    };
-    let mut out = Vec::with_capacity(file.templates.len());
-    for (name, value) in file.templates {
+        None => Ok(Vec::new()),
+    }
+}
+
+/// Checks and compiles a `templates:` map read from `path`.
+pub fn parse_templates(
+    path: &Path,
+    templates: BTreeMap<String, yaml_serde::Value>,
+) -> Result<Vec<Template>, ConfigError> {
+    let mut out = Vec::with_capacity(templates.len());
+    for (name, value) in templates {
         let bad = |message: String| ConfigError::Template {
             path: path.to_owned(),
             template: name.clone(),
@@ -211,18 +219,36 @@ impl Catalog {
 
     /// The built-ins plus one configuration file.
     pub fn load_file(path: &Path) -> Result<Catalog, ConfigError> {
+        Self::builtin().overlay_file(path)
+    }
+
+    /// This catalog plus one configuration file, whose templates override same-named ones.
+    pub fn overlay_file(mut self, path: &Path) -> Result<Catalog, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_owned(),
             source,
         })?;
+        self.insert_all(path, parse_config(path, &text)?);
+        self.config = Some(path.to_owned());
+        Ok(self)
+    }
+
+    /// The built-ins plus the `templates:` of the gateway's configuration file (`path`
+    /// names it in errors and listings).
+    pub fn with_templates(
+        path: &Path,
+        templates: BTreeMap<String, yaml_serde::Value>,
+    ) -> Result<Catalog, ConfigError> {
         let mut catalog = Self::builtin();
-        for t in parse_config(path, &text)? {
-            catalog
-                .templates
+        catalog.insert_all(path, parse_templates(path, templates)?);
+        Ok(catalog)
+    }
+
+    fn insert_all(&mut self, path: &Path, templates: Vec<Template>) {
+        for t in templates {
+            self.templates
                 .insert(t.name.clone(), (t, Origin::Config(path.to_owned())));
         }
-        catalog.config = Some(path.to_owned());
-        Ok(catalog)
     }
 
     /// The configuration file in use, if any.

@@ -23,18 +23,34 @@ struct Entry {
 pub struct TemplateStore {
     ttl: Duration,
     entries: Mutex<HashMap<PathBuf, Entry>>,
+    /// What directories add to: the built-ins, plus a server's own configured templates.
+    base: Arc<Catalog>,
+    /// Whether `.mcp-run/config.yaml` files are looked for at all (not under `serve`, whose
+    /// templates come from its own configuration file).
+    discover: bool,
 }
 
 impl TemplateStore {
     pub fn new(ttl: Duration) -> TemplateStore {
+        Self::with_base(ttl, Catalog::builtin(), true)
+    }
+
+    /// A store whose directories add to `base`; with `discover` false, every directory gets
+    /// `base` alone.
+    pub fn with_base(ttl: Duration, base: Catalog, discover: bool) -> TemplateStore {
         TemplateStore {
             ttl,
             entries: Mutex::new(HashMap::new()),
+            base: Arc::new(base),
+            discover,
         }
     }
 
     /// The templates available for a command run in `dir`.
     pub fn catalog(&self, dir: &Path) -> Arc<Catalog> {
+        if !self.discover {
+            return self.base.clone();
+        }
         let mut entries = self
             .entries
             .lock()
@@ -44,13 +60,17 @@ impl TemplateStore {
         {
             return e.catalog.clone();
         }
-        let (catalog, error) = match Catalog::load(dir) {
+        let loaded = match super::find_config(dir) {
+            Some(path) => (*self.base).clone().overlay_file(&path),
+            None => Ok((*self.base).clone()),
+        };
+        let (catalog, error) = match loaded {
             Ok(c) => (Arc::new(c), None),
             Err(err) => {
                 let message = err.to_string();
                 let kept = match entries.get(dir) {
                     Some(e) => e.catalog.clone(),
-                    None => Arc::new(Catalog::builtin()),
+                    None => self.base.clone(),
                 };
                 tracing::warn!(error = %message, kept = ?kept.config_path(),
                     "invalid template configuration; keeping the last good one");
