@@ -494,5 +494,6 @@ fn the_gateway_accepts_the_rendered_config() {
     let c = mcp_run::config::Config::parse(text, None).unwrap();
     assert!(c.auth.required);
     assert_eq!(c.tools.len(), 1);
+    assert!(c.templates.contains_key("make"));
     assert!(!c.policy.executables.deny.is_empty());
 }
