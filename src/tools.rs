@@ -43,6 +43,9 @@ pub struct ToolConfig {
     /// Timeout; absent: the policy's default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_secs: Option<u64>,
+    /// Output template (docs/templates.md) applied to stdout and stderr of every call.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template: Option<String>,
 }
 
 /// A declared flag.

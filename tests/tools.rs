@@ -30,6 +30,15 @@ tools:
     description: Exits 3 after writing.
     executable: sh
     command: ['-c', 'echo out; echo s3cr3t-value; echo bad >&2; exit 3']
+  - name: filtered
+    description: Noisy output through the cargo-test template.
+    executable: sh
+    command: ['-c', 'for i in 1 2 3 4 5 6 7 8 9; do echo "noise $i"; echo; done; echo "test result: ok. 9 passed"']
+    template: cargo-test
+  - name: untemplated
+    description: Names a template that does not exist.
+    executable: 'true'
+    template: no-such-template
   - name: remover
     description: Denied by the policy.
     executable: rm
@@ -53,7 +62,17 @@ async fn exercise(c: &Client) {
     // Each declared tool is listed with its own schemas next to the built-in tool.
     let tools = c.list_tools(None).await.unwrap().tools;
     let names: Vec<&str> = tools.iter().map(|t| t.name.as_ref()).collect();
-    assert_eq!(names, ["run_network_tool", "printer", "failing", "remover"]);
+    assert_eq!(
+        names,
+        [
+            "run_network_tool",
+            "printer",
+            "failing",
+            "filtered",
+            "untemplated",
+            "remover"
+        ]
+    );
     let printer = &tools[1];
     let schema = Value::Object((*printer.input_schema).clone());
     assert_eq!(
@@ -107,6 +126,16 @@ async fn exercise(c: &Client) {
         json!({"stdout": "out\n[REDACTED]\n", "stderr": "bad\n", "exitCode": 3})
     );
 
+    // A tool's template filters its output.
+    let r = c.call_tool(call("filtered", json!({}))).await.unwrap();
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let out = r.structured_content.unwrap()["stdout"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(out.contains("test result: ok. 9 passed"), "{out}");
+    assert!(!out.contains("noise 1"), "{out}");
+
     // Execution errors: nothing ran, no structured output, the reason in the text.
     for (name, args, reason) in [
         (
@@ -126,6 +155,11 @@ async fn exercise(c: &Client) {
             "looks like a flag",
         ),
         ("remover", json!({}), "policy_violation"),
+        (
+            "untemplated",
+            json!({}),
+            "unknown template \"no-such-template\"",
+        ),
     ] {
         let r = c.call_tool(call(name, args.clone())).await.unwrap();
         assert_eq!(r.is_error, Some(true), "{args}");

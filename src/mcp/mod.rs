@@ -107,6 +107,23 @@ impl McpService {
         arguments: Option<serde_json::Map<String, Value>>,
         context: RequestContext<RoleServer>,
     ) -> CallToolResult {
+        // The template is resolved first: an unknown name runs nothing.
+        let template = match &t.template {
+            None => None,
+            Some(name) => match self.templates.get(name, &self.template_dir) {
+                Some(tpl) => Some(tpl),
+                None => {
+                    return error_result(&ErrorBody::new(
+                        ErrorCode::InvalidRequest,
+                        format!(
+                            "tool {} names the unknown template {name:?}; available: {}",
+                            t.name,
+                            self.templates.names(&self.template_dir).join(", ")
+                        ),
+                    ));
+                }
+            },
+        };
         let req = match t.request(&arguments.unwrap_or_default()) {
             Ok(r) => r,
             Err(e) => {
@@ -142,9 +159,16 @@ impl McpService {
             .exit
             .map(|e| if e.timed_out { 124 } else { e.shell_status() })
             .unwrap_or(255);
+        let (mut stdout, mut stderr) = (collected.stdout.text().0, collected.stderr.text().0);
+        if let Some(tpl) = &template {
+            for s in [&mut stdout, &mut stderr] {
+                let f = tpl.apply(s.as_bytes(), Some(exit_code));
+                *s = String::from_utf8_lossy(&f.output).into_owned();
+            }
+        }
         let output = json!({
-            "stdout": collected.stdout.text().0,
-            "stderr": collected.stderr.text().0,
+            "stdout": stdout,
+            "stderr": stderr,
             "exitCode": exit_code,
         });
         let content = vec![ContentBlock::text(
