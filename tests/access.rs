@@ -170,14 +170,7 @@ async fn concurrency_burst_gets_429() {
     let path = config_file(&dir, "limits:\n  max_concurrent_executions: 2\n");
     let gw = Gateway::start(&["--config", path.to_str().unwrap()]);
     let c = http();
-    let caps: serde_json::Value = c
-        .get(gw.url("/capabilities"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let caps = support::get_json(&gw, "/capabilities").await;
     assert!(
         caps["limitations"]
             .to_string()

@@ -288,14 +288,7 @@ async fn mcp_calls_meet_the_same_policy() {
     }
     client.cancel().await.ok();
 
-    let caps: Value = support::http()
-        .get(gw.url("/capabilities"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let caps = support::get_json(&gw, "/capabilities").await;
     let policy = &caps["policy"];
     assert_eq!(policy["default"]["executables"]["deny"], json!(["rm"]));
     assert_eq!(policy["default"]["max_timeout_secs"], 30);

@@ -416,14 +416,7 @@ async fn gateway_config_templates() {
         names.contains(&"gw-only".into()) && names.contains(&"tsc".into()),
         "{names:?}"
     );
-    let caps: serde_json::Value = support::http()
-        .get(gw.url("/capabilities"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let caps = support::get_json(&gw, "/capabilities").await;
     assert!(
         caps["templates"]
             .as_array()

@@ -213,21 +213,25 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(listen) = args.listen {
         config.server.listen = listen;
     }
-    let rt = tokio::runtime::Builder::new_multi_thread()
+    block_on(serve(config))
+}
+
+/// Runs `fut` on a multi-threaded runtime.
+fn block_on(fut: impl std::future::Future<Output = anyhow::Result<()>>) -> anyhow::Result<()> {
+    tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
-        .context("cannot start the runtime")?;
-    rt.block_on(serve(config))
+        .context("cannot start the runtime")?
+        .block_on(fut)
 }
 
 /// Runs the gateway until SIGTERM or SIGINT.
 pub async fn serve(config: Config) -> anyhow::Result<()> {
-    let executor = build_executor(&config).await?;
-    let runner = Arc::new(build_runner(&config, executor)?);
-    let templates = template_store(&config, false)?;
-    let mut capabilities = capabilities(&config, &runner).await;
-    capabilities.templates = templates.names(&working_dir());
-    let capabilities = Arc::new(capabilities);
+    let Prepared {
+        runner,
+        templates,
+        capabilities,
+    } = prepare(&config, false).await?;
     let drained = tokio_util::sync::CancellationToken::new();
     let state = AppState {
         runner: runner.clone(),
@@ -281,6 +285,28 @@ pub fn build_runner(config: &Config, executor: Arc<dyn Executor>) -> anyhow::Res
             config.limits.clone(),
         ))
         .with_redactor(redactor))
+}
+
+/// What `serve` and `stdio` both start from.
+struct Prepared {
+    runner: Arc<Runner>,
+    templates: Arc<crate::templates::TemplateStore>,
+    capabilities: Arc<Capabilities>,
+}
+
+/// Builds the backend, the runner, the template store (`discover`: also the repository's
+/// `.mcp-run/config.yaml`, for `stdio`) and the capabilities document.
+async fn prepare(config: &Config, discover: bool) -> anyhow::Result<Prepared> {
+    let executor = build_executor(config).await?;
+    let runner = Arc::new(build_runner(config, executor)?);
+    let templates = template_store(config, discover)?;
+    let mut capabilities = capabilities(config, &runner).await;
+    capabilities.templates = templates.names(&working_dir());
+    Ok(Prepared {
+        runner,
+        templates,
+        capabilities: Arc::new(capabilities),
+    })
 }
 
 /// The capabilities document of this gateway.
@@ -337,22 +363,18 @@ fn working_dir() -> std::path::PathBuf {
 
 fn run_stdio(args: StdioArgs) -> anyhow::Result<()> {
     let config = args.backend.load()?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("cannot start the runtime")?;
-    rt.block_on(stdio(config))
+    block_on(stdio(config))
 }
 
 /// Serves MCP on stdin/stdout until the client closes stdin (or SIGTERM/SIGINT).
 pub async fn stdio(config: Config) -> anyhow::Result<()> {
     use rmcp::ServiceExt as _;
-    let executor = build_executor(&config).await?;
-    let runner = Arc::new(build_runner(&config, executor)?);
-    let templates = template_store(&config, true)?;
-    let mut caps = capabilities(&config, &runner).await;
-    caps.templates = templates.names(&working_dir());
-    let service = McpService::new(runner.clone(), Arc::new(caps), config.mcp.max_output_bytes)
+    let Prepared {
+        runner,
+        templates,
+        capabilities,
+    } = prepare(&config, true).await?;
+    let service = McpService::new(runner.clone(), capabilities, config.mcp.max_output_bytes)
         .with_tools(Arc::new(config.tools.clone()))
         .with_templates(templates, working_dir());
     let running = service

@@ -162,24 +162,6 @@ impl KubeExecutor {
         })
     }
 
-    pub fn namespace(&self) -> &str {
-        &self.shared.namespace
-    }
-
-    pub fn profiles(&self) -> &BTreeMap<String, Profile> {
-        &self.profiles
-    }
-
-    /// The warm pools: profile, configured size, idle pods of this gateway now.
-    pub fn warm_pools(&self) -> Vec<(String, usize, usize)> {
-        self.pools
-            .get()
-            .into_iter()
-            .flatten()
-            .map(|(name, p)| (name.clone(), p.size(), p.idle()))
-            .collect()
-    }
-
     /// Checks permissions and deletes this gateway's leftovers from a previous run, then
     /// starts the periodic reaper and the warm pools. Called once before serving;
     /// `longest_request` is the server's maximum timeout.

@@ -118,18 +118,6 @@ impl WarmPool {
         self.size
     }
 
-    /// Idle pods of this gateway (Running or starting), as the store sees them.
-    pub fn idle(&self) -> usize {
-        let me = &self.shared.identity.gateway;
-        self.store
-            .state()
-            .iter()
-            .filter(|p| {
-                p.labels().get(LABEL_GATEWAY) == Some(me) && p.metadata.deletion_timestamp.is_none()
-            })
-            .count()
-    }
-
     /// Claims a Running idle pod whose deadline leaves room for `timeout`; `None` is a miss.
     /// On success the pod's name is in the live set and its node is returned.
     pub async fn claim(&self, timeout: Duration) -> Option<(String, String)> {
