@@ -110,19 +110,12 @@ impl McpService {
         // The template is resolved first: an unknown name runs nothing.
         let template = match &t.template {
             None => None,
-            Some(name) => match self.templates.get(name, &self.template_dir) {
-                Some(tpl) => Some(tpl),
-                None => {
-                    return error_result(&ErrorBody::new(
-                        ErrorCode::InvalidRequest,
-                        format!(
-                            "tool {} names the unknown template {name:?}; available: {}",
-                            t.name,
-                            self.templates.names(&self.template_dir).join(", ")
-                        ),
-                    ));
+            Some(name) => {
+                match self.template(name, &format!("tool {} names the unknown template", t.name)) {
+                    Ok(tpl) => Some(tpl),
+                    Err(e) => return error_result(&e),
                 }
-            },
+            }
         };
         let req = match t.request(&arguments.unwrap_or_default()) {
             Ok(r) => r,
@@ -249,6 +242,19 @@ impl McpService {
         tool
     }
 
+    /// The template `name`, or an error that starts with `unknown` and lists what there is.
+    fn template(&self, name: &str, unknown: &str) -> Result<crate::templates::Template, ErrorBody> {
+        self.templates.get(name, &self.template_dir).ok_or_else(|| {
+            ErrorBody::new(
+                ErrorCode::InvalidRequest,
+                format!(
+                    "{unknown} {name:?}; available: {}",
+                    self.templates.names(&self.template_dir).join(", ")
+                ),
+            )
+        })
+    }
+
     async fn run(
         &self,
         arguments: Option<serde_json::Map<String, Value>>,
@@ -258,17 +264,9 @@ impl McpService {
         // `template` is ours, not the runner's: resolve it before anything runs.
         let template = match arguments.remove("template") {
             None | Some(Value::Null) => None,
-            Some(Value::String(name)) => match self.templates.get(&name, &self.template_dir) {
-                Some(t) => Some(t),
-                None => {
-                    return error_result(&ErrorBody::new(
-                        ErrorCode::InvalidRequest,
-                        format!(
-                            "unknown template {name:?}; available: {}",
-                            self.templates.names(&self.template_dir).join(", ")
-                        ),
-                    ));
-                }
+            Some(Value::String(name)) => match self.template(&name, "unknown template") {
+                Ok(t) => Some(t),
+                Err(e) => return error_result(&e),
             },
             Some(other) => {
                 return error_result(&ErrorBody::new(
