@@ -25,6 +25,11 @@ use crate::runner::Runner;
 /// The one built-in tool.
 pub const TOOL: &str = "run_network_tool";
 
+/// The tool's output schema: derived once, not on every tools/list and tools/call.
+static OUTPUT_SCHEMA: std::sync::LazyLock<Value> = std::sync::LazyLock::new(|| {
+    serde_json::to_value(schemars::schema_for!(StructuredResult)).unwrap_or_default()
+});
+
 /// How often progress notifications are sent at most.
 const PROGRESS_EVERY: Duration = Duration::from_secs(1);
 
@@ -221,8 +226,7 @@ impl McpService {
                 listing.join("; ")
             )
         });
-        let output =
-            serde_json::to_value(schemars::schema_for!(StructuredResult)).unwrap_or_default();
+        let output = OUTPUT_SCHEMA.clone();
         let description = format!(
             "Run a command and get its stdout, stderr and exit code. {} Limits: timeout up to {} s (default {} s); no stdin, no TTY; each stream is capped at {} KiB in the result (head and tail kept).",
             caps.where_line(),
