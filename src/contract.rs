@@ -149,6 +149,25 @@ pub struct RunContext {
     pub pod_start_ms: Option<u64>,
 }
 
+/// A stage of preparing a command, reported while the caller waits (mostly by the Kubernetes
+/// backend, whose pods take from a second to minutes to start).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    /// Waiting for a slot (concurrency limit) or for the backend.
+    Queued,
+    /// The runner pod was created and waits for a node.
+    Scheduling,
+    /// A node was chosen.
+    Scheduled,
+    /// The node pulls the runner image.
+    PullingImage,
+    /// The container is being created or started.
+    Starting,
+    /// The command is about to run (`started` follows).
+    Running,
+}
+
 /// How a command ended.
 #[derive(
     Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
@@ -196,6 +215,13 @@ pub enum Event {
     },
     /// Sent while the command is silent, so that idle proxies keep the connection open.
     Keepalive,
+    /// How far the backend got while preparing the command (before `started`): queued for a
+    /// slot, pod scheduled, image being pulled. Advisory: clients that do not know it skip it.
+    Phase {
+        phase: Phase,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        message: Option<String>,
+    },
     /// Terminal: the command ended.
     Exit(ExitInfo),
     /// Terminal: the run failed after the stream began.

@@ -11,7 +11,7 @@ use tokio_util::task::TaskTracker;
 use crate::access::{Caller, RateLimiter};
 use crate::config::Limits;
 use crate::contract::{ErrorBody, ErrorCode, RunRequest};
-use crate::exec::{ExecSpec, Execution, Executor};
+use crate::exec::{ExecSpec, Execution, Executor, Progress, StartOptions};
 use crate::policy::{Policy, PolicyConfig, Subject};
 use crate::redact::{RedactFilter, Redactor};
 use tokio::sync::Semaphore;
@@ -19,6 +19,14 @@ use tokio::sync::Semaphore;
 /// After the grace period, how long killed commands get to report their exit before the
 /// backend's shutdown runs anyway.
 const KILL_WAIT: Duration = Duration::from_secs(10);
+
+/// What a front end attaches to a run besides the request: the caller's stdin and where to
+/// report start-up phases.
+#[derive(Default)]
+pub struct RunIo {
+    pub progress: Progress,
+    pub stdin: Option<tokio::sync::mpsc::Receiver<bytes::Bytes>>,
+}
 
 pub struct Runner {
     executor: Arc<dyn Executor>,
@@ -129,6 +137,16 @@ impl Runner {
 
     /// [`Runner::start`] for a known caller (rate limit key, audit identity).
     pub async fn start_as(&self, req: RunRequest, caller: &Caller) -> Result<Execution, ErrorBody> {
+        self.start_with(req, caller, RunIo::default()).await
+    }
+
+    /// [`Runner::start_as`] with the caller's stdin and a sink for start-up phases.
+    pub async fn start_with(
+        &self,
+        req: RunRequest,
+        caller: &Caller,
+        io: RunIo,
+    ) -> Result<Execution, ErrorBody> {
         // Only the fields the audit line needs are kept for a refusal.
         let audit = RunRequest {
             executable: req.executable.clone(),
@@ -137,7 +155,7 @@ impl Runner {
             profile: req.profile.clone(),
             ..RunRequest::default()
         };
-        let started = self.start_inner(req, caller).await;
+        let started = self.start_inner(req, caller, io).await;
         if let Err(e) = &started {
             crate::metrics::rejected(e.code);
             self.audit_rejected(&audit, caller, e);
@@ -145,7 +163,12 @@ impl Runner {
         started
     }
 
-    async fn start_inner(&self, req: RunRequest, caller: &Caller) -> Result<Execution, ErrorBody> {
+    async fn start_inner(
+        &self,
+        req: RunRequest,
+        caller: &Caller,
+        io: RunIo,
+    ) -> Result<Execution, ErrorBody> {
         if self.shutdown.is_cancelled() || self.tracker.is_closed() {
             return Err(ErrorBody::new(
                 ErrorCode::ShuttingDown,
@@ -175,7 +198,14 @@ impl Runner {
         let audited = spec.clone();
         let mut execution = self
             .executor
-            .start(spec, self.shutdown.child_token())
+            .start(
+                spec,
+                StartOptions {
+                    cancel: self.shutdown.child_token(),
+                    progress: io.progress,
+                    stdin: io.stdin,
+                },
+            )
             .await?;
         // Redaction first, so that the audit counts the bytes that actually leave.
         if let Some(r) = &self.redactor {

@@ -19,7 +19,7 @@ use tokio::process::{Child, Command};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::{EVENT_BUFFER, ExecSpec, Execution, Executor, forward, read_opt};
+use super::{EVENT_BUFFER, ExecSpec, Execution, Executor, StartOptions, forward, read_opt};
 use crate::contract::{ErrorBody, ErrorCode, Event, ExitInfo, RunContext};
 
 /// Variables of the gateway's own environment that commands inherit by default. Nothing
@@ -157,9 +157,9 @@ impl Executor for LocalExecutor {
     fn start(
         &self,
         spec: ExecSpec,
-        cancel: CancellationToken,
+        opts: StartOptions,
     ) -> BoxFuture<'_, Result<Execution, ErrorBody>> {
-        Box::pin(async move { self.spawn(&spec, cancel.child_token()) })
+        Box::pin(async move { self.spawn(&spec, opts.cancel.child_token()) })
     }
 
     /// Profiles are the configured names (`default` always).
@@ -292,7 +292,7 @@ mod tests {
 
     async fn run(spec: ExecSpec) -> (Vec<u8>, Vec<u8>, ExitInfo) {
         let ex = LocalExecutor::new(&["PATH".to_string()]);
-        let mut e = ex.start(spec, CancellationToken::new()).await.unwrap();
+        let mut e = ex.start(spec, StartOptions::default()).await.unwrap();
         let (mut out, mut err) = (vec![], vec![]);
         loop {
             match e.next().await {

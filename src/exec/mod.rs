@@ -21,7 +21,7 @@ use std::collections::BTreeMap;
 use std::pin::Pin;
 use std::time::{Duration, Instant};
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 use futures_util::future::BoxFuture;
 use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::sync::mpsc;
@@ -50,18 +50,65 @@ pub struct ExecSpec {
     pub profile: Option<String>,
 }
 
+/// What a caller hands a backend besides the spec: the cancellation token, where to report
+/// start-up phases, and the command's standard input.
+#[derive(Default)]
+pub struct StartOptions {
+    /// Fires when the caller gives up (client gone, shutdown): a backend that is still
+    /// preparing (creating a pod) must stop and clean up.
+    pub cancel: CancellationToken,
+    /// Where the backend reports phases while it prepares the command.
+    pub progress: Progress,
+    /// The command's standard input, chunk by chunk in order; end of input when the sender is
+    /// dropped. `None`: the command's stdin is closed (empty), as before stdin existed.
+    pub stdin: Option<mpsc::Receiver<Bytes>>,
+}
+
+impl StartOptions {
+    pub fn new(cancel: CancellationToken) -> Self {
+        Self {
+            cancel,
+            ..Self::default()
+        }
+    }
+}
+
+/// A backend's start-up phases on their way to whoever waits (the `/raw` stream, MCP
+/// progress notifications, `run-remote`'s status line). Advisory: a phase that finds the
+/// queue full or nobody listening is dropped, so reporting never blocks a backend.
+#[derive(Debug, Clone, Default)]
+pub struct Progress(Option<mpsc::Sender<Event>>);
+
+/// How many phases may wait for the consumer before new ones are dropped.
+pub const PROGRESS_BUFFER: usize = 16;
+
+impl Progress {
+    /// A progress sink and the receiver of its `phase` events.
+    pub fn channel() -> (Self, mpsc::Receiver<Event>) {
+        let (tx, rx) = mpsc::channel(PROGRESS_BUFFER);
+        (Self(Some(tx)), rx)
+    }
+
+    /// Reports a phase, with an optional detail (the scheduler's or kubelet's message).
+    pub fn report(&self, phase: crate::contract::Phase, message: Option<String>) {
+        if let Some(tx) = &self.0 {
+            let _ = tx.try_send(Event::Phase { phase, message });
+        }
+    }
+}
+
 /// A backend that runs commands.
 pub trait Executor: Send + Sync + 'static {
     /// The backend's name as reported in `started` contexts: `local`, `kubernetes`, `remote`.
     fn name(&self) -> &'static str;
 
     /// Starts a command. An `Err` means nothing ran; it becomes an HTTP error before any
-    /// stream. `cancel` fires when the caller gives up (client gone, shutdown): a backend that
-    /// is still preparing (creating a pod) must stop and clean up.
+    /// stream (or an `error` event when the caller already streams phases). See
+    /// [`StartOptions`] for cancellation, progress and stdin.
     fn start(
         &self,
         spec: ExecSpec,
-        cancel: CancellationToken,
+        opts: StartOptions,
     ) -> BoxFuture<'_, Result<Execution, ErrorBody>>;
 
     /// Whether the backend can run commands now (`/readyz`).

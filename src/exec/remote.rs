@@ -10,7 +10,7 @@ use futures_util::future::BoxFuture;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::{EVENT_BUFFER, ExecSpec, Execution, Executor};
+use super::{EVENT_BUFFER, ExecSpec, Execution, Executor, StartOptions};
 use crate::contract::{ErrorBody, ErrorCode, ErrorResponse, Event, ExitInfo, RunRequest};
 
 /// The longest NDJSON line accepted from a gateway (a 64 KiB chunk is about 90 KB).
@@ -151,7 +151,9 @@ async fn pump(mut lines: Lines, tx: mpsc::Sender<Event>, cancel: CancellationTok
             }
         };
         let event = match next {
-            Ok(Some(Event::Keepalive | Event::Unknown | Event::Started { .. })) => continue,
+            Ok(Some(
+                Event::Keepalive | Event::Unknown | Event::Started { .. } | Event::Phase { .. },
+            )) => continue,
             Ok(Some(event)) => event,
             Ok(None) => Event::Error {
                 code: ErrorCode::ProtocolError,
@@ -243,8 +245,9 @@ impl Executor for RemoteExecutor {
     fn start(
         &self,
         spec: ExecSpec,
-        cancel: CancellationToken,
+        opts: StartOptions,
     ) -> BoxFuture<'_, Result<Execution, ErrorBody>> {
+        let cancel = opts.cancel;
         Box::pin(async move {
             let req = RunRequest {
                 executable: spec.executable,

@@ -41,7 +41,9 @@ use tokio_util::task::TaskTracker;
 use self::config::{KubernetesConfig, Profile};
 use self::pod::{CONTAINER, Identity};
 use self::status::{ExecEnd, PodState};
-use super::{EVENT_BUFFER, ExecSpec, Execution, Executor, READ_CHUNK, forward, read_opt};
+use super::{
+    EVENT_BUFFER, ExecSpec, Execution, Executor, READ_CHUNK, StartOptions, forward, read_opt,
+};
 use crate::contract::{ErrorBody, ErrorCode, Event, ExitInfo, RunContext};
 
 /// Beyond the request's timeout and the start timeout, how long a runner pod may live
@@ -537,9 +539,9 @@ impl Executor for KubeExecutor {
     fn start(
         &self,
         spec: ExecSpec,
-        cancel: CancellationToken,
+        opts: StartOptions,
     ) -> BoxFuture<'_, Result<Execution, ErrorBody>> {
-        Box::pin(self.run(spec, cancel))
+        Box::pin(self.run(spec, opts.cancel))
     }
 
     fn check(&self, spec: &ExecSpec) -> Result<(), ErrorBody> {
