@@ -18,6 +18,7 @@ use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
 use crate::contract::{ErrorBody, ErrorCode};
+pub use crate::limits::RateLimitConfig;
 
 /// The environment variable naming the tokens file (the Helm chart sets it).
 pub const TOKENS_FILE_ENV: &str = "MCP_RUN_AUTH_TOKENS_FILE";
@@ -91,16 +92,6 @@ impl Default for AuthConfig {
             reload_secs: 10,
         }
     }
-}
-
-/// `limits.rate_limit`: a token bucket per client.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct RateLimitConfig {
-    /// Executions a client may start per minute, on average.
-    pub per_minute: u32,
-    /// Executions a client may start at once after being idle (the bucket size).
-    pub burst: u32,
 }
 
 /// One configured token, kept as its SHA-256 digest.

@@ -3,6 +3,8 @@
 //! (`mcp-run stdio`). Every call goes through [`Runner::start`], the same entry point as
 //! `/raw`, so limits, timeouts and backends behave the same.
 
+pub mod config;
+
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
