@@ -60,7 +60,7 @@ pub struct Config {
     /// The execution policy (docs/policy.md).
     pub policy: crate::policy::PolicyConfig,
     /// Bearer-token auth (docs/policy.md).
-    pub auth: crate::access::AuthConfig,
+    pub auth: crate::auth::AuthConfig,
     /// Secrets replaced by `[REDACTED]` in output (docs/policy.md).
     pub redaction: crate::redact::RedactionConfig,
     /// Operator-declared CLI tools, each its own MCP tool (docs/tools.md).
