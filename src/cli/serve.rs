@@ -180,7 +180,10 @@ pub fn load_config(path: Option<&std::path::Path>) -> anyhow::Result<Config> {
 
 /// Builds the configured backend; the Kubernetes backend also checks its permissions and
 /// deletes what a previous run left behind.
-pub async fn build_executor(config: &Config) -> anyhow::Result<Arc<dyn Executor>> {
+pub async fn build_executor(
+    config: &Config,
+    metrics: &crate::metrics::Metrics,
+) -> anyhow::Result<Arc<dyn Executor>> {
     Ok(match config.server.backend {
         BackendKind::Local => Arc::new(
             LocalExecutor::new(&config.local.inherit_env)
@@ -198,7 +201,7 @@ pub async fn build_executor(config: &Config) -> anyhow::Result<Arc<dyn Executor>
         BackendKind::Kube => {
             let mut profiles = config.profiles.clone();
             profiles.entry("default".into()).or_default();
-            let kube = KubeExecutor::connect(config.kubernetes.clone(), profiles)
+            let kube = KubeExecutor::connect(config.kubernetes.clone(), profiles, metrics.clone())
                 .await
                 .context("Kubernetes backend")?;
             kube.prepare(Duration::from_secs(config.limits.max_timeout_secs))
@@ -275,11 +278,16 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
 }
 
 /// The runner every front end uses, with the configured policy and limits.
-pub fn build_runner(config: &Config, executor: Arc<dyn Executor>) -> anyhow::Result<Runner> {
+pub fn build_runner(
+    config: &Config,
+    executor: Arc<dyn Executor>,
+    metrics: crate::metrics::Metrics,
+) -> anyhow::Result<Runner> {
     let redactor =
         crate::redact::Redactor::from_config(&config.redaction, |k| std::env::var(k).ok())
             .map_err(|e| anyhow::anyhow!("invalid configuration: {e}"))?;
     Ok(Runner::new(executor, config.limits.clone())
+        .with_metrics(metrics)
         .with_policy(crate::policy::Policy::new(
             config.policy.clone(),
             config.limits.clone(),
@@ -297,8 +305,10 @@ struct Prepared {
 /// Builds the backend, the runner, the template store (`discover`: also the repository's
 /// `.mcp-run/config.yaml`, for `stdio`) and the capabilities document.
 async fn prepare(config: &Config, discover: bool) -> anyhow::Result<Prepared> {
-    let executor = build_executor(config).await?;
-    let runner = Arc::new(build_runner(config, executor)?);
+    // One registry per gateway, handed to whoever records (served on /metrics).
+    let metrics = crate::metrics::Metrics::new();
+    let executor = build_executor(config, &metrics).await?;
+    let runner = Arc::new(build_runner(config, executor, metrics)?);
     let templates = template_store(config, discover)?;
     let mut capabilities = capabilities(config, &runner).await;
     capabilities.templates = templates.names(&working_dir());

@@ -91,6 +91,8 @@ struct Shared {
     live: Mutex<HashSet<String>>,
     /// Pending deletions, awaited at shutdown.
     deletions: TaskTracker,
+    /// Pod start and warm pool figures.
+    metrics: crate::metrics::Metrics,
 }
 
 impl KubeExecutor {
@@ -99,6 +101,7 @@ impl KubeExecutor {
     pub async fn connect(
         config: KubernetesConfig,
         profiles: BTreeMap<String, Profile>,
+        metrics: crate::metrics::Metrics,
     ) -> Result<Self, KubeSetupError> {
         // Whichever TLS user comes first installs the process's crypto provider.
         let _ = rustls::crypto::ring::default_provider().install_default();
@@ -153,6 +156,7 @@ impl KubeExecutor {
                 identity,
                 live: Mutex::new(HashSet::new()),
                 deletions: TaskTracker::new(),
+                metrics,
             }),
             client,
             permits: Arc::new(Semaphore::new(config.max_concurrent_pods)),
@@ -361,7 +365,7 @@ impl KubeExecutor {
                 ));
             }
         };
-        crate::metrics::observe_pod_start(timings.since_start());
+        self.shared.metrics.observe_pod_start(timings.since_start());
         self.exec_in(spec, cancel, guard, timings, node, &profile_name, &profile)
             .await
     }
