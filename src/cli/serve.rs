@@ -228,13 +228,22 @@ fn block_on(fut: impl std::future::Future<Output = anyhow::Result<()>>) -> anyho
         .block_on(fut)
 }
 
-/// Runs the gateway until SIGTERM or SIGINT.
-pub async fn serve(config: Config) -> anyhow::Result<()> {
+/// The gateway's HTTP application and what serving it needs besides.
+pub struct App {
+    pub router: axum::Router,
+    pub runner: Arc<Runner>,
+    /// Fired once running commands were drained at shutdown: ends the MCP sessions.
+    pub drained: tokio_util::sync::CancellationToken,
+}
+
+/// Builds the whole gateway from its configuration: backend, runner, auth, router. `serve`
+/// binds it to a listener; tests drive the router in-process.
+pub async fn app(config: &Config) -> anyhow::Result<App> {
     let Prepared {
         runner,
         templates,
         capabilities,
-    } = prepare(&config, false).await?;
+    } = prepare(config, false).await?;
     let drained = tokio_util::sync::CancellationToken::new();
     let state = AppState {
         runner: runner.clone(),
@@ -258,7 +267,20 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
             "bearer-token auth on for every path but /healthz, /readyz and /metrics"
         );
     }
-    let app = server::router(state, config.server.max_body_bytes);
+    Ok(App {
+        router: server::router(state, config.server.max_body_bytes),
+        runner,
+        drained,
+    })
+}
+
+/// Runs the gateway until SIGTERM or SIGINT.
+pub async fn serve(config: Config) -> anyhow::Result<()> {
+    let App {
+        router,
+        runner,
+        drained,
+    } = app(&config).await?;
     let listener = tokio::net::TcpListener::bind(config.server.listen)
         .await
         .with_context(|| format!("cannot listen on {}", config.server.listen))?;
@@ -266,7 +288,7 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
     tracing::info!(%addr, backend = runner.executor().name(), version = env!("CARGO_PKG_VERSION"), "mcp-run gateway listening");
     server::serve(
         listener,
-        app,
+        router,
         runner,
         shutdown_signal(),
         config.shutdown_grace(),
