@@ -30,10 +30,11 @@ use kube::runtime::{WatchStreamExt as _, watcher};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+use super::Shared;
 use super::config::Profile;
+use super::pod::CONTAINER;
 use super::pod::{self, ANNOTATION_EXPIRES, LABEL_GATEWAY, LABEL_POOL, LABEL_STATE};
 use super::status::{self, PodState};
-use super::{CONTAINER, Shared};
 
 /// A claim needs at least this beyond the request's timeout before the pod's deadline.
 const CLAIM_MARGIN: Duration = Duration::from_secs(60);
