@@ -257,6 +257,28 @@ fn startup_errors_are_one_short_line() {
             && err.len() < 400,
         "{err}"
     );
+    // A bad remote URL is named by where it came from.
+    for (flag, env, source) in [
+        (Some("localhost:1"), None, "--server"),
+        (None, Some("localhost:1"), "RUN_REMOTE_SERVER"),
+    ] {
+        let mut cmd = Command::new(gateway_bin());
+        cmd.args(["stdio", "--backend", "remote"])
+            .env_remove("RUN_REMOTE_SERVER")
+            .stdin(Stdio::null());
+        if let Some(f) = flag {
+            cmd.args(["--server", f]);
+        }
+        if let Some(e) = env {
+            cmd.env("RUN_REMOTE_SERVER", e);
+        }
+        let err = text(&cmd.output().unwrap().stderr);
+        assert!(
+            err.starts_with(&format!("mcp-run: {source}: invalid gateway URL"))
+                && err.lines().count() == 1,
+            "{err}"
+        );
+    }
     // A missing config file, under serve and stdio; JSON logs get one JSON line instead.
     for sub in ["serve", "stdio"] {
         let out = Command::new(gateway_bin())

@@ -104,10 +104,22 @@ impl BackendArgs {
         if let Some(server) = &self.server
             && config.server.backend == BackendKind::Remote
         {
+            // Checked here so that the message names where the URL came from.
+            crate::exec::remote::parse_server_url(server)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", server_source()))?;
             config.remote.server = Some(server.clone());
         }
         self.kube.apply(&mut config)?;
         Ok(config)
+    }
+}
+
+/// Which of `--server` and `RUN_REMOTE_SERVER` gave the remote backend's URL (the flag wins).
+fn server_source() -> &'static str {
+    if std::env::args().any(|a| a == "--server" || a.starts_with("--server=")) {
+        "--server"
+    } else {
+        "RUN_REMOTE_SERVER"
     }
 }
 
