@@ -76,23 +76,6 @@ impl Failure {
     pub fn gateway(e: &ErrorBody) -> Self {
         Self::new(Reason::Gateway(e.code), e.message.clone())
     }
-
-    /// The error body of a structured result.
-    pub fn body(&self) -> ErrorBody {
-        ErrorBody::new(
-            match self.reason {
-                Reason::Gateway(c) => c,
-                // Client-side: the structured result names the reason in its `error` text.
-                _ => ErrorCode::ProtocolError,
-            },
-            self.message.clone(),
-        )
-    }
-
-    /// `reason: message`, as in a structured result's `error`.
-    pub fn error_text(&self) -> String {
-        format!("{}: {}", self.reason.as_str(), self.message)
-    }
 }
 
 impl From<Failure> for Outcome {
@@ -198,8 +181,8 @@ mod tests {
 
     #[test]
     fn reasons_are_named() {
-        assert_eq!(Failure::config("x").error_text(), "configuration_error: x");
+        assert_eq!(Failure::config("x").reason.as_str(), "configuration_error");
         let f = Failure::gateway(&ErrorBody::new(ErrorCode::PolicyViolation, "no"));
-        assert_eq!(f.error_text(), "policy_violation: no");
+        assert_eq!(f.reason.as_str(), "policy_violation");
     }
 }
