@@ -155,10 +155,7 @@ impl McpService {
         if let Some(e) = &collected.error {
             return error_result(e);
         }
-        let exit_code = collected
-            .exit
-            .map(|e| if e.timed_out { 124 } else { e.shell_status() })
-            .unwrap_or(255);
+        let exit_code = crate::exit::status(collected.exit.as_ref());
         let (mut stdout, mut stderr) = (collected.stdout.text().0, collected.stderr.text().0);
         if let Some(tpl) = &template {
             for s in [&mut stdout, &mut stderr] {
