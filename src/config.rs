@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 use crate::exec::local::DEFAULT_INHERIT_ENV;
 
 pub use crate::exec::kube::config::{KubernetesConfig, Profile};
+pub use crate::mcp::config::McpConfig;
 
 /// A configuration problem, naming the file and the field.
 #[derive(Debug, thiserror::Error)]
@@ -62,7 +63,7 @@ pub struct Config {
     /// Secrets replaced by `[REDACTED]` in output (docs/policy.md).
     pub redaction: crate::redact::RedactionConfig,
     /// Operator-declared CLI tools, each its own MCP tool (docs/tools.md).
-    pub tools: Vec<crate::tools::ToolConfig>,
+    pub tools: Vec<crate::mcp::tools::ToolConfig>,
     /// Output templates of the MCP tool, added to the built-ins (docs/templates.md);
     /// checked at start by `templates::Catalog::with_templates`.
     pub templates: BTreeMap<String, yaml_serde::Value>,
@@ -120,26 +121,6 @@ impl Default for Limits {
             max_timeout_secs: 3600,
             max_concurrent_executions: None,
             rate_limit: None,
-        }
-    }
-}
-
-/// The MCP server (`/mcp` and `mcp-run stdio`).
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct McpConfig {
-    /// Per stream, the most output kept in a tool result (head and tail).
-    pub max_output_bytes: usize,
-    /// `Host` headers `/mcp` accepts (DNS-rebinding protection for gateways on a
-    /// workstation); an empty list accepts any host, for a gateway behind a Service.
-    pub allowed_hosts: Vec<String>,
-}
-
-impl Default for McpConfig {
-    fn default() -> Self {
-        Self {
-            max_output_bytes: crate::result::DEFAULT_MAX_OUTPUT_BYTES,
-            allowed_hosts: vec!["localhost".into(), "127.0.0.1".into(), "::1".into()],
         }
     }
 }
@@ -245,12 +226,7 @@ impl Config {
                 "must contain a `default` profile".into(),
             ));
         }
-        if self.mcp.max_output_bytes < 1024 {
-            return Err(invalid(
-                "mcp.max_output_bytes",
-                "must be at least 1024".into(),
-            ));
-        }
+        self.mcp.validate().map_err(|(f, m)| invalid(f, m))?;
         if let Some(server) = &self.remote.server {
             crate::exec::remote::parse_server_url(server)
                 .map_err(|m| invalid("remote.server", m))?;
@@ -283,7 +259,7 @@ impl Config {
                 ));
             }
         }
-        crate::tools::validate(&self.tools).map_err(|e| invalid(&e.field, e.message))?;
+        crate::mcp::tools::validate(&self.tools).map_err(|e| invalid(&e.field, e.message))?;
         self.redaction
             .validate()
             .map_err(|e| invalid(&e.field, e.message))?;

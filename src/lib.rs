@@ -20,4 +20,3 @@ pub mod result;
 pub mod runner;
 pub mod server;
 pub mod templates;
-pub mod tools;

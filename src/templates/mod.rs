@@ -9,6 +9,7 @@
 //! [`TemplateStore`], which caches per directory with a TTL and keeps the last good
 //! configuration when the file turns invalid.
 
+pub mod ansi;
 pub mod filter;
 pub mod result;
 pub mod store;
@@ -18,7 +19,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-pub use filter::{Filtered, apply};
+pub use filter::{Filtered, StreamFilter, apply};
 pub use result::apply_to_result;
 pub use store::TemplateStore;
 

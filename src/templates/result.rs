@@ -47,6 +47,7 @@ mod tests {
                 started_at: String::new(),
                 truncated: false,
                 timed_out: false,
+                full_output: None,
             }],
             success: false,
             total_duration_ms: 1,
