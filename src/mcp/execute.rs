@@ -168,7 +168,11 @@ struct Reporter {
 }
 
 impl Reporter {
-    fn spawn(peer: Peer<RoleServer>, token: ProgressToken, mut phases: mpsc::Receiver<Event>) -> Self {
+    fn spawn(
+        peer: Peer<RoleServer>,
+        token: ProgressToken,
+        mut phases: mpsc::Receiver<Event>,
+    ) -> Self {
         let latest = Arc::new(Mutex::new(String::new()));
         let line = latest.clone();
         let task = tokio::spawn(async move {
@@ -202,7 +206,8 @@ impl Reporter {
                     }
                 };
                 n += 1;
-                let p = ProgressNotificationParam::new(token.clone(), f64::from(n)).with_message(message);
+                let p = ProgressNotificationParam::new(token.clone(), f64::from(n))
+                    .with_message(message);
                 if peer.notify_progress(p).await.is_err() {
                     return;
                 }

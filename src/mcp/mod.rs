@@ -171,7 +171,12 @@ impl McpService {
             .map(|(t, _)| format!("`{}`: {}", t.name, t.description))
             .collect();
         let input = schema::run_input(&schema::InputExtras {
-            profiles: caps.backend.profiles.iter().map(|p| p.name.clone()).collect(),
+            profiles: caps
+                .backend
+                .profiles
+                .iter()
+                .map(|p| p.name.clone())
+                .collect(),
             default_timeout_secs: caps.limits.default_timeout_secs,
             max_timeout_secs: caps.limits.max_timeout_secs,
             templates: catalog.names(),
@@ -209,8 +214,13 @@ impl McpService {
 
     /// MCP's own arguments of `run_network_tool`, taken out of `arguments` (what is left is
     /// the run request): the call and its budget.
-    fn call_arguments(&self, arguments: &mut Map<String, Value>) -> Result<(Call, usize), ErrorBody> {
-        let invalid = |m: String| ErrorBody::new(ErrorCode::InvalidRequest, format!("invalid arguments: {m}"));
+    fn call_arguments(
+        &self,
+        arguments: &mut Map<String, Value>,
+    ) -> Result<(Call, usize), ErrorBody> {
+        let invalid = |m: String| {
+            ErrorBody::new(ErrorCode::InvalidRequest, format!("invalid arguments: {m}"))
+        };
         let template = match arguments.remove("template") {
             None | Some(Value::Null) => None,
             Some(Value::String(name)) => Some(self.template(&name, "unknown template")?),
@@ -288,7 +298,8 @@ impl McpService {
         uri: &str,
         context: &RequestContext<RoleServer>,
     ) -> Result<ReadResourceResult, McpError> {
-        let parsed = resources::OutputUri::parse(uri).map_err(|m| McpError::invalid_params(m, None))?;
+        let parsed =
+            resources::OutputUri::parse(uri).map_err(|m| McpError::invalid_params(m, None))?;
         let caller = crate::access::mcp_caller(&context.extensions)
             .unwrap_or_else(|| crate::access::Caller::local("stdio"));
         let Some(store) = &self.store else {
@@ -312,7 +323,9 @@ impl McpService {
         })?;
         let page = resources::read(&run, &parsed, self.config.result_chars)
             .map_err(|m| McpError::invalid_params(m, None))?;
-        Ok(ReadResourceResult::new(vec![ResourceContents::text(page.text, uri)]))
+        Ok(ReadResourceResult::new(vec![ResourceContents::text(
+            page.text, uri,
+        )]))
     }
 }
 
@@ -419,7 +432,10 @@ impl ServerHandler for McpService {
                     let name = store::stream_name(s);
                     list.push(
                         Resource::new(run.uri(s), format!("run {} {name}", run.id))
-                            .with_description(format!("The full {name} of an MCP run; {}.", reply::HOW_TO_READ))
+                            .with_description(format!(
+                                "The full {name} of an MCP run; {}.",
+                                reply::HOW_TO_READ
+                            ))
                             .with_mime_type("text/plain")
                             .with_size(run.kept(s)),
                     );

@@ -53,9 +53,14 @@ pub fn texts(ran: &Ran, budget: usize) -> Texts {
             Some((o, e)) => {
                 let f = if i == 0 { o } else { e };
                 removed |= f.omitted_lines() > 0;
-                let full = uri(s).map(|u| format!("; the full output: {u}")).unwrap_or_default();
+                let full = uri(s)
+                    .map(|u| format!("; the full output: {u}"))
+                    .unwrap_or_default();
                 excerpt(&f.output, None, shares[i], |a, b| {
-                    format!("[... mcp-run: {} bytes of the filtered {name} left out{full} ...]", b - a)
+                    format!(
+                        "[... mcp-run: {} bytes of the filtered {name} left out{full} ...]",
+                        b - a
+                    )
                 })
             }
             None => {

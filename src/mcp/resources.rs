@@ -122,9 +122,7 @@ impl OutputUri {
                 "grep" if !v.is_empty() => q.grep = Some(v),
                 "grep" => return Err("grep needs a pattern".into()),
                 k => {
-                    return Err(format!(
-                        "unknown parameter {k:?}: use lines, bytes or grep"
-                    ));
+                    return Err(format!("unknown parameter {k:?}: use lines, bytes or grep"));
                 }
             }
         }
@@ -273,7 +271,12 @@ fn lines_page(file: std::fs::File, uri: &OutputUri, budget: usize) -> Result<Pag
     }
 }
 
-fn grep_page(file: std::fs::File, uri: &OutputUri, re: &str, budget: usize) -> Result<Page, String> {
+fn grep_page(
+    file: std::fs::File,
+    uri: &OutputUri,
+    re: &str,
+    budget: usize,
+) -> Result<Page, String> {
     let pattern = regex::RegexBuilder::new(re)
         .size_limit(1 << 22)
         .build()
@@ -338,7 +341,8 @@ mod tests {
 
     #[test]
     fn parses_what_the_template_allows() {
-        let u = OutputUri::parse("mcp-run://runs/ab12/stderr?lines=10-20&grep=error%3A%20x").unwrap();
+        let u =
+            OutputUri::parse("mcp-run://runs/ab12/stderr?lines=10-20&grep=error%3A%20x").unwrap();
         assert_eq!(u.id, "ab12");
         assert_eq!(u.stream, Stream::Stderr);
         assert_eq!(u.query.lines, Some((10, Some(20))));

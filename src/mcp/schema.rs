@@ -163,7 +163,14 @@ mod tests {
         assert_eq!(s["required"], json!(["executable"]));
         let p = &s["properties"];
         // Every RunRequest field is there, from the contract.
-        for f in ["executable", "args", "cwd", "env", "timeout_secs", "profile"] {
+        for f in [
+            "executable",
+            "args",
+            "cwd",
+            "env",
+            "timeout_secs",
+            "profile",
+        ] {
             assert!(p.get(f).is_some(), "{f}: {s}");
         }
         assert_eq!(p["profile"]["enum"], json!(["default", "gpu"]));

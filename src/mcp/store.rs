@@ -331,7 +331,10 @@ mod tests {
         assert_eq!(r.kept(Stream::Stdout), 100);
         assert_eq!(std::fs::read(r.path(Stream::Stderr)).unwrap(), b"\0err");
         assert_eq!(s.get(&r.id, &me).unwrap().id, r.id);
-        assert_eq!(r.uri(Stream::Stderr), format!("mcp-run://runs/{}/stderr", r.id));
+        assert_eq!(
+            r.uri(Stream::Stderr),
+            format!("mcp-run://runs/{}/stderr", r.id)
+        );
         // Another identity does not see it.
         let other = Caller {
             identity: Some("mallory".into()),

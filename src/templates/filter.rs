@@ -79,7 +79,11 @@ pub const MAX_LINE: usize = 64 * 1024;
 pub const MAX_KEPT: usize = 8 * 1024 * 1024;
 
 /// The most bytes of the trailing paragraphs held.
-pub const MAX_TAIL: usize = 1024 * 1024;
+pub const MAX_TAIL: usize = 256 * 1024;
+
+/// The most lines of the trailing paragraphs kept: a summary is short, and a last
+/// "paragraph" of thousands of progress lines is noise (its failure lines are kept anyway).
+pub const MAX_TAIL_LINES: usize = 50;
 
 /// How many lines of a diagnostic block (an error line followed by its code frame, up to
 /// the next blank line) are kept at most.
@@ -288,7 +292,7 @@ impl StreamFilter {
             self.paragraph_bytes += line.len();
         }
         // Bounded: a last paragraph of megabytes keeps its end.
-        while self.paragraph_bytes > MAX_TAIL {
+        while self.paragraph_bytes > MAX_TAIL || self.paragraph_lines() > MAX_TAIL_LINES {
             let Some((start, p)) = self.paragraphs.front_mut() else {
                 break;
             };
@@ -302,6 +306,10 @@ impl StreamFilter {
         }
     }
 
+    fn paragraph_lines(&self) -> usize {
+        self.paragraphs.iter().map(|(_, p)| p.len()).sum()
+    }
+
     /// Ends the stream. `exit_code` is the command's (`None`: it did not exit normally, a
     /// failure). `full` names where the full output is, for the note.
     pub fn finish(mut self, exit_code: Option<i32>, full: Option<&str>) -> Filtered {
@@ -313,7 +321,12 @@ impl StreamFilter {
         let total = self.lines;
         let mut kept: Vec<(usize, &[u8])> = Vec::new();
         if failed && total <= SHORT_STREAM_LINES {
-            kept = self.first.iter().enumerate().map(|(i, l)| (i, l.as_slice())).collect();
+            kept = self
+                .first
+                .iter()
+                .enumerate()
+                .map(|(i, l)| (i, l.as_slice()))
+                .collect();
         } else {
             let summary_only = self.template.suppress_on_success && !failed;
             let wanted = |why: Why| match why {
