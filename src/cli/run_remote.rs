@@ -271,7 +271,7 @@ async fn run(args: Args) -> i32 {
             crate::result::collect(execution, args.max_output_bytes.max(1024), |_, _| {}).await;
         let mut r = crate::result::StructuredResult::from_run("run-remote", &request, &collected);
         if let Some(t) = &template {
-            crate::templates::apply_to_result(&mut r, t);
+            crate::result::apply_to_result(&mut r, t);
         }
         if !print_result(&r, args.output_format) {
             return code::IO_ERROR;

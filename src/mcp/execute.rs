@@ -73,8 +73,8 @@ pub async fn execute(
     context: &RequestContext<RoleServer>,
 ) -> Result<Ran, Stopped> {
     // Over HTTP the gateway's middleware identified the caller; over stdio it is local.
-    let caller = crate::access::mcp_caller(&context.extensions)
-        .unwrap_or_else(|| crate::access::Caller::local("stdio"));
+    let caller = crate::auth::mcp_caller(&context.extensions)
+        .unwrap_or_else(|| crate::auth::Caller::local("stdio"));
     let (progress, phases) = Progress::channel();
     let reporter = context
         .meta

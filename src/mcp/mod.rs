@@ -300,8 +300,8 @@ impl McpService {
     ) -> Result<ReadResourceResult, McpError> {
         let parsed =
             resources::OutputUri::parse(uri).map_err(|m| McpError::invalid_params(m, None))?;
-        let caller = crate::access::mcp_caller(&context.extensions)
-            .unwrap_or_else(|| crate::access::Caller::local("stdio"));
+        let caller = crate::auth::mcp_caller(&context.extensions)
+            .unwrap_or_else(|| crate::auth::Caller::local("stdio"));
         let Some(store) = &self.store else {
             return Err(McpError::resource_not_found(
                 "this server keeps no outputs (its output directory could not be made)",
@@ -425,8 +425,8 @@ impl ServerHandler for McpService {
         ];
         // The caller's most recent kept outputs.
         if let Some(store) = &self.store {
-            let caller = crate::access::mcp_caller(&context.extensions)
-                .unwrap_or_else(|| crate::access::Caller::local("stdio"));
+            let caller = crate::auth::mcp_caller(&context.extensions)
+                .unwrap_or_else(|| crate::auth::Caller::local("stdio"));
             for run in store.list(&caller, 20) {
                 for s in [crate::result::Stream::Stdout, crate::result::Stream::Stderr] {
                     let name = store::stream_name(s);

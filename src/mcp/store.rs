@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::access::Caller;
+use crate::auth::Caller;
 use crate::result::Stream;
 
 /// How many expired run ids are remembered (to say "expired" rather than "unknown").

@@ -11,7 +11,6 @@
 
 pub mod ansi;
 pub mod filter;
-pub mod result;
 pub mod store;
 
 use std::collections::BTreeMap;
@@ -20,7 +19,6 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 pub use filter::{Filtered, StreamFilter, apply};
-pub use result::apply_to_result;
 pub use store::TemplateStore;
 
 /// The configuration file, relative to a directory on the way up from the working directory.

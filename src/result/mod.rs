@@ -17,138 +17,15 @@ use serde::{Deserialize, Serialize};
 use crate::contract::{ErrorBody, Event, ExitInfo, RunContext, RunRequest};
 use crate::exec::Execution;
 
+mod budget;
+mod template;
+
+pub use budget::{cost, excerpt, fit_head, fit_tail};
+pub use template::apply_to_result;
+
 /// The default cap per stream of `run-remote --output-format json|markdown`: 1 MiB. (MCP
 /// results are sized by a character budget instead, see [`Capture::excerpt`].)
 pub const DEFAULT_MAX_OUTPUT_BYTES: usize = 1024 * 1024;
-
-/// What a character of output costs in a result: its length once JSON-escaped (`\u0000` is
-/// 6, `\n` is 2, any other printable character 1).
-fn char_cost(c: char) -> usize {
-    match c {
-        '"' | '\\' | '\n' | '\r' | '\t' | '\u{8}' | '\u{c}' => 2,
-        c if (c as u32) < 0x20 => 6,
-        _ => 1,
-    }
-}
-
-/// The cost of a text in a result (see [`char_cost`]).
-pub fn cost(s: &str) -> usize {
-    s.chars().map(char_cost).sum()
-}
-
-/// Calls `f(byte offset after the character, its cost)` for each character of `bytes` as
-/// lossy UTF-8 shows it (an invalid sequence is one U+FFFD).
-fn each_char(bytes: &[u8], mut f: impl FnMut(usize, usize) -> bool) {
-    let mut at = 0;
-    for chunk in bytes.utf8_chunks() {
-        for c in chunk.valid().chars() {
-            at += c.len_utf8();
-            if !f(at, char_cost(c)) {
-                return;
-            }
-        }
-        if !chunk.invalid().is_empty() {
-            at += chunk.invalid().len();
-            if !f(at, 1) {
-                return;
-            }
-        }
-    }
-}
-
-/// How many leading bytes of `bytes` fit in `budget`, ending on a character boundary.
-pub fn fit_head(bytes: &[u8], budget: usize) -> usize {
-    let (mut used, mut end) = (0, 0);
-    each_char(bytes, |at, c| {
-        if used + c > budget {
-            return false;
-        }
-        used += c;
-        end = at;
-        true
-    });
-    end
-}
-
-/// How many trailing bytes of `bytes` fit in `budget`, starting on a character boundary.
-pub fn fit_tail(bytes: &[u8], budget: usize) -> usize {
-    let mut total = 0;
-    each_char(bytes, |_, c| {
-        total += c;
-        true
-    });
-    // Skip characters from the front until the rest fits.
-    let (mut skipped, mut start) = (0, 0);
-    if total > budget {
-        each_char(bytes, |at, c| {
-            skipped += c;
-            start = at;
-            total - skipped > budget
-        });
-    }
-    bytes.len() - start
-}
-
-/// The cost of a bounded marker line (offsets, a URI).
-const MARKER_COST: usize = 400;
-
-/// `bytes` cut to `budget`: the head and the tail kept (on line boundaries when near), the
-/// cut marked in place by `marker(first byte left out, end of the bytes left out)`. Colour
-/// escapes are removed. The flag says whether anything was left out.
-pub fn excerpt(
-    bytes: &[u8],
-    gap: Option<(usize, u64)>,
-    budget: usize,
-    marker: impl Fn(u64, u64) -> String,
-) -> (String, bool) {
-    let show = |b: &[u8]| String::from_utf8_lossy(&crate::templates::ansi::strip(b)).into_owned();
-    // `gap`: bytes (at this offset of `bytes`, this many) that were never held.
-    let (split, missing) = gap.unwrap_or((bytes.len(), 0));
-    let whole = cost(&String::from_utf8_lossy(bytes));
-    if missing == 0 && whole <= budget {
-        return (show(bytes), false);
-    }
-    let avail = budget.saturating_sub(MARKER_COST).max(200);
-    let (head_part, tail_part) = if missing > 0 {
-        bytes.split_at(split)
-    } else {
-        (bytes, bytes)
-    };
-    // Errors are usually at the end: the tail gets the larger share.
-    let mut h = fit_head(head_part, avail * 2 / 5);
-    if let Some(i) = memchr::memrchr(b'\n', &head_part[..h])
-        && i + 1 >= h / 2
-        && h < head_part.len()
-    {
-        h = i + 1;
-    }
-    let head_cost = cost(&String::from_utf8_lossy(&head_part[..h]));
-    let mut t = fit_tail(tail_part, avail.saturating_sub(head_cost));
-    if missing == 0 {
-        // One buffer: the tail must not overlap the head.
-        t = t.min(bytes.len() - h);
-    }
-    let tail_start = tail_part.len() - t;
-    if let Some(i) = memchr::memchr(b'\n', &tail_part[tail_start..])
-        && i + 1 <= t / 2
-        && tail_start > 0
-    {
-        t -= i + 1;
-    }
-    let total = bytes.len() as u64 + missing;
-    let cut_from = h as u64;
-    let cut_to = total - t as u64;
-    let mut out = show(&head_part[..h]);
-    if cut_to > cut_from {
-        if !out.is_empty() && !out.ends_with('\n') {
-            out.push('\n');
-        }
-        out.push_str(&marker(cut_from, cut_to));
-        out.push('\n');
-    }
-    out.push_str(&show(&tail_part[tail_part.len() - t..]));
-    (out, cut_to > cut_from)
-}
 
 /// Where and how a command ran.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
