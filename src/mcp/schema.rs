@@ -36,8 +36,10 @@ pub fn derived<T: schemars::JsonSchema>() -> Map<String, Value> {
     }
 }
 
-/// Removes `format` keywords that JSON Schema does not define (schemars writes `uint64`,
-/// `int32`, `double`, ... for Rust numbers); the ranges stay as `minimum`/`maximum`.
+/// Makes a derived schema portable: removes `format` keywords that JSON Schema does not
+/// define (schemars writes `uint64`, `int32`, `double`, ... for Rust numbers; the ranges stay
+/// as `minimum`/`maximum`), and writes a nullable `type: [T, "null"]` as `anyOf` of single
+/// types, which single-type dialects (and `inspector --strict`) accept.
 pub fn strict(v: &mut Value) {
     const STANDARD: &[&str] = &[
         "date-time",
@@ -60,6 +62,28 @@ pub fn strict(v: &mut Value) {
             {
                 m.remove("format");
             }
+            if let Some(Value::Array(types)) = m.get("type").cloned() {
+                // Everything but `type` applies to the non-null branches.
+                m.remove("type");
+                let rest = std::mem::take(m);
+                let branches: Vec<Value> = types
+                    .into_iter()
+                    .map(|t| {
+                        let mut b = Map::new();
+                        if t != "null" {
+                            b.extend(
+                                rest.iter()
+                                    .filter(|(k, _)| !is_annotation(k))
+                                    .map(|(k, v)| (k.clone(), v.clone())),
+                            );
+                        }
+                        b.insert("type".into(), t);
+                        Value::Object(b)
+                    })
+                    .collect();
+                m.extend(rest.into_iter().filter(|(k, _)| is_annotation(k)));
+                m.insert("anyOf".into(), Value::Array(branches));
+            }
             m.values_mut().for_each(strict);
         }
         Value::Array(a) => a.iter_mut().for_each(strict),
@@ -67,10 +91,36 @@ pub fn strict(v: &mut Value) {
     }
 }
 
+/// Keywords that describe a schema rather than constrain it.
+fn is_annotation(k: &str) -> bool {
+    matches!(k, "description" | "title" | "default" | "examples")
+}
+
+/// An optional input is omitted, not null: `type: [T, "null"]` becomes `type: T`.
+fn not_null(v: &mut Value) {
+    if let Some(Value::Array(types)) = v.get("type") {
+        let t: Vec<Value> = types.iter().filter(|t| *t != "null").cloned().collect();
+        if t.len() == 1 {
+            v["type"] = t[0].clone();
+        }
+    }
+}
+
 /// The input schema of `run_network_tool`: [`RunRequest`]'s, with the profiles as an enum,
 /// the timeout bounded, and MCP's own arguments (`template`, `stdin`, `result_chars`).
 pub fn run_input(x: &InputExtras) -> Map<String, Value> {
-    let mut schema = derived::<RunRequest>();
+    let mut raw = serde_json::to_value(schemars::schema_for!(RunRequest)).unwrap_or_default();
+    if let Some(props) = raw.get_mut("properties").and_then(Value::as_object_mut) {
+        props.values_mut().for_each(not_null);
+    }
+    strict(&mut raw);
+    let mut schema = match raw {
+        Value::Object(mut m) => {
+            m.remove("$schema");
+            m
+        }
+        _ => Map::new(),
+    };
     let props = schema
         .entry("properties")
         .or_insert_with(|| json!({}))
@@ -148,6 +198,9 @@ mod tests {
                 if let Some(Value::String(f)) = m.get("format") {
                     out.push(f.clone());
                 }
+                if let Some(Value::Array(t)) = m.get("type") {
+                    out.push(format!("type {t:?}"));
+                }
                 m.values().for_each(|v| formats(v, out));
             }
             Value::Array(a) => a.iter().for_each(|v| formats(v, out)),
@@ -183,7 +236,7 @@ mod tests {
     }
 
     #[test]
-    fn no_nonstandard_formats() {
+    fn no_nonstandard_formats_or_type_arrays() {
         for s in [
             Value::Object(run_input(&extras())),
             Value::Object(run_output()),
@@ -192,5 +245,11 @@ mod tests {
             formats(&s, &mut f);
             assert!(f.is_empty(), "{f:?}");
         }
+        let mut v = json!({"type": ["integer", "null"], "minimum": 0, "description": "d"});
+        strict(&mut v);
+        assert_eq!(
+            v,
+            json!({"description": "d", "anyOf": [{"type": "integer", "minimum": 0}, {"type": "null"}]})
+        );
     }
 }
