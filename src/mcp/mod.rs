@@ -479,3 +479,6 @@ impl ServerHandler for McpService {
         Ok(ReadResourceResult::new(vec![ResourceContents::text(text, RESOURCE_URI)]).into())
     }
 }
+
+#[cfg(test)]
+mod tests;
