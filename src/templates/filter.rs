@@ -106,6 +106,27 @@ static FRAME: LazyLock<Regex> = LazyLock::new(|| {
         .unwrap_or_else(|e| unreachable!("built-in regex: {e}"))
 });
 
+/// A stack frame inside a library or the runtime (`at ... (node_modules/...)`,
+/// `at java.base/...`): not one of the project's, so not kept as a failure's location.
+static LIBRARY_FRAME: LazyLock<Regex> = LazyLock::new(|| {
+    Regex::new(concat!(
+        r"^\s*at .*(node_modules/|node:internal|\(<anonymous>\)|java\.base/|jdk\.internal\.",
+        r"|org\.junit\.|junit\.framework\.|org\.apache\.maven\.|sun\.reflect\.|org\.gradle\.)",
+    ))
+    .unwrap_or_else(|e| unreachable!("built-in regex: {e}"))
+});
+
+/// A caret line under a source line in a code frame (`   |     ^^^`, `  ~~~~`): it and the
+/// line it marks are kept on a failure, the frame's other context lines are not.
+static CARET: LazyLock<Regex> = LazyLock::new(|| {
+    Regex::new(r"^\s*(\d+\s*)?\|?\s*[\^~]+\s*$")
+        .unwrap_or_else(|e| unreachable!("built-in regex: {e}"))
+});
+
+/// Kept lines shorter than this (trimmed) are kept however often they repeat (code-frame
+/// rules like `  |`); longer ones are kept once (a runner that prints every failure twice).
+const DEDUPE_MIN: usize = 12;
+
 /// Why a line is a candidate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Why {
@@ -145,6 +166,10 @@ pub struct StreamFilter {
     after_location: bool,
     /// The line before was a failure line (a block starts when a frame line follows).
     after_failure: bool,
+    /// Hashes of the candidate lines kept so far (each long line is kept once).
+    seen: std::collections::HashSet<u64>,
+    /// The previous line, unless it is a candidate already (the line a caret marks).
+    previous: Option<(usize, Vec<u8>)>,
 }
 
 impl StreamFilter {
@@ -167,6 +192,8 @@ impl StreamFilter {
             block: 0,
             after_location: false,
             after_failure: false,
+            seen: std::collections::HashSet::new(),
+            previous: None,
         }
     }
 
@@ -189,6 +216,15 @@ impl StreamFilter {
     }
 
     fn candidate(&mut self, no: usize, why: Why, line: &[u8]) {
+        let text = content(line).trim_ascii();
+        if text.len() >= DEDUPE_MIN {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            text.hash(&mut h);
+            if !self.seen.insert(h.finish()) {
+                return;
+            }
+        }
         let entry = (no, why, line.to_vec());
         if self.head_bytes + line.len() <= MAX_KEPT / 2 {
             self.head_bytes += line.len();
@@ -234,7 +270,7 @@ impl StreamFilter {
                 self.block -= 1;
                 keep_failure = true;
             }
-        } else if self.after_failure && !blank && (FRAME.is_match(text) || location) {
+        } else if self.after_failure && !blank && FRAME.is_match(text) {
             // An error line followed by its code frame: the block up to the next blank line
             // is one diagnostic (rustc's labels under the source excerpt).
             self.block = BLOCK_LINES;
@@ -256,7 +292,8 @@ impl StreamFilter {
             keep_failure = true;
         }
         self.after_location = location && keep_failure;
-        self.after_failure = failure;
+        // Only a header (not indented, not itself a frame line) opens a diagnostic block.
+        self.after_failure = failure && text.first().is_some_and(|b| !b.is_ascii_whitespace());
         if failure {
             self.window = LOCATION_WINDOW;
             // A header whose message is on the next line: `panicked at f.rs:1:2:`, a test
@@ -265,11 +302,23 @@ impl StreamFilter {
                 self.want_message = true;
             }
         }
+        if CARET.is_match(text) {
+            keep_failure = true;
+            if let Some((p, l)) = self.previous.take() {
+                self.candidate(p, Why::Failure, &l);
+            }
+        }
+        if keep_failure && !failure && LIBRARY_FRAME.is_match(text) {
+            keep_failure = false;
+        }
         if keep_failure && why.is_none() {
             why = Some(Why::Failure);
         }
         if let Some(why) = why {
             self.candidate(no, why, &line);
+            self.previous = None;
+        } else {
+            self.previous = Some((no, line));
         }
     }
 
