@@ -23,4 +23,3 @@ pub mod result;
 pub mod runner;
 pub mod server;
 pub mod templates;
-pub mod tools;

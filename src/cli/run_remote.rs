@@ -429,7 +429,7 @@ async fn structured(
         crate::result::collect(execution, args.max_output_bytes.max(1024), |_, _| {}).await;
     let mut r = StructuredResult::from_run("run-remote", &prepared.request, &collected);
     if let Some(t) = &prepared.template {
-        crate::templates::apply_to_result(&mut r, t);
+        crate::result::apply_to_result(&mut r, t);
     }
     if let Err(e) = print_result(&r, format) {
         return outcome::write_failed(&e, "the result");

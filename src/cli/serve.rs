@@ -328,7 +328,7 @@ pub async fn app(config: &Config) -> anyhow::Result<App> {
         keepalive: config.keepalive(),
         capabilities,
         mcp: McpSettings {
-            max_output_bytes: config.mcp.max_output_bytes,
+            config: config.mcp.clone(),
             allowed_hosts: config.mcp.allowed_hosts.clone(),
             stop: drained.clone(),
             tools: Arc::new(config.tools.clone()),
@@ -484,7 +484,7 @@ pub async fn stdio(config: Config) -> anyhow::Result<()> {
         templates,
         capabilities,
     } = prepare(&config, true).await?;
-    let service = McpService::new(runner.clone(), capabilities, config.mcp.max_output_bytes)
+    let service = McpService::new(runner.clone(), capabilities, &config.mcp)
         .with_tools(Arc::new(config.tools.clone()))
         .with_templates(templates, working_dir());
     let running = service
