@@ -89,6 +89,12 @@ impl Progress {
         (Self(Some(tx)), rx)
     }
 
+    /// Whether anybody listens (a front end that shows phases); backends that must ask for
+    /// phases (a remote gateway) ask only then.
+    pub fn is_active(&self) -> bool {
+        self.0.as_ref().is_some_and(|tx| !tx.is_closed())
+    }
+
     /// Reports a phase, with an optional detail (the scheduler's or kubelet's message).
     pub fn report(&self, phase: crate::contract::Phase, message: Option<String>) {
         if let Some(tx) = &self.0 {
