@@ -246,3 +246,82 @@ async fn progress_opt_in_keeps_the_answers_of_a_backend_without_phases() {
         .unwrap();
     assert_eq!(resp.status(), 400);
 }
+
+/// `run-remote -i` streams its stdin byte-exact: 50 MB of random bytes through `cat` and
+/// `sha256sum`; empty stdin is EOF at once.
+#[test]
+fn run_remote_i_is_byte_exact() {
+    use rand::RngCore;
+    use sha2::Digest;
+    let gw = Gateway::start(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("blob");
+    let mut data = vec![0u8; 50 * 1024 * 1024 + 7];
+    rand::rng().fill_bytes(&mut data);
+    std::fs::write(&path, &data).unwrap();
+    let run = |flag: &str, cmd: &[&str], input: std::process::Stdio| {
+        let out = gw
+            .run_remote()
+            .arg(flag)
+            .arg("--")
+            .args(cmd)
+            .stdin(input)
+            .output()
+            .unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out
+    };
+    let file = || std::fs::File::open(&path).unwrap().into();
+    let out = run("-i", &["cat"], file());
+    assert_eq!(out.stdout.len(), data.len());
+    assert!(out.stdout == data, "cat changed the bytes");
+    let hex: String = sha2::Sha256::digest(&data)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let out = run("--stdin", &["sha256sum"], file());
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with(&hex));
+    let out = run("-i", &["wc", "-c"], std::process::Stdio::null());
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "0");
+    assert!(out.stderr.is_empty(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// Piped data without `-i` is not sent; run-remote says so in one line, and only then.
+#[test]
+fn piped_stdin_without_i_gets_a_one_line_hint() {
+    use std::io::Write;
+    let gw = Gateway::start(&[]);
+    let run = |args: &[&str], data: Option<&[u8]>| {
+        let mut cmd = gw.run_remote();
+        cmd.args(args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        if data.is_some() {
+            cmd.stdin(std::process::Stdio::piped());
+        }
+        let mut child = cmd.spawn().unwrap();
+        if let Some(d) = data {
+            let mut stdin = child.stdin.take().unwrap();
+            stdin.write_all(d).unwrap();
+        }
+        let out = child.wait_with_output().unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, out, err) = run(&["--", "wc", "-c"], Some(b"data\n"));
+    assert_eq!((code, out.trim()), (Some(0), "0"), "not forwarded: {err}");
+    assert_eq!(err.lines().count(), 1, "{err:?}");
+    assert!(err.contains("-i"), "{err:?}");
+    let (code, out, err) = run(&["-i", "--", "wc", "-c"], Some(b"data\n"));
+    assert_eq!((code, out.trim(), err.as_str()), (Some(0), "5", ""));
+    let (code, _, err) = run(&["--", "true"], None);
+    assert_eq!((code, err.as_str()), (Some(0), ""), "stdin /dev/null: no hint");
+}

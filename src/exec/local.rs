@@ -28,6 +28,10 @@ use crate::contract::{ErrorBody, ErrorCode, Event, ExitInfo, RunContext};
 pub const DEFAULT_INHERIT_ENV: &[&str] =
     &["PATH", "HOME", "USER", "LANG", "LC_ALL", "TZ", "TMPDIR"];
 
+/// The capacity asked for the command's pipes (Linux' default is 64 KiB): a reader that
+/// wakes up less often, and a command that runs ahead while the gateway sends.
+const PIPE_SIZE: nix::libc::c_int = 1024 * 1024;
+
 /// After the main process exited, how long to wait for its pipes to close.
 const DRAIN_GRACE: Duration = Duration::from_secs(2);
 
@@ -144,6 +148,15 @@ impl LocalExecutor {
             }
         };
         let pid = child.id();
+        if let Some(p) = &child.stdout {
+            enlarge_pipe(p);
+        }
+        if let Some(p) = &child.stderr {
+            enlarge_pipe(p);
+        }
+        if let Some(p) = &child.stdin {
+            enlarge_pipe(p);
+        }
         let (tx, rx) = mpsc::channel(EVENT_BUFFER);
         // Stops feeding stdin when the run ends (the supervisor is done) or is cancelled.
         let fed = cancel.child_token();
@@ -153,6 +166,12 @@ impl LocalExecutor {
         tokio::spawn(supervise(child, tx, cancel.clone(), fed.drop_guard()));
         Ok(Execution::new(self.context(pid), rx, cancel))
     }
+}
+
+/// Best effort: a pipe keeps its size when the system refuses (`fs.pipe-max-size`, or the
+/// user's pipe quota).
+fn enlarge_pipe(pipe: &impl std::os::fd::AsFd) {
+    let _ = nix::fcntl::fcntl(pipe, nix::fcntl::FcntlArg::F_SETPIPE_SZ(PIPE_SIZE));
 }
 
 fn io_reason(e: &std::io::Error) -> String {
