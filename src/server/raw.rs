@@ -163,17 +163,32 @@ async fn with_stdin(
     head_limit: usize,
 ) -> Result<(RunRequest, Option<Stdin>), ErrorBody> {
     let limits = state.runner.limits();
-    if !limits.allow_stdin {
-        // Refused before a byte of the body is read.
-        return Err(ErrorBody::new(
-            ErrorCode::PolicyViolation,
-            "this gateway does not accept stdin for commands (limits.allow_stdin is false)",
-        ));
-    }
     let mut body = body.into_data_stream();
-    let (head, rest) = read_head(&mut body, head_limit).await?;
-    let req = serde_json::from_slice::<RunRequest>(&head)
-        .map_err(|e| ErrorBody::new(ErrorCode::InvalidRequest, format!("invalid request: {e}")))?;
+    // A refused request's body is still read for a moment (see `drain`).
+    let refuse = |body: BodyDataStream, e: ErrorBody| {
+        tokio::spawn(drain(body));
+        Err(e)
+    };
+    if !limits.allow_stdin {
+        return refuse(
+            body,
+            ErrorBody::new(
+                ErrorCode::PolicyViolation,
+                "this gateway does not accept stdin for commands (limits.allow_stdin is false)",
+            ),
+        );
+    }
+    let (head, rest) = match read_head(&mut body, head_limit).await {
+        Ok(h) => h,
+        Err(e) => return refuse(body, e),
+    };
+    let req = match serde_json::from_slice::<RunRequest>(&head) {
+        Ok(r) => r,
+        Err(e) => {
+            let e = ErrorBody::new(ErrorCode::InvalidRequest, format!("invalid request: {e}"));
+            return refuse(body, e);
+        }
+    };
     let max = limits.max_stdin_bytes;
     let declared = headers
         .get(header::CONTENT_LENGTH)
@@ -182,7 +197,7 @@ async fn with_stdin(
     if let Some(len) = declared
         && len.saturating_sub(head.len() as u64 + 1) > max
     {
-        return Err(too_large(max));
+        return refuse(body, too_large(max));
     }
     let (tx, rx) = mpsc::channel(STDIN_BUFFER);
     let done = CancellationToken::new();
@@ -290,12 +305,19 @@ async fn pump(
     if let Some(e) = failure {
         let _ = abort.send(e);
     }
-    let drain = tokio::time::sleep(DRAIN_TIME);
-    tokio::pin!(drain);
+    drain(body).await;
+}
+
+/// Reads what is left of a body and throws it away, for [`DRAIN_TIME`] or [`DRAIN_BYTES`] at
+/// most. Closing a connection with unread data resets it, and a reset can destroy the end of
+/// the response before the client read it (an error answer, the last events of a run).
+async fn drain(mut body: BodyDataStream) {
+    let deadline = tokio::time::sleep(DRAIN_TIME);
+    tokio::pin!(deadline);
     let mut drained = 0u64;
     while drained < DRAIN_BYTES {
         tokio::select! {
-            _ = &mut drain => return,
+            _ = &mut deadline => return,
             f = body.next() => match f {
                 Some(Ok(c)) => drained += c.len() as u64,
                 _ => return,
