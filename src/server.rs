@@ -29,7 +29,7 @@ pub struct AppState {
     pub capabilities: Arc<crate::capabilities::Capabilities>,
     pub mcp: McpSettings,
     /// Bearer tokens for every path but the probes and metrics; `None`: auth off.
-    pub auth: Option<Arc<crate::access::Auth>>,
+    pub auth: Option<Arc<crate::auth::Auth>>,
 }
 
 /// How `/mcp` is served.
@@ -115,7 +115,7 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         .layer(axum::Extension(HeadLimit(max_body_bytes)))
         .layer(axum::middleware::from_fn_with_state(
             state.auth.clone(),
-            crate::access::middleware,
+            crate::auth::middleware,
         ))
         .with_state(state)
 }

@@ -21,7 +21,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use super::AppState;
-use crate::access::Caller;
+use crate::auth::Caller;
 use crate::contract::{
     ErrorBody, ErrorCode, Event, PROGRESS_HEADER, RunRequest, STDIN_CONTENT_TYPE,
 };
