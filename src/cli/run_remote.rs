@@ -10,6 +10,7 @@ use clap::Parser;
 use tokio_util::sync::CancellationToken;
 
 use super::exit_codes as code;
+use super::run_remote_io as io;
 use super::run_remote_templates::{self as tpl, TemplateSink};
 use crate::contract::{ErrorCode, Event, ExitInfo, RunRequest};
 use crate::exec::remote::RemoteExecutor;
@@ -34,6 +35,14 @@ summary), and names the file that keeps the full output. `run-remote templates` 
 #[derive(Debug, Parser)]
 #[command(name = "run-remote", version, about, after_help = AFTER_HELP)]
 pub struct Args {
+    /// Send our stdin to the command, byte for byte, its end as the command's end of input.
+    /// Without it the command's stdin is empty.
+    #[arg(short = 'i', long = "stdin", visible_alias = "interactive")]
+    pub stdin: bool,
+    /// Show on stderr the phases while the gateway prepares the command (shown anyway when
+    /// stderr is a terminal) and where the command runs once it started.
+    #[arg(short = 'v', long)]
+    pub verbose: bool,
     /// Send this variable of the local environment with the command (repeatable). Fails
     /// before sending when any of them is unset.
     #[arg(long = "keep-env", value_name = "NAME")]
@@ -216,6 +225,21 @@ pub fn rejection_code(c: ErrorCode) -> i32 {
 }
 
 async fn run(args: Args) -> i32 {
+    // Data piped in without -i is not sent: say so once, as early as it can be seen (a pipe's
+    // writer may not have written yet at the start, so it is checked again at the end).
+    let forwarding = args.stdin;
+    let hinted = !forwarding && io::stdin_has_data();
+    if hinted {
+        eprintln!("{}", io::STDIN_HINT);
+    }
+    let code = run_command(args).await;
+    if !forwarding && !hinted && io::stdin_has_data() {
+        eprintln!("{}", io::STDIN_HINT);
+    }
+    code
+}
+
+async fn run_command(args: Args) -> i32 {
     let (server, request) =
         match build_request(&args, |k| std::env::var(k).ok(), std::env::current_dir()) {
             Ok(r) => r,
@@ -255,7 +279,26 @@ async fn run(args: Args) -> i32 {
             return code::CONFIG;
         }
     };
-    let mut execution = match remote.run(&request, CancellationToken::new()).await {
+    let (progress, printer) = if io::show_progress(args.verbose) {
+        let (progress, phases) = crate::exec::Progress::channel();
+        (progress, Some(io::print_phases(phases)))
+    } else {
+        (crate::exec::Progress::default(), None)
+    };
+    let opts = crate::exec::StartOptions {
+        cancel: CancellationToken::new(),
+        progress,
+        stdin: args.stdin.then(io::forward_stdin),
+    };
+    let started = remote.run_with(&request, opts).await;
+    if let Some(printer) = printer {
+        // Every phase is printed before what follows.
+        let _ = printer.await;
+    }
+    if let (Ok(e), true) = (&started, args.verbose) {
+        eprintln!("{}", io::started_line(e.context()));
+    }
+    let mut execution = match started {
         Ok(e) => e,
         Err(e) => {
             if args.output_format != OutputFormat::Stream {

@@ -131,11 +131,22 @@ pub fn started_line(context: &RunContext) -> String {
             s.push_str(&format!(" {name}={v}"));
         }
     }
-    s.push_str(&format!(
-        " at {}",
-        humantime::format_rfc3339_seconds(std::time::SystemTime::now())
-    ));
+    s.push_str(&format!(" at {}", utc_time(std::time::SystemTime::now())));
     s
+}
+
+/// `HH:MM:SS UTC` of a time (the day is today's: this is a status line).
+fn utc_time(t: std::time::SystemTime) -> String {
+    let secs = t
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    format!(
+        "{:02}:{:02}:{:02} UTC",
+        secs / 3600 % 24,
+        secs / 60 % 60,
+        secs % 60
+    )
 }
 
 #[cfg(test)]
@@ -163,5 +174,7 @@ mod tests {
             ),
             "{line}"
         );
+        let t = std::time::UNIX_EPOCH + std::time::Duration::from_secs(86400 * 3 + 3723);
+        assert_eq!(utc_time(t), "01:02:03 UTC");
     }
 }
