@@ -43,6 +43,10 @@ pub struct ServeArgs {
     /// Address to listen on [default: 127.0.0.1:8080, or `server.listen` in the config file].
     #[arg(long, value_name = "ADDR")]
     pub listen: Option<SocketAddr>,
+    /// Allow a non-loopback `--listen` address without auth tokens (`server.insecure_no_auth`):
+    /// anyone who can reach the port can then run commands.
+    #[arg(long)]
+    pub insecure_no_auth: bool,
     /// Log format on stderr.
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
@@ -213,6 +217,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(listen) = args.listen {
         config.server.listen = listen;
     }
+    config.server.insecure_no_auth |= args.insecure_no_auth;
     block_on(serve(config))
 }
 
@@ -239,7 +244,6 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
         capabilities,
         mcp: McpSettings {
             max_output_bytes: config.mcp.max_output_bytes,
-            allowed_hosts: config.mcp.allowed_hosts.clone(),
             stop: drained.clone(),
             tools: Arc::new(config.tools.clone()),
             templates,
@@ -247,7 +251,12 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
         auth: crate::access::Auth::load(&config.auth, |k| std::env::var(k).ok())
             .map_err(anyhow::Error::msg)?
             .map(Arc::new),
+        guard: Arc::new(crate::guard::Guard::new(
+            &config.server.allowed_hosts,
+            config.server.max_body_bytes,
+        )),
     };
+    check_exposure(&config, state.auth.is_some())?;
     if let Some(auth) = &state.auth {
         auth.watch(Duration::from_secs(config.auth.reload_secs));
         tracing::info!(
@@ -255,6 +264,7 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
             "bearer-token auth on for every path but /healthz, /readyz and /metrics"
         );
     }
+    let auth_on = state.auth.is_some();
     let app = server::router(state, config.server.max_body_bytes);
     let listener = tokio::net::TcpListener::bind(config.server.listen)
         .await
@@ -265,12 +275,39 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
         listener,
         app,
         runner,
+        crate::connections::ConnectionLimits {
+            max_connections: config.server.max_connections,
+            max_unauthenticated: config.server.max_unauthenticated_connections,
+            header_timeout: Duration::from_secs(config.server.header_timeout_secs),
+            body_timeout: Duration::from_secs(config.server.body_timeout_secs),
+        },
+        auth_on,
         shutdown_signal(),
         config.shutdown_grace(),
         drained,
     )
     .await?;
     tracing::info!("stopped");
+    Ok(())
+}
+
+/// Refuses to serve a non-loopback address without auth unless the operator said so.
+fn check_exposure(config: &Config, auth: bool) -> anyhow::Result<()> {
+    let addr = config.server.listen.ip();
+    if auth || addr.is_loopback() {
+        return Ok(());
+    }
+    if !config.server.insecure_no_auth {
+        anyhow::bail!(
+            "refusing to listen on {addr} without auth: anyone who reaches it could run commands. \
+             Configure tokens (`auth:`, MCP_RUN_AUTH_TOKENS), listen on a loopback address, or pass \
+             --insecure-no-auth (`server.insecure_no_auth: true`) if something else guards the port"
+        );
+    }
+    tracing::warn!(
+        %addr,
+        "listening on a non-loopback address WITHOUT auth (--insecure-no-auth): anyone who can reach this port can run commands"
+    );
     Ok(())
 }
 

@@ -1,0 +1,204 @@
+//! The accept loop: what `axum::serve` does, plus the limits a gateway needs whatever its
+//! clients do.
+//! - At most `max_connections` connections; of those, at most `max_unauthenticated` that have
+//!   not yet made an authenticated request (any request when auth is off). A connection over
+//!   either cap gets a `503` JSON answer and is closed at once, so idle or malicious clients
+//!   cannot use up the gateway's file descriptors.
+//! - `header_timeout`: the time a client has to send a request's headers, which is also how
+//!   long a keep-alive connection may stay idle between requests (hyper starts the timer when
+//!   it waits for the next request head).
+//! - `body_timeout`: the longest silence while a request body arrives.
+//! - Shutdown: the listener stays open while running commands drain, so that new requests
+//!   get `503 shutting_down` rather than a refused connection; then connections are asked to
+//!   close, and after [`CLOSE_GRACE`] whatever is left (a client that stopped reading) is
+//!   dropped, so that the gateway exits.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{ConnectInfo, Request};
+use axum::middleware::Next;
+use axum::response::Response;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+/// After the drain, how long connections get to finish before they are dropped.
+pub const CLOSE_GRACE: Duration = Duration::from_secs(5);
+
+/// The connection limits (`server.*` in the configuration).
+#[derive(Debug, Clone)]
+pub struct ConnectionLimits {
+    pub max_connections: usize,
+    pub max_unauthenticated: usize,
+    pub header_timeout: Duration,
+    pub body_timeout: Duration,
+}
+
+/// A connection's hold on the unauthenticated cap, released by its first authenticated
+/// request. In the extensions of every request of that connection.
+#[derive(Clone, Default)]
+pub struct Unauthenticated(Arc<Mutex<Option<OwnedSemaphorePermit>>>);
+
+impl Unauthenticated {
+    /// This connection proved who it is: it no longer counts against the cap.
+    pub fn release(&self) {
+        if let Ok(mut p) = self.0.lock() {
+            p.take();
+        }
+    }
+}
+
+/// Middleware inside auth: a request that got this far is authenticated (or auth is off),
+/// except on the open paths (probes), which prove nothing.
+pub async fn mark_authenticated(req: Request, next: Next) -> Response {
+    let proven = req
+        .extensions()
+        .get::<crate::access::Caller>()
+        .is_some_and(|c| c.identity.is_some());
+    let auth_off = req.extensions().get::<AuthOff>().is_some();
+    if (proven || auth_off)
+        && let Some(u) = req.extensions().get::<Unauthenticated>()
+    {
+        u.release();
+    }
+    next.run(req).await
+}
+
+/// Marks requests of a gateway without auth: every request counts as authenticated.
+#[derive(Clone, Copy)]
+pub struct AuthOff;
+
+/// Serves `router` on `listener` until `drained` resolves (the caller's shutdown: the
+/// signal, then the drain of running commands); then connections are closed.
+pub async fn run(
+    listener: TcpListener,
+    router: Router,
+    limits: ConnectionLimits,
+    auth_on: bool,
+    drained: impl std::future::Future<Output = ()> + Send,
+) -> std::io::Result<()> {
+    let all = Arc::new(Semaphore::new(limits.max_connections));
+    let unauth = Arc::new(Semaphore::new(limits.max_unauthenticated));
+    let closing = CancellationToken::new();
+    let tracker = TaskTracker::new();
+    let body_timeout = limits.body_timeout;
+    let router = router.layer(tower_http::timeout::RequestBodyTimeoutLayer::new(
+        body_timeout,
+    ));
+    tokio::pin!(drained);
+    loop {
+        let (stream, addr) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // EMFILE and friends: wait a little rather than spin.
+                    tracing::warn!("accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut drained => break,
+        };
+        let permits = all
+            .clone()
+            .try_acquire_owned()
+            .ok()
+            .zip(unauth.clone().try_acquire_owned().ok());
+        let Some((permit, unauth_permit)) = permits else {
+            refuse(stream);
+            continue;
+        };
+        let conn_state = Unauthenticated(Arc::new(Mutex::new(Some(unauth_permit))));
+        let router = router.clone();
+        let closing = closing.clone();
+        let header_timeout = limits.header_timeout;
+        tracker.spawn(async move {
+            let _permit = permit;
+            serve_connection(
+                stream,
+                addr,
+                router,
+                conn_state,
+                auth_on,
+                header_timeout,
+                closing,
+            )
+            .await;
+        });
+    }
+    drop(listener);
+    tracker.close();
+    closing.cancel();
+    if tokio::time::timeout(CLOSE_GRACE, tracker.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            connections = tracker.len(),
+            "closing connections that did not finish (clients that stopped reading)"
+        );
+    }
+    Ok(())
+}
+
+/// Answers a connection over a cap without waiting for it, and closes it.
+fn refuse(stream: TcpStream) {
+    crate::metrics::rejected(crate::contract::ErrorCode::TooManyRequests);
+    let body =
+        r#"{"error":{"code":"too_many_requests","message":"too many connections; retry later"}}"#;
+    let answer = format!(
+        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = stream.try_write(answer.as_bytes());
+}
+
+async fn serve_connection(
+    stream: TcpStream,
+    addr: SocketAddr,
+    router: Router,
+    unauth: Unauthenticated,
+    auth_on: bool,
+    header_timeout: Duration,
+    closing: CancellationToken,
+) {
+    let _ = stream.set_nodelay(true);
+    let service = hyper::service::service_fn(move |mut req: Request<Incoming>| {
+        let ext = req.extensions_mut();
+        ext.insert(ConnectInfo(addr));
+        ext.insert(unauth.clone());
+        if !auth_on {
+            ext.insert(AuthOff);
+        }
+        tower::ServiceExt::oneshot(router.clone(), req.map(Body::new))
+    });
+    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(header_timeout);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .enable_connect_protocol();
+    let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+    tokio::pin!(conn);
+    tokio::select! {
+        r = conn.as_mut() => {
+            if let Err(e) = r {
+                tracing::debug!(%addr, "connection ended: {e}");
+            }
+            return;
+        }
+        () = closing.cancelled() => conn.as_mut().graceful_shutdown(),
+    }
+    // Idle connections close now; one still streaming gets until the forced close.
+    let _ = tokio::time::timeout(CLOSE_GRACE, conn).await;
+}
