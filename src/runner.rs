@@ -222,7 +222,7 @@ impl Runner {
             .with_timeout(timeout)
             .tracked(self.tracker.token())
             .observed(crate::metrics::execution_started(self.executor.name()))
-            .hold(slot))
+            .hold_while_running(slot))
     }
 
     /// How many executions are running.

@@ -19,7 +19,7 @@ use tokio::process::{Child, Command};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::{EVENT_BUFFER, ExecSpec, Execution, Executor, StartOptions, forward, read_opt};
+use super::{EVENT_BUFFER, ExecSpec, Execution, Executor, StartOptions, read_opt};
 use crate::contract::{ErrorBody, ErrorCode, Event, ExitInfo, RunContext};
 
 /// Variables of the gateway's own environment that commands inherit by default. Nothing
@@ -30,9 +30,16 @@ pub const DEFAULT_INHERIT_ENV: &[&str] =
 /// After the main process exited, how long to wait for its pipes to close.
 const DRAIN_GRACE: Duration = Duration::from_secs(2);
 
+/// The variable that marks every process of a command (`GATEWAY_PID.N`), so that those that
+/// left its process group (`setsid`) can still be found and killed.
+pub const RUN_TAG_VAR: &str = "MCP_RUN_RUN";
+
 /// Runs commands as local child processes.
 pub struct LocalExecutor {
     base_env: Vec<(String, String)>,
+    /// The gateway's own `PATH`: bare executable names are looked up there, never in the
+    /// request's `PATH` (which would let a request pick what an allowed name runs).
+    path: Option<std::ffi::OsString>,
     host: String,
     /// Profile names requests may give. Profiles describe pods; here they only select the
     /// policy's per-profile overrides.
@@ -52,6 +59,7 @@ impl LocalExecutor {
             .unwrap_or_else(|| "localhost".into());
         Self {
             base_env,
+            path: std::env::var_os("PATH"),
             host,
             profiles: vec!["default".into()],
         }
@@ -94,11 +102,28 @@ impl LocalExecutor {
                 ));
             }
         }
-        let mut cmd = Command::new(&spec.executable);
-        cmd.args(&spec.args)
+        let program = if spec.executable.contains('/') {
+            std::path::PathBuf::from(&spec.executable)
+        } else {
+            match lookup(&spec.executable, self.path.as_deref()) {
+                Some(p) => p,
+                None => {
+                    return Ok(Execution::finished(
+                        self.context(None),
+                        format!("mcp-run: {}: command not found\n", spec.executable),
+                        127,
+                    ));
+                }
+            }
+        };
+        let tag = next_tag();
+        let mut cmd = Command::new(&program);
+        cmd.arg0(&spec.executable)
+            .args(&spec.args)
             .env_clear()
             .envs(self.base_env.iter().map(|(k, v)| (k, v)))
             .envs(&spec.env)
+            .env(RUN_TAG_VAR, &tag)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -106,6 +131,19 @@ impl LocalExecutor {
             .kill_on_drop(true);
         if let Some(cwd) = &spec.cwd {
             cmd.current_dir(cwd);
+        }
+        let gateway = nix::unistd::getpid();
+        // SAFETY: only async-signal-safe calls (prctl, getppid) between fork and exec.
+        unsafe {
+            cmd.pre_exec(move || {
+                // The command dies with the gateway, even on SIGKILL (no cleanup runs then).
+                nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
+                if nix::unistd::getppid() != gateway {
+                    // The gateway died before the line above: nobody would kill us.
+                    return Err(std::io::Error::other("the gateway is gone"));
+                }
+                Ok(())
+            });
         }
         let child = match cmd.spawn() {
             Ok(child) => child,
@@ -135,7 +173,7 @@ impl LocalExecutor {
         };
         let pid = child.id();
         let (tx, rx) = mpsc::channel(EVENT_BUFFER);
-        tokio::spawn(supervise(child, tx, cancel.clone()));
+        tokio::spawn(supervise(child, tx, cancel.clone(), tag));
         Ok(Execution::new(self.context(pid), rx, cancel))
     }
 }
@@ -201,6 +239,24 @@ impl Executor for LocalExecutor {
     }
 }
 
+/// Looks a bare program name up in `path` (the gateway's `PATH`), as `execvp` would.
+fn lookup(name: &str, path: Option<&std::ffi::OsStr>) -> Option<std::path::PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    std::env::split_paths(path?)
+        .filter(|dir| !dir.as_os_str().is_empty())
+        .map(|dir| dir.join(name))
+        .find(|p| {
+            std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        })
+}
+
+/// A tag unique to one command of this gateway: `GATEWAY_PID.N`.
+fn next_tag() -> String {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!("{}.{n}", std::process::id())
+}
+
 /// Kills the whole process group of a command; it is gone already when this fails.
 fn kill_group(pgid: Option<u32>) {
     if let Some(pid) = pgid.and_then(|p| i32::try_from(p).ok()) {
@@ -208,47 +264,134 @@ fn kill_group(pgid: Option<u32>) {
     }
 }
 
+/// Kills every process whose environment carries `MCP_RUN_RUN=` followed by `tag` (a whole
+/// tag, or a gateway's prefix `PID.`): what left the process group (`setsid`, double fork)
+/// but kept the environment. Only processes of the same user are readable, which is all a
+/// command can start without privileges.
+pub fn kill_tagged(tag: &str, exact: bool) -> usize {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    let needle = format!("{RUN_TAG_VAR}={tag}");
+    let mut killed = 0;
+    for entry in dir.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let Ok(environ) = std::fs::read(format!("/proc/{pid}/environ")) else {
+            continue;
+        };
+        let hit = environ
+            .split(|&b| b == 0)
+            .any(|var| var.starts_with(needle.as_bytes()) && (!exact || var.len() == needle.len()));
+        if hit && nix::sys::signal::kill(Pid::from_raw(pid), Signal::SIGKILL).is_ok() {
+            killed += 1;
+        }
+    }
+    killed
+}
+
+/// Kills a command's group and whatever escaped it, off the async threads.
+fn kill_all(pgid: Option<u32>, tag: &str) {
+    kill_group(pgid);
+    let tag = tag.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let n = kill_tagged(&tag, true);
+        if n > 0 {
+            tracing::debug!(
+                killed = n,
+                "killed processes that had left the command's group"
+            );
+        }
+    });
+}
+
+/// One read from a pipe as an event; `None` at EOF or on error (the pipe is then closed).
+fn chunk<R>(
+    n: std::io::Result<usize>,
+    pipe: &mut Option<R>,
+    buf: &mut BytesMut,
+    make: impl FnOnce(bytes::Bytes) -> Event,
+) -> Option<Event> {
+    match n {
+        Ok(0) | Err(_) => {
+            *pipe = None;
+            None
+        }
+        Ok(_) => Some(make(buf.split().freeze())),
+    }
+}
+
 /// Reads both pipes into the event channel until the command ended and its pipes closed,
 /// then reports the exit. Owns the child, so the child is always reaped.
-async fn supervise(mut child: Child, tx: mpsc::Sender<Event>, cancel: CancellationToken) {
+///
+/// At most one event waits for the consumer, and waiting for it is one branch of the loop
+/// among the others: a consumer that stops reading holds the pipes (back-pressure) but never
+/// keeps the kill, the reaping or the exit from happening.
+async fn supervise(
+    mut child: Child,
+    tx: mpsc::Sender<Event>,
+    cancel: CancellationToken,
+    tag: String,
+) {
     let started = Instant::now();
     let pgid = child.id();
     let mut stdout = child.stdout.take();
     let mut stderr = child.stderr.take();
     let mut out_buf = BytesMut::new();
     let mut err_buf = BytesMut::new();
+    let mut pending: Option<Event> = None;
+    let mut gone = false;
     let mut status = None;
     let mut duration = Duration::ZERO;
     let mut killed = false;
     let drain_deadline = tokio::time::sleep(Duration::MAX / 4);
     tokio::pin!(drain_deadline);
 
-    while status.is_none() || stdout.is_some() || stderr.is_some() {
+    while status.is_none() || stdout.is_some() || stderr.is_some() || pending.is_some() {
         tokio::select! {
             _ = cancel.cancelled(), if !killed => {
-                kill_group(pgid);
+                kill_all(pgid, &tag);
                 killed = true;
             }
-            n = read_opt(&mut stdout, &mut out_buf) => {
-                if !forward(n, &mut stdout, &mut out_buf, &tx, |data| Event::Stdout { data }).await {
-                    cancel.cancel();
+            permit = tx.reserve(), if pending.is_some() => {
+                match permit {
+                    Ok(permit) => {
+                        if let Some(event) = pending.take() {
+                            permit.send(event);
+                        }
+                        if status.is_some() {
+                            drain_deadline.as_mut().reset(tokio::time::Instant::now() + DRAIN_GRACE);
+                        }
+                    }
+                    Err(_) => {
+                        // The consumer is gone: kill, and drop the output from now on.
+                        pending = None;
+                        gone = true;
+                        cancel.cancel();
+                    }
                 }
             }
-            n = read_opt(&mut stderr, &mut err_buf) => {
-                if !forward(n, &mut stderr, &mut err_buf, &tx, |data| Event::Stderr { data }).await {
-                    cancel.cancel();
-                }
+            n = read_opt(&mut stdout, &mut out_buf), if pending.is_none() => {
+                pending = chunk(n, &mut stdout, &mut out_buf, |data| Event::Stdout { data }).filter(|_| !gone);
+            }
+            n = read_opt(&mut stderr, &mut err_buf), if pending.is_none() => {
+                pending = chunk(n, &mut stderr, &mut err_buf, |data| Event::Stderr { data }).filter(|_| !gone);
             }
             s = child.wait(), if status.is_none() => {
                 duration = started.elapsed();
                 status = Some(s);
-                // Whatever the command left running in its group goes with it: nothing is
-                // orphaned, and its pipes close so that the drain below ends.
-                kill_group(pgid);
+                // Whatever the command left running goes with it: nothing is orphaned, and
+                // its pipes close so that the drain below ends.
+                kill_all(pgid, &tag);
                 drain_deadline.as_mut().reset(tokio::time::Instant::now() + DRAIN_GRACE);
             }
-            _ = &mut drain_deadline, if status.is_some() => {
-                // A process that left the group still holds a pipe: stop reading.
+            _ = &mut drain_deadline, if status.is_some() && pending.is_none() => {
+                // A process that escaped the kill still holds a pipe: stop reading.
                 break;
             }
         }
