@@ -189,6 +189,39 @@ fn commands_die_with_a_killed_gateway() {
         pids.push(pid);
         streams.push(s);
     }
+    // A grandchild, in the group and out of it: the reaper process gets those.
+    for script in [
+        "sleep 300 & echo $!; wait",
+        "setsid sleep 300 & echo $!; wait",
+    ] {
+        let mut s = wire::connect(&gw);
+        s.write_all(&post_raw(
+            &wire::addr(&gw),
+            &json!({"executable": "sh", "args": ["-c", script]}).to_string(),
+        ))
+        .unwrap();
+        let mut seen = String::new();
+        let mut buf = [0u8; 512];
+        let re = regex::Regex::new(r#""type":"stdout","data":"([^"]+)""#).unwrap();
+        let pid = loop {
+            let n = s.read(&mut buf).expect("read");
+            assert!(n > 0, "{seen}");
+            seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+            if let Some(c) = re.captures(&seen) {
+                use base64::Engine as _;
+                let out = base64::engine::general_purpose::STANDARD
+                    .decode(&c[1])
+                    .unwrap();
+                break String::from_utf8(out)
+                    .unwrap()
+                    .trim()
+                    .parse::<i32>()
+                    .unwrap();
+            }
+        };
+        pids.push(pid);
+        streams.push(s);
+    }
     let gpid = gw.pid().unwrap() as i32;
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(gpid), nix::sys::signal::SIGKILL).unwrap();
     assert!(

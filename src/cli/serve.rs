@@ -36,6 +36,9 @@ pub enum Command {
     /// Serve MCP on stdin/stdout (logs on stderr), for agents that start their MCP servers
     /// as child processes.
     Stdio(StdioArgs),
+    /// Internal: started by the gateway, kills what its commands left once it is gone.
+    #[command(name = "reap-on-exit", hide = true)]
+    ReapOnExit { prefix: String },
 }
 
 #[derive(Debug, clap::Args)]
@@ -158,6 +161,7 @@ pub fn main() -> ExitCode {
             super::init_logging("info", args.log_format == LogFormat::Json);
             run_serve(args)
         }
+        Command::ReapOnExit { prefix } => return crate::exec::reaper::run(&prefix),
         Command::Stdio(args) => {
             // stdout carries the protocol: logs go to stderr, quietly by default.
             super::init_logging("warn", false);
@@ -188,7 +192,8 @@ pub async fn build_executor(config: &Config) -> anyhow::Result<Arc<dyn Executor>
     Ok(match config.server.backend {
         BackendKind::Local => Arc::new(
             LocalExecutor::new(&config.local.inherit_env)
-                .with_profiles(config.profiles.keys().cloned()),
+                .with_profiles(config.profiles.keys().cloned())
+                .with_reaper(),
         ),
         BackendKind::Remote => {
             let url = config.remote.server.as_deref().context(

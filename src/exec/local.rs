@@ -41,6 +41,8 @@ pub struct LocalExecutor {
     /// request's `PATH` (which would let a request pick what an allowed name runs).
     path: Option<std::ffi::OsString>,
     host: String,
+    /// Kills what commands left behind if the gateway dies without cleaning up.
+    _reaper: Option<super::reaper::Reaper>,
     /// Profile names requests may give. Profiles describe pods; here they only select the
     /// policy's per-profile overrides.
     profiles: Vec<String>,
@@ -60,9 +62,23 @@ impl LocalExecutor {
         Self {
             base_env,
             path: std::env::var_os("PATH"),
+            _reaper: None,
             host,
             profiles: vec!["default".into()],
         }
+    }
+
+    /// Starts the reaper process ([`super::reaper`]) so that descendants of commands die
+    /// even when the gateway is SIGKILLed; without it (it could not start) only the direct
+    /// children do.
+    pub fn with_reaper(mut self) -> Self {
+        match super::reaper::spawn() {
+            Ok(r) => self._reaper = Some(r),
+            Err(e) => tracing::warn!(
+                "cannot start the reaper process ({e}): if the gateway is killed, processes that commands started in the background may survive it"
+            ),
+        }
+        self
     }
 
     /// Accepts these profile names (the configuration's `profiles`) besides `default`.
@@ -466,7 +482,12 @@ mod tests {
         let (_, err, info) = run(s).await;
         assert_eq!(info.code, Some(125));
         assert!(String::from_utf8_lossy(&err).contains("/nonexistent/dir"));
-        let (_, _, info) = run(spec("/etc/hostname", &[])).await;
+        // A file without execute permission (not /etc/hostname: some systems mark it
+        // executable, and then it runs as a script, as with env(1)).
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("data");
+        std::fs::write(&file, "x\n").unwrap();
+        let (_, _, info) = run(spec(file.to_str().unwrap(), &[])).await;
         assert_eq!(info.code, Some(126));
     }
 

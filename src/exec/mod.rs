@@ -15,6 +15,7 @@
 
 pub mod kube;
 pub mod local;
+pub mod reaper;
 pub mod remote;
 
 use std::collections::BTreeMap;
@@ -339,7 +340,9 @@ impl Execution {
                 ev = self.events.recv() => {
                     let ev = match ev {
                         Some(Event::Exit(mut info)) => {
-                            info.timed_out |= self.timed_out;
+                            // The watchdog marks the timeout before it kills.
+                            info.timed_out |= self.timed_out
+                                || self.timeout_fired.as_ref().is_some_and(|t| t.is_cancelled());
                             Event::Exit(info)
                         }
                         Some(ev) => ev,

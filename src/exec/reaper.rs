@@ -1,0 +1,59 @@
+//! The local backend's last line: a small process (`mcp-run reap-on-exit`, this binary
+//! again) that outlives the gateway only to kill what the gateway's commands left behind.
+//!
+//! A SIGKILLed gateway runs no cleanup. Its direct children die with it
+//! (`PR_SET_PDEATHSIG`), but their own children would be adopted by init and keep running.
+//! The reaper holds the read end of a pipe whose write end only the gateway has: when the
+//! gateway is gone, however it died, the read sees EOF and the reaper kills every process
+//! tagged `MCP_RUN_RUN=<gateway pid>.` (see [`super::local::RUN_TAG_VAR`]), then exits.
+//! It is in its own process group, so a Ctrl-C meant for the gateway does not stop it first.
+
+use std::io::Read;
+use std::process::{Child, ChildStdin, Command, Stdio};
+
+/// The hidden subcommand that runs [`run`].
+pub const SUBCOMMAND: &str = "reap-on-exit";
+
+/// The running reaper; dropping this (the gateway exits) lets it sweep and end.
+pub struct Reaper {
+    _child: Child,
+    _pipe: ChildStdin,
+}
+
+/// Starts the reaper for this gateway's commands.
+pub fn spawn() -> std::io::Result<Reaper> {
+    use std::os::unix::process::CommandExt;
+    let exe = std::env::current_exe()?;
+    let mut child = Command::new(exe)
+        .arg(SUBCOMMAND)
+        .arg(format!("{}.", std::process::id()))
+        .env_clear()
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .process_group(0)
+        .spawn()?;
+    let pipe = child
+        .stdin
+        .take()
+        .ok_or_else(|| std::io::Error::other("no pipe to the reaper"))?;
+    Ok(Reaper {
+        _child: child,
+        _pipe: pipe,
+    })
+}
+
+/// The reaper's body: waits for EOF on stdin, then kills every process tagged with
+/// `prefix`, again until none is left (a process may fork while it is being killed).
+pub fn run(prefix: &str) -> std::process::ExitCode {
+    let mut sink = [0u8; 64];
+    let mut stdin = std::io::stdin();
+    while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
+    for _ in 0..20 {
+        if super::local::kill_tagged(prefix, false) == 0 {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    std::process::ExitCode::SUCCESS
+}
