@@ -60,7 +60,7 @@ impl Unauthenticated {
 pub async fn mark_authenticated(req: Request, next: Next) -> Response {
     let proven = req
         .extensions()
-        .get::<crate::access::Caller>()
+        .get::<crate::auth::Caller>()
         .is_some_and(|c| c.identity.is_some());
     let auth_off = req.extensions().get::<AuthOff>().is_some();
     if (proven || auth_off)

@@ -30,7 +30,7 @@ pub struct AppState {
     pub capabilities: Arc<crate::capabilities::Capabilities>,
     pub mcp: McpSettings,
     /// Bearer tokens for every path but the probes and metrics; `None`: auth off.
-    pub auth: Option<Arc<crate::access::Auth>>,
+    pub auth: Option<Arc<crate::auth::Auth>>,
     /// Host/Origin and declared-length checks in front of everything.
     pub guard: Arc<crate::guard::Guard>,
 }
@@ -117,7 +117,7 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         ))
         .layer(axum::middleware::from_fn_with_state(
             state.auth.clone(),
-            crate::access::middleware,
+            crate::auth::middleware,
         ))
         // Outermost: a request for a foreign host or with an oversized body goes no further.
         .layer(axum::middleware::from_fn_with_state(
@@ -216,7 +216,7 @@ pub fn parse_request(
 
 async fn raw(
     State(state): State<AppState>,
-    caller: Option<axum::Extension<crate::access::Caller>>,
+    caller: Option<axum::Extension<crate::auth::Caller>>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {

@@ -22,6 +22,37 @@ use tokio_util::sync::CancellationToken;
 use super::{EVENT_BUFFER, ExecSpec, Execution, Executor, StartOptions, read_opt};
 use crate::contract::{ErrorBody, ErrorCode, Event, ExitInfo, RunContext};
 
+/// The local backend's section of the configuration (`local:`).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LocalConfig {
+    /// Variables of the gateway's environment that every command inherits.
+    pub inherit_env: Vec<String>,
+}
+
+impl Default for LocalConfig {
+    fn default() -> Self {
+        Self {
+            inherit_env: DEFAULT_INHERIT_ENV.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+}
+
+impl LocalConfig {
+    /// `(field, message)` on failure.
+    pub fn validate(&self) -> Result<(), (String, String)> {
+        for name in &self.inherit_env {
+            if !crate::contract::is_valid_env_name(name) {
+                return Err((
+                    "local.inherit_env".into(),
+                    format!("contains an invalid variable name {name:?}"),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Variables of the gateway's own environment that commands inherit by default. Nothing
 /// else leaks from the gateway (which may hold credentials) into commands.
 pub const DEFAULT_INHERIT_ENV: &[&str] =
@@ -30,9 +61,7 @@ pub const DEFAULT_INHERIT_ENV: &[&str] =
 /// After the main process exited, how long to wait for its pipes to close.
 const DRAIN_GRACE: Duration = Duration::from_secs(2);
 
-/// The variable that marks every process of a command (`GATEWAY_PID.N`), so that those that
-/// left its process group (`setsid`) can still be found and killed.
-pub const RUN_TAG_VAR: &str = "MCP_RUN_RUN";
+pub use super::reaper::{RUN_TAG_VAR, kill_tagged};
 
 /// Runs commands as local child processes.
 pub struct LocalExecutor {
@@ -278,37 +307,6 @@ fn kill_group(pgid: Option<u32>) {
     if let Some(pid) = pgid.and_then(|p| i32::try_from(p).ok()) {
         let _ = killpg(Pid::from_raw(pid), Signal::SIGKILL);
     }
-}
-
-/// Kills every process whose environment carries `MCP_RUN_RUN=` followed by `tag` (a whole
-/// tag, or a gateway's prefix `PID.`): what left the process group (`setsid`, double fork)
-/// but kept the environment. Only processes of the same user are readable, which is all a
-/// command can start without privileges.
-pub fn kill_tagged(tag: &str, exact: bool) -> usize {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return 0;
-    };
-    let needle = format!("{RUN_TAG_VAR}={tag}");
-    let mut killed = 0;
-    for entry in dir.flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|n| n.parse::<i32>().ok())
-        else {
-            continue;
-        };
-        let Ok(environ) = std::fs::read(format!("/proc/{pid}/environ")) else {
-            continue;
-        };
-        let hit = environ
-            .split(|&b| b == 0)
-            .any(|var| var.starts_with(needle.as_bytes()) && (!exact || var.len() == needle.len()));
-        if hit && nix::sys::signal::kill(Pid::from_raw(pid), Signal::SIGKILL).is_ok() {
-            killed += 1;
-        }
-    }
-    killed
 }
 
 /// Kills a command's group and whatever escaped it, off the async threads.
