@@ -183,7 +183,10 @@ async fn serve_connection(
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(header_timeout);
+        .header_read_timeout(header_timeout)
+        // A client may shut down its sending side once the request is sent; that EOF is not
+        // the end of the connection, and its command keeps running.
+        .half_close(true);
     builder
         .http2()
         .timer(TokioTimer::new())

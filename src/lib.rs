@@ -16,6 +16,7 @@ pub mod exec;
 pub mod guard;
 pub mod limits;
 pub mod mcp;
+pub mod mcp_http;
 pub mod metrics;
 pub mod policy;
 pub mod rate_limit;

@@ -45,6 +45,11 @@ pub struct McpSettings {
     pub tools: Arc<Vec<crate::tools::ToolConfig>>,
     /// Output templates for `run_network_tool` (the built-ins plus the config's).
     pub templates: Arc<crate::templates::TemplateStore>,
+    /// Open sessions at most, in total and per client.
+    pub max_sessions: usize,
+    pub max_sessions_per_client: usize,
+    /// A session without a request for this long is closed.
+    pub session_idle: Duration,
 }
 
 impl IntoResponse for ErrorBody {
@@ -89,11 +94,25 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         let mut config = StreamableHttpServerConfig::default().disable_allowed_hosts();
         config.cancellation_token = state.mcp.stop.clone();
         config.max_request_body_bytes = max_body_bytes;
-        StreamableHttpService::new(
-            move || Ok(service.clone()),
-            Arc::new(LocalSessionManager::default()),
-            config,
-        )
+        let mut sessions = LocalSessionManager::default();
+        sessions.session_config.keep_alive = Some(state.mcp.session_idle);
+        let sessions = Arc::new(sessions);
+        let guard = Arc::new(crate::mcp_http::McpGuard::new(
+            sessions.clone(),
+            state.mcp.max_sessions,
+            state.mcp.max_sessions_per_client,
+            max_body_bytes,
+        ));
+        tower::ServiceBuilder::new()
+            .layer(axum::middleware::from_fn_with_state(
+                guard,
+                crate::mcp_http::middleware,
+            ))
+            .service(StreamableHttpService::new(
+                move || Ok(service.clone()),
+                sessions,
+                config,
+            ))
     };
     Router::new()
         .route("/raw", post(raw))
@@ -210,6 +229,14 @@ pub fn parse_request(
             )
         }
     })?;
+    // serde would also take an array for a struct (`["echo",["x"]]`): only the documented
+    // object is a request.
+    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(ErrorBody::new(
+            ErrorCode::InvalidRequest,
+            "the request body must be a JSON object such as {\"executable\": \"echo\", \"args\": [\"hi\"]}",
+        ));
+    }
     serde_json::from_slice::<RunRequest>(&body)
         .map_err(|e| ErrorBody::new(ErrorCode::InvalidRequest, format!("invalid request: {e}")))
 }
@@ -222,16 +249,22 @@ async fn raw(
 ) -> Response {
     let req = match parse_request(&headers, body) {
         Ok(r) => r,
-        Err(e) => {
+        Err(mut e) => {
+            // serde's messages quote the offending value.
+            if let Some(r) = state.runner.redactor() {
+                e.message = r.redact_str(&e.message);
+            }
             crate::metrics::rejected(e.code);
             return e.into_response();
         }
     };
-    // Logged below: secrets in the command line are redacted like the output.
-    let command = match state.runner.redactor() {
-        Some(r) => r.redact_str(&req.command_line()),
-        None => req.command_line(),
-    };
+    // Logged below: secrets in the command line are redacted like the output, and a huge
+    // command line is cut.
+    let command = crate::audit::argv_json(
+        &req.executable,
+        &req.args,
+        state.runner.redactor().map(|r| r.as_ref()),
+    );
     let caller = caller.map(|c| c.0).unwrap_or_default();
     match state.runner.start_as(req, &caller).await {
         Ok(execution) => {

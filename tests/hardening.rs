@@ -151,3 +151,183 @@ fn non_loopback_without_auth_needs_an_explicit_flag() {
     );
     assert!(listening && !log.contains("WITHOUT auth"), "{log}");
 }
+
+fn gateway_with(yaml: &str) -> (Gateway, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config_file(&dir, yaml);
+    (Gateway::start(&["--config", cfg.to_str().unwrap()]), dir)
+}
+
+fn post(gw: &Gateway, body: &str) -> wire::Answer {
+    exchange(gw, &post_raw(&wire::addr(gw), body))
+}
+
+#[test]
+fn only_the_documented_object_is_a_request() {
+    let gw = Gateway::start(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let mark = dir.path().join("ran");
+    let body = serde_json::json!(["touch", [mark]]).to_string();
+    let a = post(&gw, &body);
+    assert_eq!(
+        (a.status, a.code()),
+        (400, "invalid_request".into()),
+        "{}",
+        a.text()
+    );
+    assert!(!mark.exists(), "an array body ran");
+}
+
+#[test]
+fn arguments_too_big_for_the_os_are_the_clients_error() {
+    let (gw, _dir) = gateway_with("server:\n  max_body_bytes: 8388608\n");
+    let big = "x".repeat(200_000);
+    let a = post(
+        &gw,
+        &serde_json::json!({"executable": "echo", "args": [big]}).to_string(),
+    );
+    assert_eq!(
+        (a.status, a.code()),
+        (400, "invalid_request".into()),
+        "{}",
+        a.text()
+    );
+    assert!(a.text().contains("args[0]"), "{}", a.text());
+    // Together over ARG_MAX (2 MiB here), each under the one-string limit.
+    let many: Vec<String> = (0..40).map(|_| "y".repeat(100_000)).collect();
+    let a = post(
+        &gw,
+        &serde_json::json!({"executable": "echo", "args": many}).to_string(),
+    );
+    assert_eq!(
+        (a.status, a.code()),
+        (413, "payload_too_large".into()),
+        "{}",
+        a.text()
+    );
+}
+
+#[test]
+fn a_half_closed_request_still_gets_its_whole_answer() {
+    let gw = Gateway::start(&[]);
+    let mut s = wire::connect(&gw);
+    let body = serde_json::json!({"executable": "sh", "args": ["-c", "sleep 1; echo done"]});
+    std::io::Write::write_all(&mut s, &post_raw("localhost", &body.to_string())).unwrap();
+    wire::half_close(&s);
+    let a = wire::read_answer(&mut s);
+    let text = a.text();
+    assert!(
+        text.contains(r#""type":"exit","code":0"#) && text.contains("ZG9uZQo="),
+        "{text}"
+    );
+}
+
+#[test]
+fn new_requests_during_shutdown_get_503_shutting_down() {
+    let (mut gw, _dir) = gateway_with("server:\n  shutdown_grace_secs: 10\n");
+    // A run that is still going when SIGTERM comes, read to its end on another thread.
+    let mut running = wire::connect(&gw);
+    let body = serde_json::json!({"executable": "sh", "args": ["-c", "sleep 3; echo late"]});
+    std::io::Write::write_all(&mut running, &post_raw("localhost", &body.to_string())).unwrap();
+    let reader = std::thread::spawn(move || wire::read_answer(&mut running));
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(gw.pid().unwrap() as i32),
+        nix::sys::signal::SIGTERM,
+    )
+    .unwrap();
+    assert!(support::wait_until(
+        std::time::Duration::from_secs(5),
+        || gw.log_text().contains("shutting down")
+    ));
+    let a = post(&gw, r#"{"executable":"true"}"#);
+    assert_eq!(
+        (a.status, a.code()),
+        (503, "shutting_down".into()),
+        "{}",
+        a.text()
+    );
+    let first = reader.join().unwrap();
+    assert!(first.text().contains("bGF0ZQo="), "{}", first.text());
+    assert!(gw.terminate().is_some());
+}
+
+#[test]
+fn huge_command_lines_and_bad_token_floods_do_not_flood_the_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config_file(&dir, "policy:\n  executables:\n    allow: [echo]\n");
+    let gw = Gateway::start_with_env(
+        &["--config", cfg.to_str().unwrap()],
+        &[("MCP_RUN_AUTH_TOKENS", "ci:0123456789abcdef0123")],
+    );
+    let before = gw.log_text().len();
+    let big = "z".repeat(500_000);
+    let body = serde_json::json!({"executable": "cat", "args": [big]}).to_string();
+    let a = exchange(
+        &gw,
+        &request(
+            "POST",
+            "/raw",
+            "localhost",
+            &[
+                "Content-Type: application/json",
+                "Authorization: Bearer 0123456789abcdef0123",
+            ],
+            body.as_bytes(),
+        ),
+    );
+    assert_eq!(a.code(), "policy_violation");
+    for _ in 0..100 {
+        let a = exchange(
+            &gw,
+            &request(
+                "GET",
+                "/capabilities",
+                "localhost",
+                &["Authorization: Bearer wrong"],
+                b"",
+            ),
+        );
+        assert_eq!(a.status, 401);
+    }
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let log = gw.log_text();
+    let grown = log.len() - before;
+    assert!(grown < 30_000, "the log grew by {grown} bytes");
+    let lines = log.matches("unauthorized").count();
+    assert!(lines <= 25, "{lines} lines for refused tokens");
+}
+
+#[test]
+fn secrets_do_not_leak_through_refusals_or_logs() {
+    const SECRET: &str = "hunter2-s3cr3t-value";
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config_file(
+        &dir,
+        &format!("redaction:\n  secrets: [{SECRET}]\npolicy:\n  executables:\n    allow: [echo]\n"),
+    );
+    // Debug level: every crate's lines (rmcp logs tool arguments there) go through redaction.
+    let gw = Gateway::start_with_env(
+        &["--config", cfg.to_str().unwrap()],
+        &[("RUST_LOG", "debug")],
+    );
+    for body in [
+        serde_json::json!({"executable": SECRET}),
+        serde_json::json!({"executable": "echo", "profile": SECRET}),
+        serde_json::json!({"executable": "echo", "env": {format!("{SECRET}!"): "x"}}),
+        serde_json::json!({"executable": "echo", "args": SECRET}),
+        serde_json::json!({"executable": "echo", "timeout_secs": SECRET}),
+    ] {
+        let a = post(&gw, &body.to_string());
+        assert!(a.status >= 400, "{}", a.text());
+        assert!(
+            !a.text().contains(SECRET),
+            "leaked in the answer: {}",
+            a.text()
+        );
+    }
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let log = gw.log_text();
+    assert!(log.contains("[REDACTED]"), "{log}");
+    assert!(!log.contains(SECRET), "leaked in the log: {log}");
+}

@@ -252,6 +252,9 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
             stop: drained.clone(),
             tools: Arc::new(config.tools.clone()),
             templates,
+            max_sessions: config.mcp.max_sessions,
+            max_sessions_per_client: config.mcp.max_sessions_per_client,
+            session_idle: Duration::from_secs(config.mcp.session_idle_secs),
         },
         auth: crate::auth::Auth::load(&config.auth, |k| std::env::var(k).ok())
             .map_err(anyhow::Error::msg)?
@@ -321,6 +324,9 @@ pub fn build_runner(config: &Config, executor: Arc<dyn Executor>) -> anyhow::Res
     let redactor =
         crate::redact::Redactor::from_config(&config.redaction, |k| std::env::var(k).ok())
             .map_err(|e| anyhow::anyhow!("invalid configuration: {e}"))?;
+    if let Some(r) = &redactor {
+        crate::redact::redact_logs(r.clone());
+    }
     Ok(Runner::new(executor, config.limits.clone())
         .with_policy(crate::policy::Policy::new(
             config.policy.clone(),

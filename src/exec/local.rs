@@ -202,6 +202,12 @@ impl LocalExecutor {
                     _ if e.raw_os_error() == Some(nix::libc::EISDIR) => {
                         (126, "is a directory".to_owned())
                     }
+                    _ if e.raw_os_error() == Some(nix::libc::E2BIG) => {
+                        return Err(ErrorBody::new(
+                            ErrorCode::PayloadTooLarge,
+                            "the arguments and environment are over the operating system's limit (E2BIG)",
+                        ));
+                    }
                     _ => {
                         return Err(ErrorBody::new(
                             ErrorCode::StartFailed,
@@ -220,6 +226,70 @@ impl LocalExecutor {
         let (tx, rx) = mpsc::channel(EVENT_BUFFER);
         tokio::spawn(supervise(child, tx, cancel.clone(), tag));
         Ok(Execution::new(self.context(pid), rx, cancel))
+    }
+}
+
+/// Linux's limit on one argument or environment string (`MAX_ARG_STRLEN`, 32 pages).
+const MAX_ARG_STRLEN: usize = 32 * 4096;
+
+impl LocalExecutor {
+    /// What `execve` would refuse with E2BIG, refused before anything starts: one string over
+    /// [`MAX_ARG_STRLEN`] (400), or argv and environment together over `ARG_MAX` (413).
+    fn check_exec_size(&self, spec: &ExecSpec) -> Result<(), ErrorBody> {
+        let args = std::iter::once(&spec.executable).chain(&spec.args);
+        if let Some((i, a)) = args
+            .clone()
+            .enumerate()
+            .find(|(_, a)| a.len() + 1 > MAX_ARG_STRLEN)
+        {
+            let which = if i == 0 {
+                "executable".to_owned()
+            } else {
+                format!("args[{}]", i - 1)
+            };
+            return Err(ErrorBody::new(
+                ErrorCode::InvalidRequest,
+                format!(
+                    "{which} is {} bytes, over the operating system's limit of {} bytes for one argument",
+                    a.len(),
+                    MAX_ARG_STRLEN - 1
+                ),
+            ));
+        }
+        let env = self.base_env.iter().map(|(k, v)| (k, v)).chain(&spec.env);
+        if let Some((k, _)) = env
+            .clone()
+            .find(|(k, v)| k.len() + v.len() + 2 > MAX_ARG_STRLEN)
+        {
+            return Err(ErrorBody::new(
+                ErrorCode::InvalidRequest,
+                format!(
+                    "environment variable {k} is over the operating system's limit of {} bytes for one variable",
+                    MAX_ARG_STRLEN - 1
+                ),
+            ));
+        }
+        // What the kernel counts: each string with its NUL, and a pointer to each.
+        let ptr = std::mem::size_of::<usize>();
+        let total: usize = args.map(|a| a.len() + 1 + ptr).sum::<usize>()
+            + env.map(|(k, v)| k.len() + v.len() + 2 + ptr).sum::<usize>()
+            + RUN_TAG_VAR.len()
+            + 32
+            + ptr;
+        // SAFETY: sysconf has no preconditions.
+        let arg_max = unsafe { nix::libc::sysconf(nix::libc::_SC_ARG_MAX) };
+        let arg_max = usize::try_from(arg_max)
+            .unwrap_or(128 * 1024)
+            .max(128 * 1024);
+        if total > arg_max {
+            return Err(ErrorBody::new(
+                ErrorCode::PayloadTooLarge,
+                format!(
+                    "the arguments and environment take {total} bytes, over the operating system's limit of {arg_max} (ARG_MAX)"
+                ),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -247,6 +317,7 @@ impl Executor for LocalExecutor {
 
     /// Profiles are the configured names (`default` always).
     fn check(&self, spec: &ExecSpec) -> Result<(), ErrorBody> {
+        self.check_exec_size(spec)?;
         match spec.profile.as_deref() {
             None => Ok(()),
             Some(p) if self.profiles.iter().any(|n| n == p) => Ok(()),

@@ -163,3 +163,25 @@ pub fn closed_within(s: &mut TcpStream, limit: Duration) -> bool {
 pub fn half_close(s: &TcpStream) {
     s.shutdown(Shutdown::Write).expect("shutdown");
 }
+
+/// Reads one answer from a keep-alive connection: the head, then `Content-Length` bytes.
+pub fn read_response(s: &mut TcpStream) -> Answer {
+    let mut all = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        if let Some(end) = all.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&all[..end]).to_ascii_lowercase();
+            let len: usize = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0);
+            if all.len() >= end + 4 + len {
+                return parse(&all[..end + 4 + len]);
+            }
+        }
+        let n = s.read(&mut buf).expect("read");
+        assert!(n > 0, "closed after {:?}", String::from_utf8_lossy(&all));
+        all.extend_from_slice(&buf[..n]);
+    }
+}
