@@ -131,9 +131,6 @@ pub const INJECTION_VARS: &[&str] = &[
     "BROWSER",
     "LESSOPEN",
     "LESSCLOSE",
-    // Where configuration files (which can name programs) are read from.
-    "HOME",
-    "XDG_CONFIG_HOME",
 ];
 
 /// Working directories.
@@ -486,6 +483,18 @@ impl Policy {
         }
 
         let (field, env) = &eff.env;
+        for name in s.env_names {
+            if let Some(p) = env.deny.iter().find(|p| glob_match(p, name)) {
+                return Err(violation(format!(
+                    "environment variable {name} is denied by {field}.deny entry {p:?}"
+                )));
+            }
+            if !env.allow.is_empty() && !env.allow.iter().any(|p| glob_match(p, name)) {
+                return Err(violation(format!(
+                    "environment variable {name} is not in {field}.allow"
+                )));
+            }
+        }
         let (exe_field, exes) = &eff.executables;
         if !exes.allow.is_empty() {
             let custom = env.injection_vars.as_deref();
@@ -502,18 +511,6 @@ impl Policy {
                         "environment variable {name} can change which program runs, so it is refused while {exe_field}.allow restricts executables ({field}.injection_vars entry {p:?})"
                     )));
                 }
-            }
-        }
-        for name in s.env_names {
-            if let Some(p) = env.deny.iter().find(|p| glob_match(p, name)) {
-                return Err(violation(format!(
-                    "environment variable {name} is denied by {field}.deny entry {p:?}"
-                )));
-            }
-            if !env.allow.is_empty() && !env.allow.iter().any(|p| glob_match(p, name)) {
-                return Err(violation(format!(
-                    "environment variable {name} is not in {field}.allow"
-                )));
             }
         }
 

@@ -244,6 +244,7 @@ pub fn parse_request(
 async fn raw(
     State(state): State<AppState>,
     caller: Option<axum::Extension<crate::auth::Caller>>,
+    peer_closed: Option<axum::Extension<crate::connections::PeerClosed>>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
@@ -269,7 +270,15 @@ async fn raw(
     match state.runner.start_as(req, &caller).await {
         Ok(execution) => {
             tracing::debug!(%command, context = ?execution.context(), "started");
-            let mut resp = Response::new(Body::from_stream(ndjson(execution, state.keepalive)));
+            // Watched while the stream lives: the client's EOF starts probing (see ndjson).
+            let streaming = tokio_util::sync::CancellationToken::new();
+            let peer = peer_closed.and_then(|p| p.0.watch(streaming.clone()));
+            let alive = streaming.drop_guard();
+            let stream = ndjson(execution, state.keepalive, peer).map(move |item| {
+                let _ = &alive;
+                item
+            });
+            let mut resp = Response::new(Body::from_stream(stream));
             let h = resp.headers_mut();
             h.insert(
                 header::CONTENT_TYPE,
@@ -293,19 +302,37 @@ async fn raw(
 pub fn ndjson(
     execution: Execution,
     keepalive: Duration,
+    peer_closed: Option<tokio_util::sync::CancellationToken>,
 ) -> impl Stream<Item = Result<Bytes, Infallible>> + Send {
     let first = Event::Started {
         context: execution.context().clone(),
     }
     .to_line();
-    let rest = stream::unfold(Some(execution), move |state| async move {
-        let mut execution = state?;
-        let event = match tokio::time::timeout(keepalive, execution.next()).await {
-            Ok(Some(event)) => event,
-            Ok(None) => return None,
-            Err(_) => Event::Keepalive,
-        };
-        Some((Ok(event.to_line()), Some(execution)))
+    let peer = peer_closed.unwrap_or_default();
+    let rest = stream::unfold(Some((execution, false)), move |state| {
+        let peer = peer.clone();
+        async move {
+            let (mut execution, probing) = state?;
+            // After the client's EOF (a half-close, or a client that is gone), short
+            // keep-alives find out which: writing to a gone client fails at once.
+            let wait = if probing {
+                CLOSED_PEER_PROBE
+            } else {
+                keepalive
+            };
+            let (event, probing) = tokio::select! {
+                next = tokio::time::timeout(wait, execution.next()) => match next {
+                    Ok(Some(event)) => (event, probing),
+                    Ok(None) => return None,
+                    Err(_) => (Event::Keepalive, probing),
+                },
+                () = peer.cancelled(), if !probing => (Event::Keepalive, true),
+            };
+            Some((Ok(event.to_line()), Some((execution, probing))))
+        }
     });
     stream::once(async move { Ok(first) }).chain(rest)
 }
+
+/// How often a stream whose client sent EOF is probed with a keep-alive.
+const CLOSED_PEER_PROBE: Duration = Duration::from_millis(200);

@@ -331,3 +331,21 @@ fn secrets_do_not_leak_through_refusals_or_logs() {
     assert!(log.contains("[REDACTED]"), "{log}");
     assert!(!log.contains(SECRET), "leaked in the log: {log}");
 }
+
+#[test]
+fn requests_hyper_cannot_parse_get_a_json_error_too() {
+    let gw = Gateway::start(&[]);
+    for bad in [&b"X-A: b\x01c"[..], b"X\x01A: b", b"no colon here"] {
+        let mut req =
+            b"GET /capabilities HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n".to_vec();
+        req.extend_from_slice(bad);
+        req.extend_from_slice(b"\r\n\r\n");
+        let a = exchange(&gw, &req);
+        assert_eq!(
+            (a.status, a.code()),
+            (400, "invalid_request".into()),
+            "{}",
+            a.text()
+        );
+    }
+}
