@@ -128,6 +128,7 @@ pub async fn run(
     router: Router,
     limits: ConnectionLimits,
     auth_on: bool,
+    metrics: crate::metrics::Metrics,
     drained: impl std::future::Future<Output = ()> + Send,
 ) -> std::io::Result<()> {
     let all = Arc::new(Semaphore::new(limits.max_connections));
@@ -158,7 +159,7 @@ pub async fn run(
             .ok()
             .zip(unauth.clone().try_acquire_owned().ok());
         let Some((permit, unauth_permit)) = permits else {
-            refuse(stream);
+            refuse(stream, &metrics);
             continue;
         };
         let conn_state = Unauthenticated(Arc::new(Mutex::new(Some(unauth_permit))));
@@ -325,8 +326,8 @@ impl tokio::io::AsyncWrite for JsonParseErrors {
 }
 
 /// Answers a connection over a cap without waiting for it, and closes it.
-fn refuse(stream: TcpStream) {
-    crate::metrics::rejected(crate::contract::ErrorCode::TooManyRequests);
+fn refuse(stream: TcpStream, metrics: &crate::metrics::Metrics) {
+    metrics.rejected(crate::contract::ErrorCode::TooManyRequests);
     let body =
         r#"{"error":{"code":"too_many_requests","message":"too many connections; retry later"}}"#;
     let answer = format!(

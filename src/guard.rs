@@ -28,6 +28,8 @@ pub struct Guard {
     /// Lower-case host names without port; `None`: any host (`"*"` in the list).
     allowed: Option<Vec<String>>,
     max_body_bytes: usize,
+    /// Where refusals are counted.
+    metrics: Option<crate::metrics::Metrics>,
 }
 
 impl Guard {
@@ -42,7 +44,14 @@ impl Guard {
         Self {
             allowed,
             max_body_bytes,
+            metrics: None,
         }
+    }
+
+    /// Counts refusals in `metrics`.
+    pub fn with_metrics(mut self, metrics: crate::metrics::Metrics) -> Self {
+        self.metrics = Some(metrics);
+        self
     }
 
     fn host_allowed(&self, host: &str) -> bool {
@@ -137,7 +146,9 @@ pub async fn middleware(State(guard): State<Arc<Guard>>, req: Request, next: Nex
     .and_then(|()| guard.check_length(req.headers()));
     if let Err(e) = checked {
         tracing::info!(path = %req.uri().path(), code = %e.code, "refused: {}", e.message);
-        crate::metrics::rejected(e.code);
+        if let Some(m) = &guard.metrics {
+            m.rejected(e.code);
+        }
         return e.into_response();
     }
     next.run(req).await

@@ -38,18 +38,14 @@ pub struct AppState {
 /// How `/mcp` is served.
 #[derive(Clone)]
 pub struct McpSettings {
-    pub max_output_bytes: usize,
+    /// The `mcp:` section (result budget, output store, session limits, ...).
+    pub config: crate::mcp::McpConfig,
     /// Ends every MCP session (at shutdown, once running commands were drained).
     pub stop: tokio_util::sync::CancellationToken,
     /// Operator-declared CLI tools served next to `run_network_tool`.
-    pub tools: Arc<Vec<crate::tools::ToolConfig>>,
+    pub tools: Arc<Vec<crate::mcp::tools::ToolConfig>>,
     /// Output templates for `run_network_tool` (the built-ins plus the config's).
     pub templates: Arc<crate::templates::TemplateStore>,
-    /// Open sessions at most, in total and per client.
-    pub max_sessions: usize,
-    pub max_sessions_per_client: usize,
-    /// A session without a request for this long is closed.
-    pub session_idle: Duration,
 }
 
 impl IntoResponse for ErrorBody {
@@ -86,7 +82,7 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         let service = crate::mcp::McpService::new(
             state.runner.clone(),
             state.capabilities.clone(),
-            state.mcp.max_output_bytes,
+            &state.mcp.config,
         )
         .with_tools(state.mcp.tools.clone())
         .with_templates(state.mcp.templates.clone(), "/".into());
@@ -95,12 +91,13 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         config.cancellation_token = state.mcp.stop.clone();
         config.max_request_body_bytes = max_body_bytes;
         let mut sessions = LocalSessionManager::default();
-        sessions.session_config.keep_alive = Some(state.mcp.session_idle);
+        sessions.session_config.keep_alive =
+            Some(Duration::from_secs(state.mcp.config.session_idle_secs));
         let sessions = Arc::new(sessions);
         let guard = Arc::new(crate::mcp_http::McpGuard::new(
             sessions.clone(),
-            state.mcp.max_sessions,
-            state.mcp.max_sessions_per_client,
+            state.mcp.config.max_sessions,
+            state.mcp.config.max_sessions_per_client,
             max_body_bytes,
         ));
         tower::ServiceBuilder::new()
@@ -135,7 +132,10 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
             crate::connections::mark_authenticated,
         ))
         .layer(axum::middleware::from_fn_with_state(
-            state.auth.clone(),
+            crate::auth::Gate {
+                auth: state.auth.clone(),
+                metrics: state.runner.metrics().clone(),
+            },
             crate::auth::middleware,
         ))
         // Outermost: a request for a foreign host or with an oversized body goes no further.
@@ -159,6 +159,7 @@ pub async fn serve(
     grace: Duration,
     drained: tokio_util::sync::CancellationToken,
 ) -> std::io::Result<()> {
+    let metrics = runner.metrics().clone();
     let drain = async move {
         shutdown.await;
         tracing::info!(running = runner.in_flight(), "shutting down");
@@ -166,7 +167,7 @@ pub async fn serve(
         // Long-lived connections (MCP sessions) end now, so that the server can stop.
         drained.cancel();
     };
-    crate::connections::run(listener, router, limits, auth_on, drain).await
+    crate::connections::run(listener, router, limits, auth_on, metrics, drain).await
 }
 
 async fn capabilities(State(state): State<AppState>) -> Response {
@@ -192,10 +193,10 @@ async fn readyz(State(state): State<AppState>) -> Response {
     }
 }
 
-async fn metrics() -> impl IntoResponse {
+async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     (
         [(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)],
-        crate::metrics::render(),
+        state.runner.metrics().render(),
     )
 }
 
@@ -255,7 +256,7 @@ async fn raw(
             if let Some(r) = state.runner.redactor() {
                 e.message = r.redact_str(&e.message);
             }
-            crate::metrics::rejected(e.code);
+            state.runner.metrics().rejected(e.code);
             return e.into_response();
         }
     };
