@@ -31,6 +31,18 @@ pub struct Reaper {
 pub fn spawn() -> std::io::Result<Reaper> {
     use std::os::unix::process::CommandExt;
     let exe = std::env::current_exe()?;
+    // Only the gateway binary has the subcommand (a test binary that builds the gateway in
+    // process must not start itself).
+    if !exe
+        .file_name()
+        .and_then(|n| n.to_str())
+        .is_some_and(|n| n.starts_with("mcp-run"))
+    {
+        return Err(std::io::Error::other(format!(
+            "{} is not the mcp-run binary",
+            exe.display()
+        )));
+    }
     let mut child = Command::new(exe)
         .arg(SUBCOMMAND)
         .arg(format!("{}.", std::process::id()))
