@@ -21,3 +21,4 @@ pub mod runner;
 pub mod server;
 pub mod templates;
 pub mod tools;
+pub mod workspace;

@@ -98,7 +98,12 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
             config,
         )
     };
+    let workspaces = match state.runner.workspaces() {
+        Some(store) => crate::workspace::server::routes(store.clone()),
+        None => Router::new(),
+    };
     Router::new()
+        .merge(workspaces)
         .route("/raw", post(raw))
         .route("/capabilities", get(capabilities))
         .nest_service("/mcp", mcp)

@@ -13,6 +13,11 @@ pub const REJECTED: i32 = 65;
 pub const UNAVAILABLE: i32 = 69;
 /// The run failed on the gateway after it began (an `error` event).
 pub const REMOTE_ERROR: i32 = 70;
+/// `--workspace`: the directory cannot be sent (unreadable file, a symlink that leaves it,
+/// a name that is not UTF-8).
+pub const WORKSPACE: i32 = 66;
+/// `--sync-back`: a result could not be downloaded or written into the directory.
+pub const SYNC_BACK: i32 = 73;
 /// Writing the output failed for a reason other than a closed pipe.
 pub const IO_ERROR: i32 = 74;
 /// The gateway's answer broke the protocol, or the stream was cut.

@@ -3,6 +3,7 @@
 pub mod exit_codes;
 pub mod run_remote;
 pub mod run_remote_templates;
+pub mod run_remote_workspace;
 pub mod serve;
 
 /// Sets up logging on stderr (stdout may carry a protocol). `RUST_LOG` overrides the level.

@@ -11,6 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::exit_codes as code;
 use super::run_remote_templates::{self as tpl, TemplateSink};
+use super::run_remote_workspace as ws;
 use crate::contract::{ErrorCode, Event, ExitInfo, RunRequest};
 use crate::exec::remote::RemoteExecutor;
 
@@ -20,8 +21,9 @@ Environment:
   RUN_REMOTE_TOKEN   bearer token sent to the gateway, if it requires one
 
 Exit status: the remote command's exit code; 128+N if signal N killed it; 124 if the gateway's
-timeout killed it. run-remote's own failures: 64 usage, 65 rejected by the gateway, 69 gateway
-unreachable, 70 failure on the gateway after the start, 74 output error, 76 protocol error,
+timeout killed it. run-remote's own failures: 64 usage, 65 rejected by the gateway, 66 the
+--workspace directory cannot be sent, 69 gateway unreachable, 70 failure on the gateway after
+the start, 73 --sync-back results cannot be copied back, 74 output error, 76 protocol error,
 78 configuration error (also: an unknown template, an invalid .mcp-run/config.yaml).
 
 Templates: --template NAME prints the output filtered when the command ends (errors and
@@ -55,6 +57,18 @@ pub struct Args {
     /// working directory).
     #[arg(long)]
     pub no_cwd: bool,
+    /// Send DIR's files to the runner first: what git would consider part of the tree
+    /// (.gitignore'd files and .git excluded). DIR defaults to the git work tree around the
+    /// current directory, else the current directory; the command runs in the same
+    /// directory relative to DIR. Only contents the gateway lacks are uploaded.
+    #[arg(long, value_name = "DIR", num_args = 0..=1, require_equals = true,
+          default_missing_value = "", conflicts_with_all = ["cwd", "no_cwd"])]
+    pub workspace: Option<String>,
+    /// With --workspace: after the run, copy the files matching these globs (relative to
+    /// DIR; `*` within a directory, `**` across) that the command created or changed back
+    /// into DIR.
+    #[arg(long = "sync-back", value_name = "GLOB", num_args = 1.., requires = "workspace")]
+    pub sync_back: Vec<String>,
     /// The gateway's runner profile (a pod template on the Kubernetes backend).
     #[arg(long, value_name = "NAME")]
     pub profile: Option<String>,
@@ -164,7 +178,8 @@ pub fn build_request(
             ),
         ));
     }
-    let cwd = if args.no_cwd {
+    let cwd = if args.no_cwd || args.workspace.is_some() {
+        // With a workspace, the directory inside it is set once the workspace is resolved.
         None
     } else if let Some(dir) = &args.cwd {
         Some(dir.clone())
@@ -193,6 +208,8 @@ pub fn build_request(
         env: env_out,
         timeout_secs: args.timeout,
         profile: args.profile.clone(),
+        sync_back: args.sync_back.clone(),
+        ..RunRequest::default()
     };
     Ok((server, request))
 }
@@ -216,7 +233,7 @@ pub fn rejection_code(c: ErrorCode) -> i32 {
 }
 
 async fn run(args: Args) -> i32 {
-    let (server, request) =
+    let (server, mut request) =
         match build_request(&args, |k| std::env::var(k).ok(), std::env::current_dir()) {
             Ok(r) => r,
             Err(f) => {
@@ -255,7 +272,29 @@ async fn run(args: Args) -> i32 {
             return code::CONFIG;
         }
     };
-    let mut execution = match remote.run(&request, CancellationToken::new()).await {
+    let workspace = match &args.workspace {
+        None => None,
+        Some(dir) => match start_workspace(&remote, dir, &mut request).await {
+            Ok(w) => Some(w),
+            Err(f) => {
+                eprintln!("run-remote: {}", f.message);
+                return f.code;
+            }
+        },
+    };
+    let mut started = remote.run(&request, CancellationToken::new()).await;
+    // The gateway's cache may have evicted contents between the upload and the run (or
+    // another replica answered): sync once more and retry.
+    if let (Err(e), Some(w)) = (&started, &workspace)
+        && e.code == ErrorCode::WorkspaceIncomplete
+    {
+        if let Err(f) = ws::sync(&w.client, &w.resolved.root, false).await {
+            eprintln!("run-remote: {}", f.message);
+            return f.code;
+        }
+        started = remote.run(&request, CancellationToken::new()).await;
+    }
+    let mut execution = match started {
         Ok(e) => e,
         Err(e) => {
             if args.output_format != OutputFormat::Stream {
@@ -266,6 +305,8 @@ async fn run(args: Args) -> i32 {
             return rejection_code(e.code);
         }
     };
+    let changes = ws::Changes::default();
+    execution = execution.filtered(ws::CaptureChanges(changes.clone()));
     if args.output_format != OutputFormat::Stream {
         let collected =
             crate::result::collect(execution, args.max_output_bytes.max(1024), |_, _| {}).await;
@@ -273,7 +314,24 @@ async fn run(args: Args) -> i32 {
         if let Some(t) = &template {
             crate::templates::apply_to_result(&mut r, t);
         }
-        if !print_result(&r, args.output_format) {
+        let mut synced_back = None;
+        if let Some(w) = &workspace
+            && !args.sync_back.is_empty()
+            && collected.exit.is_some()
+        {
+            match ws::sync_back(&w.client, &w.resolved.root, &changes, true).await {
+                Ok(files) => synced_back = Some(files),
+                Err(f) => {
+                    eprintln!("run-remote: {}", f.message);
+                    return f.code;
+                }
+            }
+        }
+        let printed = match (&workspace, args.output_format) {
+            (Some(w), OutputFormat::Json) => print_json_with_workspace(&r, w, synced_back),
+            _ => print_result(&r, args.output_format),
+        };
+        if !printed {
             return code::IO_ERROR;
         }
         return match (&collected.exit, &collected.error) {
@@ -302,6 +360,14 @@ async fn run(args: Args) -> i32 {
             (Event::Stdout { data }, Some(s)) => s.stdout(data).map_err(raw_file_error),
             (Event::Stderr { data }, Some(s)) => s.stderr(data).map_err(raw_file_error),
             (Event::Exit(info), _) => {
+                if let Some(w) = &workspace
+                    && !args.sync_back.is_empty()
+                    && let Err(f) =
+                        ws::sync_back(&w.client, &w.resolved.root, &changes, false).await
+                {
+                    eprintln!("run-remote: {}", f.message);
+                    return f.code;
+                }
                 if let Some(s) = sink.take()
                     && let Some(c) = finish(s, info.code, &mut stdout, &mut stderr)
                 {
@@ -342,6 +408,51 @@ async fn run(args: Args) -> i32 {
         return c;
     }
     code::PROTOCOL
+}
+
+/// A `--workspace` run: where the tree is, and what its sync did.
+struct WorkspaceRun {
+    client: crate::workspace::client::WorkspaceClient,
+    resolved: ws::Resolved,
+    synced: crate::workspace::client::Synced,
+}
+
+/// Resolves and syncs the workspace, and points the request at it.
+async fn start_workspace(
+    remote: &RemoteExecutor,
+    dir: &str,
+    request: &mut RunRequest,
+) -> Result<WorkspaceRun, Failure> {
+    let resolved = ws::resolve(dir, std::env::current_dir())?;
+    let client = remote.workspace_client();
+    let synced = ws::sync(&client, &resolved.root, false).await?;
+    request.workspace = Some(synced.workspace.clone());
+    request.cwd = (!resolved.cwd.is_empty()).then(|| resolved.cwd.clone());
+    Ok(WorkspaceRun {
+        client,
+        resolved,
+        synced,
+    })
+}
+
+/// The JSON result with a `workspace` object: the sync's figures and the files copied back.
+fn print_json_with_workspace(
+    r: &crate::result::StructuredResult,
+    w: &WorkspaceRun,
+    synced_back: Option<Vec<crate::contract::ChangedFile>>,
+) -> bool {
+    let mut value = serde_json::to_value(r).unwrap_or_default();
+    let mut info = serde_json::to_value(&w.synced).unwrap_or_default();
+    info["root"] = w.resolved.root.display().to_string().into();
+    if let Some(files) = synced_back {
+        info["synced_back"] = serde_json::to_value(files).unwrap_or_default();
+    }
+    value["workspace"] = info;
+    let text = serde_json::to_string_pretty(&value).unwrap_or_default() + "\n";
+    std::io::stdout()
+        .write_all(text.as_bytes())
+        .and_then(|()| std::io::stdout().flush())
+        .is_ok()
 }
 
 /// Resolves `--template` in the current directory.

@@ -184,7 +184,8 @@ pub async fn build_executor(config: &Config) -> anyhow::Result<Arc<dyn Executor>
     Ok(match config.server.backend {
         BackendKind::Local => Arc::new(
             LocalExecutor::new(&config.local.inherit_env)
-                .with_profiles(config.profiles.keys().cloned()),
+                .with_profiles(config.profiles.keys().cloned())
+                .with_workspace_dir(config.workspaces.local_dir()),
         ),
         BackendKind::Remote => {
             let url = config.remote.server.as_deref().context(
@@ -279,7 +280,20 @@ pub fn build_runner(config: &Config, executor: Arc<dyn Executor>) -> anyhow::Res
     let redactor =
         crate::redact::Redactor::from_config(&config.redaction, |k| std::env::var(k).ok())
             .map_err(|e| anyhow::anyhow!("invalid configuration: {e}"))?;
+    let workspaces = if config.workspaces.enabled && executor.supports_workspaces() {
+        let store = crate::workspace::WorkspaceStore::open(config.workspaces.clone())
+            .with_context(|| {
+                format!(
+                    "cannot open the workspace cache in {}",
+                    config.workspaces.cache_dir().display()
+                )
+            })?;
+        Some(Arc::new(store))
+    } else {
+        None
+    };
     Ok(Runner::new(executor, config.limits.clone())
+        .with_workspaces(workspaces)
         .with_policy(crate::policy::Policy::new(
             config.policy.clone(),
             config.limits.clone(),

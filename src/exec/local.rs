@@ -37,6 +37,8 @@ pub struct LocalExecutor {
     /// Profile names requests may give. Profiles describe pods; here they only select the
     /// policy's per-profile overrides.
     profiles: Vec<String>,
+    /// Where a run's workspace is written (a new directory per run).
+    workspace_dir: std::path::PathBuf,
 }
 
 impl LocalExecutor {
@@ -54,7 +56,38 @@ impl LocalExecutor {
             base_env,
             host,
             profiles: vec!["default".into()],
+            workspace_dir: std::env::temp_dir(),
         }
+    }
+
+    /// Writes each run's workspace into a new directory below `dir`.
+    pub fn with_workspace_dir(mut self, dir: std::path::PathBuf) -> Self {
+        self.workspace_dir = dir;
+        self
+    }
+
+    /// Writes the workspace into a fresh directory, then starts the command in it; the
+    /// directory goes when the command has ended (after sync-back).
+    async fn start_in_workspace(
+        &self,
+        mut spec: ExecSpec,
+        run: crate::workspace::WorkspaceRun,
+        cancel: CancellationToken,
+    ) -> Result<Execution, ErrorBody> {
+        let base = self.workspace_dir.clone();
+        let tree =
+            tokio::task::spawn_blocking(move || crate::workspace::local::materialize(&run, &base))
+                .await
+                .map_err(|e| {
+                    ErrorBody::new(ErrorCode::Internal, format!("materialising failed: {e}"))
+                })??;
+        spec.cwd = Some(tree.cwd.to_str().map(str::to_owned).ok_or_else(|| {
+            ErrorBody::new(
+                ErrorCode::StartFailed,
+                "the workspace directory is not valid UTF-8 (local.workspace_dir)",
+            )
+        })?);
+        self.spawn(&spec, cancel, Some(tree))
     }
 
     /// Accepts these profile names (the configuration's `profiles`) besides `default`.
@@ -79,7 +112,12 @@ impl LocalExecutor {
 
     /// `cancel` kills the command; it is a child of the caller's token, so that shutdown
     /// reaches it too.
-    fn spawn(&self, spec: &ExecSpec, cancel: CancellationToken) -> Result<Execution, ErrorBody> {
+    fn spawn(
+        &self,
+        spec: &ExecSpec,
+        cancel: CancellationToken,
+        tree: Option<crate::workspace::local::LocalTree>,
+    ) -> Result<Execution, ErrorBody> {
         if let Some(cwd) = &spec.cwd {
             // Checked here because a failed chdir and a missing program are the same io error
             // once inside spawn().
@@ -136,6 +174,10 @@ impl LocalExecutor {
         let pid = child.id();
         let (tx, rx) = mpsc::channel(EVENT_BUFFER);
         tokio::spawn(supervise(child, tx, cancel.clone()));
+        let rx = match tree {
+            Some(tree) => crate::workspace::local::relay(rx, tree),
+            None => rx,
+        };
         Ok(Execution::new(self.context(pid), rx, cancel))
     }
 }
@@ -159,7 +201,17 @@ impl Executor for LocalExecutor {
         spec: ExecSpec,
         opts: StartOptions,
     ) -> BoxFuture<'_, Result<Execution, ErrorBody>> {
-        Box::pin(async move { self.spawn(&spec, opts.cancel.child_token()) })
+        Box::pin(async move {
+            let cancel = opts.cancel.child_token();
+            match spec.workspace.clone() {
+                Some(run) => self.start_in_workspace(spec, run, cancel).await,
+                None => self.spawn(&spec, cancel, None),
+            }
+        })
+    }
+
+    fn supports_workspaces(&self) -> bool {
+        true
     }
 
     /// Profiles are the configured names (`default` always).
@@ -287,6 +339,7 @@ mod tests {
             env: BTreeMap::new(),
             timeout: Duration::from_secs(10),
             profile: None,
+            workspace: None,
         }
     }
 

@@ -67,6 +67,15 @@ impl RemoteExecutor {
         &self.url
     }
 
+    /// The gateway's workspace endpoints, over the same connection pool and token.
+    pub fn workspace_client(&self) -> crate::workspace::client::WorkspaceClient {
+        crate::workspace::client::WorkspaceClient::new(
+            self.client.clone(),
+            &self.url,
+            self.token.clone(),
+        )
+    }
+
     /// Sends a request and returns once the gateway reported `started`.
     pub async fn run(
         &self,
@@ -256,6 +265,7 @@ impl Executor for RemoteExecutor {
                 env: spec.env,
                 timeout_secs: Some(spec.timeout.as_secs().max(1)),
                 profile: spec.profile,
+                ..RunRequest::default()
             };
             self.run(&req, cancel).await
         })
