@@ -6,7 +6,7 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::config::Limits;
+use crate::limits::Limits;
 
 /// The URI of the capabilities resource.
 pub const RESOURCE_URI: &str = "mcp-run://capabilities";

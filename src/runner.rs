@@ -8,11 +8,12 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::access::{Caller, RateLimiter};
-use crate::config::Limits;
+use crate::auth::Caller;
 use crate::contract::{ErrorBody, ErrorCode, RunRequest};
 use crate::exec::{ExecSpec, Execution, Executor, Progress, StartOptions};
+use crate::limits::Limits;
 use crate::policy::{Policy, PolicyConfig, Subject};
+use crate::rate_limit::RateLimiter;
 use crate::redact::{RedactFilter, Redactor};
 use tokio::sync::Semaphore;
 

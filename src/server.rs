@@ -30,7 +30,7 @@ pub struct AppState {
     pub capabilities: Arc<crate::capabilities::Capabilities>,
     pub mcp: McpSettings,
     /// Bearer tokens for every path but the probes and metrics; `None`: auth off.
-    pub auth: Option<Arc<crate::access::Auth>>,
+    pub auth: Option<Arc<crate::auth::Auth>>,
 }
 
 /// How `/mcp` is served.
@@ -120,7 +120,7 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .layer(axum::middleware::from_fn_with_state(
             state.auth.clone(),
-            crate::access::middleware,
+            crate::auth::middleware,
         ))
         .with_state(state)
 }
@@ -222,7 +222,7 @@ pub fn parse_request(
 
 async fn raw(
     State(state): State<AppState>,
-    caller: Option<axum::Extension<crate::access::Caller>>,
+    caller: Option<axum::Extension<crate::auth::Caller>>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {

@@ -410,6 +410,15 @@ async fn run(args: Args) -> i32 {
     code::PROTOCOL
 }
 
+impl From<ws::Failure> for Failure {
+    fn from(f: ws::Failure) -> Self {
+        Failure {
+            code: f.code,
+            message: f.message,
+        }
+    }
+}
+
 /// A `--workspace` run: where the tree is, and what its sync did.
 struct WorkspaceRun {
     client: crate::workspace::client::WorkspaceClient,
@@ -423,9 +432,11 @@ async fn start_workspace(
     dir: &str,
     request: &mut RunRequest,
 ) -> Result<WorkspaceRun, Failure> {
-    let resolved = ws::resolve(dir, std::env::current_dir())?;
+    let resolved = ws::resolve(dir, std::env::current_dir()).map_err(Failure::from)?;
     let client = remote.workspace_client();
-    let synced = ws::sync(&client, &resolved.root, false).await?;
+    let synced = ws::sync(&client, &resolved.root, false)
+        .await
+        .map_err(Failure::from)?;
     request.workspace = Some(synced.workspace.clone());
     request.cwd = (!resolved.cwd.is_empty()).then(|| resolved.cwd.clone());
     Ok(WorkspaceRun {

@@ -5,7 +5,6 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use super::exit_codes as code;
-use super::run_remote::Failure;
 use crate::contract::{ChangedFile, ErrorCode, Event};
 use crate::exec::EventFilter;
 use crate::workspace::client::{SyncError, Synced, WorkspaceClient};
@@ -17,6 +16,13 @@ pub struct Resolved {
     /// The current directory relative to `root` (`""`: the root, also when the current
     /// directory is outside it).
     pub cwd: String,
+}
+
+/// A failure of the workspace steps: run-remote's exit code and the message.
+#[derive(Debug)]
+pub struct Failure {
+    pub code: i32,
+    pub message: String,
 }
 
 fn fail(code: i32, message: impl Into<String>) -> Failure {

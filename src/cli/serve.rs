@@ -245,7 +245,7 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
             tools: Arc::new(config.tools.clone()),
             templates,
         },
-        auth: crate::access::Auth::load(&config.auth, |k| std::env::var(k).ok())
+        auth: crate::auth::Auth::load(&config.auth, |k| std::env::var(k).ok())
             .map_err(anyhow::Error::msg)?
             .map(Arc::new),
     };

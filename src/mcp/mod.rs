@@ -3,6 +3,8 @@
 //! (`mcp-run stdio`). Every call goes through [`Runner::start`], the same entry point as
 //! `/raw`, so limits, timeouts and backends behave the same.
 
+pub mod config;
+
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -131,8 +133,8 @@ impl McpService {
                 ));
             }
         };
-        let caller = crate::access::mcp_caller(&context.extensions)
-            .unwrap_or_else(|| crate::access::Caller::local("stdio"));
+        let caller = crate::auth::mcp_caller(&context.extensions)
+            .unwrap_or_else(|| crate::auth::Caller::local("stdio"));
         let started = tokio::select! {
             s = self.runner.start_as(req, &caller) => s,
             _ = context.ct.cancelled() => Err(ErrorBody::new(ErrorCode::InvalidRequest, "cancelled by the client")),
@@ -290,8 +292,8 @@ impl McpService {
             }
         };
         // Over HTTP the gateway's middleware identified the caller; over stdio it is local.
-        let caller = crate::access::mcp_caller(&context.extensions)
-            .unwrap_or_else(|| crate::access::Caller::local("stdio"));
+        let caller = crate::auth::mcp_caller(&context.extensions)
+            .unwrap_or_else(|| crate::auth::Caller::local("stdio"));
         let started = tokio::select! {
             s = self.runner.start_as(req.clone(), &caller) => s,
             _ = context.ct.cancelled() => Err(ErrorBody::new(ErrorCode::InvalidRequest, "cancelled by the client")),

@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 
 use super::manifest::Manifest;
 use super::store::{Owner, Workspace, WorkspaceStore};
-use crate::access::Caller;
+use crate::auth::Caller;
 use crate::contract::{ErrorBody, ErrorCode};
 
 /// The answer to `POST /workspaces`.
