@@ -240,6 +240,13 @@ impl Manifest {
                 limits.max_bytes
             )));
         }
+        let distinct: u64 = contents.values().sum();
+        if distinct > limits.max_cache_bytes {
+            return Err(too_large(format!(
+                "the workspace's contents ({distinct} bytes) do not fit in the gateway's cache of {} bytes (workspaces.max_cache_bytes)",
+                limits.max_cache_bytes
+            )));
+        }
         // A file or symlink cannot also be a directory of another entry (nothing may be
         // written through a symlink).
         for e in &self.entries {
