@@ -185,6 +185,12 @@ pub struct RunContext {
     /// How long the pod took from creation to Running, in milliseconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod_start_ms: Option<u64>,
+    /// The workspace the command ran in (its id), if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workspace: Option<String>,
+    /// The version of that workspace's tree (SHA-256 of its manifest).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workspace_version: Option<String>,
 }
 
 /// A stage of preparing a command, reported while the caller waits (mostly by the Kubernetes

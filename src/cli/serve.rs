@@ -54,6 +54,10 @@ pub struct ServeArgs {
 pub struct StdioArgs {
     #[command(flatten)]
     pub backend: BackendArgs,
+    /// With `--backend remote`: sync this directory to the gateway (incrementally) before
+    /// every command, which runs in it (docs/workspaces.md).
+    #[arg(long, value_name = "DIR")]
+    pub workspace: Option<PathBuf>,
 }
 
 /// Where commands run: shared by `serve` and `stdio`.
@@ -194,7 +198,14 @@ pub async fn build_executor(config: &Config) -> anyhow::Result<Arc<dyn Executor>
             let token = std::env::var("RUN_REMOTE_TOKEN")
                 .ok()
                 .filter(|t| !t.is_empty());
-            Arc::new(RemoteExecutor::new(url, token).map_err(anyhow::Error::msg)?)
+            let remote = RemoteExecutor::new(url, token).map_err(anyhow::Error::msg)?;
+            match &config.remote.workspace {
+                Some(dir) => Arc::new(
+                    crate::exec::synced::SyncedRemote::new(remote, dir)
+                        .map_err(anyhow::Error::msg)?,
+                ),
+                None => Arc::new(remote),
+            }
         }
         BackendKind::Kube => {
             let mut profiles = config.profiles.clone();
@@ -376,7 +387,14 @@ fn working_dir() -> std::path::PathBuf {
 }
 
 fn run_stdio(args: StdioArgs) -> anyhow::Result<()> {
-    let config = args.backend.load()?;
+    let mut config = args.backend.load()?;
+    if let Some(dir) = args.workspace {
+        anyhow::ensure!(
+            config.server.backend == BackendKind::Remote,
+            "--workspace needs --backend remote (the local backend already runs in this machine's files)"
+        );
+        config.remote.workspace = Some(dir);
+    }
     block_on(stdio(config))
 }
 

@@ -205,11 +205,16 @@ impl LocalExecutor {
         let pid = child.id();
         let (tx, rx) = mpsc::channel(EVENT_BUFFER);
         tokio::spawn(supervise(child, tx, cancel.clone()));
+        let mut context = self.context(pid);
         let rx = match tree {
-            Some(tree) => crate::workspace::local::relay(rx, tree),
+            Some(tree) => {
+                context.workspace = Some(tree.workspace_id().to_owned());
+                context.workspace_version = Some(tree.workspace_version().to_owned());
+                crate::workspace::local::relay(rx, tree)
+            }
             None => rx,
         };
-        Ok(Execution::new(self.context(pid), rx, cancel))
+        Ok(Execution::new(context, rx, cancel))
     }
 }
 

@@ -19,6 +19,10 @@ use crate::contract::{ErrorBody, ErrorCode, ErrorResponse, Event, ExitInfo, RunR
 pub struct RemoteConfig {
     /// The gateway's `/raw` URL [default: `RUN_REMOTE_SERVER`].
     pub server: Option<String>,
+    /// A directory synced to the gateway as a workspace before every command, which then
+    /// runs in it (`mcp-run stdio --workspace DIR`; docs/workspaces.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workspace: Option<std::path::PathBuf>,
 }
 
 impl RemoteConfig {

@@ -228,6 +228,13 @@ impl McpService {
                 listing.join("; ")
             )
         });
+        // Workspaces (docs/workspaces.md), when this gateway takes them.
+        if self.runner.workspaces().is_some() {
+            input["properties"]["workspace"] = json!({
+                "type": "string",
+                "description": "A workspace id returned by POST /workspaces (docs/workspaces.md): the command runs in a fresh copy of that tree, and `cwd` is relative to its root."
+            });
+        }
         let output = OUTPUT_SCHEMA.clone();
         let description = format!(
             "Run a command and get its stdout, stderr and exit code. {} Limits: timeout up to {} s (default {} s); no stdin, no TTY; each stream is capped at {} KiB in the result (head and tail kept).",

@@ -68,6 +68,14 @@ pub fn materialize(run: &WorkspaceRun, base: &Path) -> Result<LocalTree, ErrorBo
 }
 
 impl LocalTree {
+    pub fn workspace_id(&self) -> &str {
+        &self.run.workspace.id
+    }
+
+    pub fn workspace_version(&self) -> &str {
+        &self.run.workspace.digest
+    }
+
     /// The files matching the run's `sync_back` globs that the command created or changed,
     /// copied into the cache for download. Blocking.
     pub fn changes(&self) -> (Vec<ChangedFile>, bool) {
