@@ -270,3 +270,51 @@ fn concurrent_runs_each_get_a_clean_copy() {
     assert!(!a.path().join("marker").exists());
     assert!(leftover_runs(&dir).is_empty());
 }
+
+#[test]
+fn a_remote_backend_gateway_forwards_workspaces_and_results() {
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = gateway(&dir, "");
+    let front_dir = tempfile::tempdir().unwrap();
+    let cfg = config_file(
+        &front_dir,
+        &format!(
+            "workspaces:\n  cache_dir: {}\n",
+            front_dir.path().join("cache").display()
+        ),
+    );
+    let front = Gateway::start(&[
+        "--config",
+        cfg.to_str().unwrap(),
+        "--backend",
+        "remote",
+        "--server",
+        &upstream.raw_url(),
+    ]);
+    let (tree, _) = sample_tree();
+    let out = run_remote(
+        &front,
+        dir.path(),
+        &tree.path().join("lib"),
+        &[
+            "--workspace",
+            "--sync-back",
+            "lib/*.out",
+            "--",
+            "sh",
+            "-c",
+            "cat bin.dat | wc -c > r.out; ../run.sh",
+        ],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "ran\n");
+    assert!(stderr.contains("sync-back: 1 file"), "{stderr}");
+    assert_eq!(
+        std::fs::read_to_string(tree.path().join("lib/r.out"))
+            .unwrap()
+            .trim(),
+        "5"
+    );
+    assert!(leftover_runs(&dir).is_empty());
+}

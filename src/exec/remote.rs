@@ -280,6 +280,9 @@ impl Executor for RemoteExecutor {
     ) -> BoxFuture<'_, Result<Execution, ErrorBody>> {
         let cancel = opts.cancel;
         Box::pin(async move {
+            if let Some(run) = spec.workspace.clone() {
+                return super::synced::forward(self, spec, run, cancel).await;
+            }
             let req = RunRequest {
                 executable: spec.executable,
                 args: spec.args,
@@ -295,6 +298,11 @@ impl Executor for RemoteExecutor {
 
     fn timeout_slack(&self) -> Duration {
         TIMEOUT_SLACK
+    }
+
+    /// Workspaces are forwarded: uploaded from this gateway's cache to the upstream one.
+    fn supports_workspaces(&self) -> bool {
+        true
     }
 
     /// The gateway's own report (`GET /capabilities` beside `/raw`), naming the gateway.
