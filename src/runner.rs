@@ -12,6 +12,7 @@ use crate::auth::Caller;
 use crate::contract::{ErrorBody, ErrorCode, RunRequest};
 use crate::exec::{ExecSpec, Execution, Executor, Progress, StartOptions};
 use crate::limits::Limits;
+use crate::metrics::Metrics;
 use crate::policy::{Policy, PolicyConfig, Subject};
 use crate::rate_limit::RateLimiter;
 use crate::redact::{RedactFilter, Redactor};
@@ -41,6 +42,7 @@ pub struct Runner {
     workspaces: Option<Arc<crate::workspace::WorkspaceStore>>,
     shutdown: CancellationToken,
     tracker: TaskTracker,
+    metrics: Metrics,
 }
 
 impl Runner {
@@ -57,6 +59,7 @@ impl Runner {
             limits,
             shutdown: CancellationToken::new(),
             tracker: TaskTracker::new(),
+            metrics: Metrics::default(),
         }
     }
 
@@ -64,6 +67,16 @@ impl Runner {
     pub fn with_policy(mut self, policy: Policy) -> Self {
         self.policy = policy;
         self
+    }
+
+    /// Records executions and refusals in `metrics` (the gateway's, served on `/metrics`).
+    pub fn with_metrics(mut self, metrics: Metrics) -> Self {
+        self.metrics = metrics;
+        self
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
     }
 
     /// Redacts secrets in every execution's output (and in audit lines).
@@ -226,7 +239,7 @@ impl Runner {
         };
         let started = self.start_inner(req, caller, io).await;
         if let Err(e) = &started {
-            crate::metrics::rejected(e.code);
+            self.metrics.rejected(e.code);
             self.audit_rejected(&audit, caller, e);
         }
         started
@@ -290,7 +303,7 @@ impl Runner {
             .filtered(audit)
             .with_timeout(timeout)
             .tracked(self.tracker.token())
-            .observed(crate::metrics::execution_started(self.executor.name()))
+            .observed(self.metrics.execution_started(self.executor.name()))
             .hold(slot))
     }
 

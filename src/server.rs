@@ -99,7 +99,9 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         )
     };
     let workspaces = match state.runner.workspaces() {
-        Some(store) => crate::workspace::server::routes(store.clone()),
+        Some(store) => {
+            crate::workspace::server::routes(store.clone(), state.runner.metrics().clone())
+        }
         None => Router::new(),
     };
     Router::new()
@@ -119,7 +121,10 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         })
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .layer(axum::middleware::from_fn_with_state(
-            state.auth.clone(),
+            crate::auth::Gate {
+                auth: state.auth.clone(),
+                metrics: state.runner.metrics().clone(),
+            },
             crate::auth::middleware,
         ))
         .with_state(state)
@@ -179,10 +184,10 @@ async fn readyz(State(state): State<AppState>) -> Response {
     }
 }
 
-async fn metrics() -> impl IntoResponse {
+async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     (
         [(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)],
-        crate::metrics::render(),
+        state.runner.metrics().render(),
     )
 }
 
@@ -229,7 +234,7 @@ async fn raw(
     let req = match parse_request(&headers, body) {
         Ok(r) => r,
         Err(e) => {
-            crate::metrics::rejected(e.code);
+            state.runner.metrics().rejected(e.code);
             return e.into_response();
         }
     };

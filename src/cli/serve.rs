@@ -184,7 +184,10 @@ pub fn load_config(path: Option<&std::path::Path>) -> anyhow::Result<Config> {
 
 /// Builds the configured backend; the Kubernetes backend also checks its permissions and
 /// deletes what a previous run left behind.
-pub async fn build_executor(config: &Config) -> anyhow::Result<Arc<dyn Executor>> {
+pub async fn build_executor(
+    config: &Config,
+    metrics: &crate::metrics::Metrics,
+) -> anyhow::Result<Arc<dyn Executor>> {
     Ok(match config.server.backend {
         BackendKind::Local => Arc::new(
             LocalExecutor::new(&config.local.inherit_env)
@@ -201,7 +204,7 @@ pub async fn build_executor(config: &Config) -> anyhow::Result<Arc<dyn Executor>
             let remote = RemoteExecutor::new(url, token).map_err(anyhow::Error::msg)?;
             match &config.remote.workspace {
                 Some(dir) => Arc::new(
-                    crate::exec::synced::SyncedRemote::new(remote, dir)
+                    crate::exec::remote::workspace::SyncedRemote::new(remote, dir)
                         .map_err(anyhow::Error::msg)?,
                 ),
                 None => Arc::new(remote),
@@ -210,7 +213,7 @@ pub async fn build_executor(config: &Config) -> anyhow::Result<Arc<dyn Executor>
         BackendKind::Kube => {
             let mut profiles = config.profiles.clone();
             profiles.entry("default".into()).or_default();
-            let kube = KubeExecutor::connect(config.kubernetes.clone(), profiles)
+            let kube = KubeExecutor::connect(config.kubernetes.clone(), profiles, metrics.clone())
                 .await
                 .context("Kubernetes backend")?;
             kube.prepare(Duration::from_secs(config.limits.max_timeout_secs))
@@ -237,13 +240,22 @@ fn block_on(fut: impl std::future::Future<Output = anyhow::Result<()>>) -> anyho
         .block_on(fut)
 }
 
-/// Runs the gateway until SIGTERM or SIGINT.
-pub async fn serve(config: Config) -> anyhow::Result<()> {
+/// The gateway's HTTP application and what serving it needs besides.
+pub struct App {
+    pub router: axum::Router,
+    pub runner: Arc<Runner>,
+    /// Fired once running commands were drained at shutdown: ends the MCP sessions.
+    pub drained: tokio_util::sync::CancellationToken,
+}
+
+/// Builds the whole gateway from its configuration: backend, runner, auth, router. `serve`
+/// binds it to a listener; tests drive the router in-process.
+pub async fn app(config: &Config) -> anyhow::Result<App> {
     let Prepared {
         runner,
         templates,
         capabilities,
-    } = prepare(&config, false).await?;
+    } = prepare(config, false).await?;
     let drained = tokio_util::sync::CancellationToken::new();
     let state = AppState {
         runner: runner.clone(),
@@ -267,7 +279,20 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
             "bearer-token auth on for every path but /healthz, /readyz and /metrics"
         );
     }
-    let app = server::router(state, config.server.max_body_bytes);
+    Ok(App {
+        router: server::router(state, config.server.max_body_bytes),
+        runner,
+        drained,
+    })
+}
+
+/// Runs the gateway until SIGTERM or SIGINT.
+pub async fn serve(config: Config) -> anyhow::Result<()> {
+    let App {
+        router,
+        runner,
+        drained,
+    } = app(&config).await?;
     let listener = tokio::net::TcpListener::bind(config.server.listen)
         .await
         .with_context(|| format!("cannot listen on {}", config.server.listen))?;
@@ -275,7 +300,7 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
     tracing::info!(%addr, backend = runner.executor().name(), version = env!("CARGO_PKG_VERSION"), "mcp-run gateway listening");
     server::serve(
         listener,
-        app,
+        router,
         runner,
         shutdown_signal(),
         config.shutdown_grace(),
@@ -287,7 +312,11 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
 }
 
 /// The runner every front end uses, with the configured policy and limits.
-pub fn build_runner(config: &Config, executor: Arc<dyn Executor>) -> anyhow::Result<Runner> {
+pub fn build_runner(
+    config: &Config,
+    executor: Arc<dyn Executor>,
+    metrics: crate::metrics::Metrics,
+) -> anyhow::Result<Runner> {
     let redactor =
         crate::redact::Redactor::from_config(&config.redaction, |k| std::env::var(k).ok())
             .map_err(|e| anyhow::anyhow!("invalid configuration: {e}"))?;
@@ -305,6 +334,7 @@ pub fn build_runner(config: &Config, executor: Arc<dyn Executor>) -> anyhow::Res
     };
     Ok(Runner::new(executor, config.limits.clone())
         .with_workspaces(workspaces)
+        .with_metrics(metrics)
         .with_policy(crate::policy::Policy::new(
             config.policy.clone(),
             config.limits.clone(),
@@ -322,8 +352,10 @@ struct Prepared {
 /// Builds the backend, the runner, the template store (`discover`: also the repository's
 /// `.mcp-run/config.yaml`, for `stdio`) and the capabilities document.
 async fn prepare(config: &Config, discover: bool) -> anyhow::Result<Prepared> {
-    let executor = build_executor(config).await?;
-    let runner = Arc::new(build_runner(config, executor)?);
+    // One registry per gateway, handed to whoever records (served on /metrics).
+    let metrics = crate::metrics::Metrics::new();
+    let executor = build_executor(config, &metrics).await?;
+    let runner = Arc::new(build_runner(config, executor, metrics)?);
     let templates = template_store(config, discover)?;
     let mut capabilities = capabilities(config, &runner).await;
     capabilities.templates = templates.names(&working_dir());

@@ -16,7 +16,6 @@
 pub mod kube;
 pub mod local;
 pub mod remote;
-pub mod synced;
 
 use std::collections::BTreeMap;
 use std::pin::Pin;

@@ -2,6 +2,8 @@
 //! and `mcp-run stdio --backend remote` use it, so that a machine without cluster
 //! credentials runs its commands where the gateway runs them.
 
+pub mod workspace;
+
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes, BytesMut};
@@ -281,7 +283,7 @@ impl Executor for RemoteExecutor {
         let cancel = opts.cancel;
         Box::pin(async move {
             if let Some(run) = spec.workspace.clone() {
-                return super::synced::forward(self, spec, run, cancel).await;
+                return workspace::forward(self, spec, run, cancel).await;
             }
             let req = RunRequest {
                 executable: spec.executable,

@@ -48,22 +48,32 @@ pub struct UploadResponse {
     pub bytes: u64,
 }
 
-/// The workspace routes; `store` is the gateway's.
-pub fn routes<S: Clone + Send + Sync + 'static>(store: Arc<WorkspaceStore>) -> Router<S> {
+/// What the handlers share.
+#[derive(Clone)]
+struct WsState {
+    store: Arc<WorkspaceStore>,
+    metrics: crate::metrics::Metrics,
+}
+
+/// The workspace routes; `store` is the gateway's, refusals are counted in `metrics`.
+pub fn routes<S: Clone + Send + Sync + 'static>(
+    store: Arc<WorkspaceStore>,
+    metrics: crate::metrics::Metrics,
+) -> Router<S> {
     Router::new()
         .route("/workspaces", post(post_manifest))
         .route("/workspaces/{id}/blobs", post(post_bundle))
         .route("/workspaces/{id}/blobs/{hash}", put(put_blob))
         .route("/workspaces/blobs/{hash}", get(get_blob))
-        .with_state(store)
+        .with_state(WsState { store, metrics })
 }
 
 fn owner(caller: Option<axum::Extension<Caller>>) -> Owner {
     caller.and_then(|c| c.0.identity)
 }
 
-fn refuse(e: ErrorBody) -> Response {
-    crate::metrics::rejected(e.code);
+fn refuse(metrics: &crate::metrics::Metrics, e: ErrorBody) -> Response {
+    metrics.rejected(e.code);
     e.into_response()
 }
 
@@ -104,7 +114,7 @@ async fn blocking<T: Send + 'static>(
 }
 
 async fn post_manifest(
-    State(store): State<Arc<WorkspaceStore>>,
+    State(WsState { store, metrics }): State<WsState>,
     caller: Option<axum::Extension<Caller>>,
     headers: HeaderMap,
     body: Body,
@@ -112,7 +122,7 @@ async fn post_manifest(
     let owner = owner(caller);
     let gz = match gzip(&headers) {
         Ok(g) => g,
-        Err(e) => return refuse(e),
+        Err(e) => return refuse(&metrics, e),
     };
     let max = store.config().max_manifest_bytes;
     let store2 = store.clone();
@@ -150,7 +160,7 @@ async fn post_manifest(
             missing_bytes: p.missing_bytes,
         })
         .into_response(),
-        Err(e) => refuse(e),
+        Err(e) => refuse(&metrics, e),
     }
 }
 
@@ -165,7 +175,7 @@ fn declared(ws: &Workspace, hash: &str) -> Result<u64, ErrorBody> {
 }
 
 async fn post_bundle(
-    State(store): State<Arc<WorkspaceStore>>,
+    State(WsState { store, metrics }): State<WsState>,
     caller: Option<axum::Extension<Caller>>,
     Path(id): Path<String>,
     headers: HeaderMap,
@@ -174,11 +184,11 @@ async fn post_bundle(
     let owner = owner(caller);
     let ws = match store.get(&id, &owner) {
         Ok(ws) => ws,
-        Err(e) => return refuse(e),
+        Err(e) => return refuse(&metrics, e),
     };
     let gz = match gzip(&headers) {
         Ok(g) => g,
-        Err(e) => return refuse(e),
+        Err(e) => return refuse(&metrics, e),
     };
     let done = blocking(move || {
         let reader = body_reader(body, gz);
@@ -223,12 +233,12 @@ async fn post_bundle(
     .await;
     match done {
         Ok(r) => axum::Json(r).into_response(),
-        Err(e) => refuse(e),
+        Err(e) => refuse(&metrics, e),
     }
 }
 
 async fn put_blob(
-    State(store): State<Arc<WorkspaceStore>>,
+    State(WsState { store, metrics }): State<WsState>,
     caller: Option<axum::Extension<Caller>>,
     Path((id, hash)): Path<(String, String)>,
     headers: HeaderMap,
@@ -241,7 +251,7 @@ async fn put_blob(
         .and_then(|size| gzip(&headers).map(|gz| (size, gz)));
     let (size, gz) = match checked {
         Ok(v) => v,
-        Err(e) => return refuse(e),
+        Err(e) => return refuse(&metrics, e),
     };
     let done = blocking(move || {
         let mut reader = body_reader(body, gz);
@@ -254,12 +264,12 @@ async fn put_blob(
             bytes: size,
         })
         .into_response(),
-        Err(e) => refuse(e),
+        Err(e) => refuse(&metrics, e),
     }
 }
 
 async fn get_blob(
-    State(store): State<Arc<WorkspaceStore>>,
+    State(WsState { store, metrics }): State<WsState>,
     caller: Option<axum::Extension<Caller>>,
     Path(hash): Path<String>,
 ) -> Response {
@@ -276,6 +286,6 @@ async fn get_blob(
             *resp.status_mut() = StatusCode::OK;
             resp
         }
-        Err(e) => refuse(e),
+        Err(e) => refuse(&metrics, e),
     }
 }

@@ -14,9 +14,9 @@ use futures_util::future::BoxFuture;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::remote::RemoteExecutor;
-use super::{ExecSpec, Execution, Executor, StartOptions};
+use super::RemoteExecutor;
 use crate::contract::{ErrorBody, ErrorCode, Event, RunRequest};
+use crate::exec::{ExecSpec, Execution, Executor, StartOptions};
 use crate::workspace::client::{SyncError, WorkspaceClient};
 
 /// The remote backend with a directory synced before every run.
@@ -164,7 +164,7 @@ pub async fn forward(
     }
     let context = inner.context().clone();
     let own = cancel.child_token();
-    let (tx, rx) = mpsc::channel(super::EVENT_BUFFER);
+    let (tx, rx) = mpsc::channel(crate::exec::EVENT_BUFFER);
     tokio::spawn(relay_changes(inner, tx, own.clone(), client, run));
     Ok(Execution::new(context, rx, own))
 }
