@@ -10,6 +10,7 @@ use bytes::Bytes;
 use futures_util::StreamExt as _;
 
 use super::server::{PostResponse, UploadResponse};
+use super::tarball::ChannelWriter;
 use super::walk::{HashCache, Walked, walk};
 use crate::contract::{ChangedFile, ErrorBody, ErrorCode, ErrorResponse};
 
@@ -368,21 +369,5 @@ impl std::fmt::Display for SyncError {
             SyncError::Local(m) => f.write_str(m),
             SyncError::Gateway(e) => write!(f, "{} ({})", e.message, e.code),
         }
-    }
-}
-
-/// A blocking writer into an async channel (the upload body).
-struct ChannelWriter(tokio::sync::mpsc::Sender<std::io::Result<Bytes>>);
-
-impl std::io::Write for ChannelWriter {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0
-            .blocking_send(Ok(Bytes::copy_from_slice(buf)))
-            .map_err(|_| std::io::Error::new(std::io::ErrorKind::BrokenPipe, "upload ended"))?;
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
     }
 }
