@@ -369,3 +369,29 @@ async fn the_cache_keeps_its_bound_and_run_remote_uploads_again_after_eviction()
     assert!(stderr.contains("payload_too_large"), "{stderr}");
     let _ = std::io::stderr().flush();
 }
+
+#[tokio::test]
+async fn the_policy_sees_the_workspace_below_slash_workspace() {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = gateway(&dir, "policy:\n  cwd: {allow: [/workspace/sub]}\n", &[]);
+    let data = b"#!/bin/sh\necho ok\n";
+    let mut entry = file("sub/run.sh", data);
+    entry["mode"] = json!(493);
+    let (_, posted) = post_manifest(&gw, None, json!([entry])).await;
+    let id = posted["workspace"].as_str().unwrap().to_owned();
+    let h = hash_bytes(data);
+    let (s, _) = upload(&gw, None, &id, bundle(&[(&h, data)])).await;
+    assert_eq!(s, 200);
+    let ok = raw(
+        &gw,
+        json!({"executable": "./run.sh", "workspace": id, "cwd": "sub"}),
+    )
+    .await;
+    assert_eq!(ok.stdout_str(), "ok\n", "{:?}", ok.rejection);
+    let refused = raw(&gw, json!({"executable": "true", "workspace": id})).await;
+    assert_eq!(refused.status, 403);
+    assert_eq!(
+        refused.rejection.unwrap().error.code.as_str(),
+        "policy_violation"
+    );
+}
