@@ -371,3 +371,32 @@ impl std::fmt::Display for SyncError {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn changed(path: &str) -> ChangedFile {
+        ChangedFile {
+            path: path.into(),
+            mode: 0o644,
+            size: 1,
+            hash: String::new(),
+        }
+    }
+
+    #[test]
+    fn results_are_written_only_inside_and_never_through_symlinks() {
+        let root = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        let r = root.path();
+        std::os::unix::fs::symlink(outside.path(), r.join("link")).unwrap();
+        std::os::unix::fs::symlink(outside.path().join("f"), r.join("flink")).unwrap();
+        for bad in ["../x", "/etc/x", "a/../../x", "link/f", "flink"] {
+            assert!(write_inside(r, &changed(bad), b"x").is_err(), "{bad}");
+        }
+        assert_eq!(std::fs::read_dir(outside.path()).unwrap().count(), 0);
+        write_inside(r, &changed("new/dir/f"), b"y").unwrap();
+        assert_eq!(std::fs::read(r.join("new/dir/f")).unwrap(), b"y");
+    }
+}
