@@ -9,7 +9,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::auth::Caller;
-use crate::contract::{ErrorBody, ErrorCode, RunRequest};
+use crate::contract::{ErrorBody, ErrorCode, Event, RunRequest};
 use crate::exec::{ExecSpec, Execution, Executor, Progress, StartOptions};
 use crate::limits::Limits;
 use crate::metrics::Metrics;
@@ -21,6 +21,25 @@ use tokio::sync::Semaphore;
 /// After the grace period, how long killed commands get to report their exit before the
 /// backend's shutdown runs anyway.
 const KILL_WAIT: Duration = Duration::from_secs(10);
+
+/// Ends the stream of a command that the gateway's shutdown killed with an `error` event
+/// `shutting_down` instead of the `exit` of its SIGKILL, which would read as the command's own
+/// fate (an out-of-memory kill). After the audit filter: the audit log keeps the real exit.
+struct StoppedFilter(CancellationToken);
+
+impl crate::exec::EventFilter for StoppedFilter {
+    fn filter(&mut self, event: Event, out: &mut std::collections::VecDeque<Event>) {
+        out.push_back(match event {
+            Event::Exit(info) if self.0.is_cancelled() && info.code.is_none() && !info.timed_out => {
+                Event::Error {
+                    code: ErrorCode::ShuttingDown,
+                    message: "the gateway stopped and killed the command at the end of its shutdown grace period".into(),
+                }
+            }
+            e => e,
+        });
+    }
+}
 
 /// What a front end attaches to a run besides the request: the caller's stdin and where to
 /// report start-up phases.
@@ -262,6 +281,12 @@ impl Runner {
             rate.take(caller)?;
         }
         let spec = self.spec_for(req, caller)?;
+        if io.stdin.is_some() && !self.limits.allow_stdin {
+            return Err(ErrorBody::new(
+                ErrorCode::PolicyViolation,
+                "this gateway does not accept stdin for commands (limits.allow_stdin is false)",
+            ));
+        }
         // Taken before the backend starts anything, released when the execution is dropped.
         let slot = match &self.slots {
             Some(s) => Some(s.clone().try_acquire_owned().map_err(|_| {
@@ -301,6 +326,7 @@ impl Runner {
         );
         Ok(execution
             .filtered(audit)
+            .filtered(StoppedFilter(self.shutdown.clone()))
             .with_timeout(timeout)
             .tracked(self.tracker.token())
             .observed(self.metrics.execution_started(self.executor.name()))

@@ -4,8 +4,8 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use super::exit_codes as code;
-use crate::contract::{ChangedFile, ErrorCode, Event};
+use super::outcome::{Failure, Reason};
+use crate::contract::{ChangedFile, Event};
 use crate::exec::EventFilter;
 use crate::workspace::client::{SyncError, Synced, WorkspaceClient};
 
@@ -18,46 +18,29 @@ pub struct Resolved {
     pub cwd: String,
 }
 
-/// A failure of the workspace steps: run-remote's exit code and the message.
-#[derive(Debug)]
-pub struct Failure {
-    pub code: i32,
-    pub message: String,
-}
-
-fn fail(code: i32, message: impl Into<String>) -> Failure {
-    Failure {
-        code,
-        message: message.into(),
-    }
-}
-
 /// `dir` as given to `--workspace` (empty: the git work tree around the current directory,
 /// else the current directory).
 pub fn resolve(dir: &str, cwd: std::io::Result<PathBuf>) -> Result<Resolved, Failure> {
-    let cwd = cwd.and_then(|c| c.canonicalize()).map_err(|e| {
-        fail(
-            code::CONFIG,
-            format!("cannot read the current directory: {e}"),
-        )
-    })?;
+    let cwd = cwd
+        .and_then(|c| c.canonicalize())
+        .map_err(|e| Failure::config(format!("cannot read the current directory: {e}")))?;
     let root = if dir.is_empty() {
         crate::workspace::walk::default_root(&cwd)
     } else {
         cwd.join(dir)
             .canonicalize()
-            .map_err(|e| fail(code::WORKSPACE, format!("--workspace {dir:?}: {e}")))?
+            .map_err(|e| Failure::new(Reason::Workspace, format!("--workspace {dir:?}: {e}")))?
     };
     if !root.is_dir() {
-        return Err(fail(
-            code::WORKSPACE,
+        return Err(Failure::new(
+            Reason::Workspace,
             format!("--workspace {}: not a directory", root.display()),
         ));
     }
     let rel = match cwd.strip_prefix(&root) {
         Ok(rel) => rel
             .to_str()
-            .ok_or_else(|| fail(code::WORKSPACE, format!("{rel:?} is not valid UTF-8")))?
+            .ok_or_else(|| Failure::new(Reason::Workspace, format!("{rel:?} is not valid UTF-8")))?
             .to_owned(),
         Err(_) => String::new(),
     };
@@ -79,15 +62,14 @@ pub async fn sync(client: &WorkspaceClient, root: &Path, quiet: bool) -> Result<
             }
             Ok(s)
         }
-        Err(SyncError::Local(m)) => Err(fail(code::WORKSPACE, format!("--workspace: {m}"))),
-        Err(SyncError::Gateway(e)) => Err(fail(
-            match e.code {
-                ErrorCode::GatewayUnreachable => code::UNAVAILABLE,
-                ErrorCode::ProtocolError => code::PROTOCOL,
-                _ => code::REJECTED,
-            },
-            format!("--workspace: {} ({})", e.message, e.code),
-        )),
+        Err(SyncError::Local(m)) => {
+            Err(Failure::new(Reason::Workspace, format!("--workspace: {m}")))
+        }
+        Err(SyncError::Gateway(e)) => {
+            let mut f = Failure::gateway(&e);
+            f.message = format!("--workspace: {}", f.message);
+            Err(f)
+        }
     }
 }
 
@@ -127,15 +109,15 @@ pub async fn sync_back(
 ) -> Result<Vec<ChangedFile>, Failure> {
     let taken = changes.lock().ok().and_then(|mut s| s.take());
     let Some((files, truncated)) = taken else {
-        return Err(fail(
-            code::SYNC_BACK,
+        return Err(Failure::new(
+            Reason::SyncBack,
             "--sync-back: the gateway reported no changed files (it may not support sync-back)",
         ));
     };
     let written = client
         .sync_back(root, &files)
         .await
-        .map_err(|m| fail(code::SYNC_BACK, format!("--sync-back: {m}")))?;
+        .map_err(|m| Failure::new(Reason::SyncBack, format!("--sync-back: {m}")))?;
     if !quiet {
         let bytes: u64 = written.iter().map(|f| f.size).sum();
         eprintln!(
@@ -171,8 +153,8 @@ mod tests {
         let r = resolve(root.join("a/b").to_str().unwrap(), Ok(root.clone())).unwrap();
         assert_eq!(r.cwd, "", "outside the workspace: its root");
         assert_eq!(
-            resolve("missing", Ok(root)).unwrap_err().code,
-            code::WORKSPACE
+            resolve("missing", Ok(root)).unwrap_err().reason,
+            Reason::Workspace
         );
     }
 }

@@ -12,17 +12,28 @@ use clap::{Parser, Subcommand};
 use crate::capabilities::Capabilities;
 use crate::config::{BackendKind, Config};
 use crate::exec::Executor;
-use crate::exec::kube::KubeExecutor;
+use crate::exec::kube::{KubeExecutor, KubeSetupError};
 use crate::exec::local::LocalExecutor;
 use crate::exec::remote::RemoteExecutor;
 use crate::mcp::McpService;
 use crate::runner::Runner;
 use crate::server::{self, AppState, McpSettings};
 
-/// Kubernetes-native remote runner: runs each command in its own ephemeral pod (or as a
-/// local process) and streams stdout, stderr and the exit code back.
+const AFTER_HELP: &str = "\
+Examples:
+  mcp-run serve                                  # local processes, on 127.0.0.1:8080
+  mcp-run serve --backend kube --image busybox:1.36
+  mcp-run serve --config gateway.yaml --log-format json
+  mcp-run stdio                                  # MCP on stdin/stdout, for Claude Desktop/Code
+  mcp-run completions zsh > ~/.zfunc/_mcp-run
+
+Then, in another terminal: RUN_REMOTE_SERVER=http://127.0.0.1:8080/raw run-remote -- uname -a
+Docs: README.md and docs/ (configuration.md, mcp.md, protocol.md).";
+
+/// The mcp-run gateway: runs each command in its own ephemeral Kubernetes pod (or as a local
+/// process) and streams stdout, stderr and the exit code back, over HTTP (/raw) and MCP.
 #[derive(Debug, Parser)]
-#[command(name = "mcp-run", version, about, long_about = None)]
+#[command(name = "mcp-run", version, after_help = AFTER_HELP)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -36,6 +47,11 @@ pub enum Command {
     /// Serve MCP on stdin/stdout (logs on stderr), for agents that start their MCP servers
     /// as child processes.
     Stdio(StdioArgs),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell) on stdout.
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
 }
 
 #[derive(Debug, clap::Args)]
@@ -52,6 +68,9 @@ pub struct ServeArgs {
 
 #[derive(Debug, clap::Args)]
 pub struct StdioArgs {
+    /// Log format on stderr (stdout carries the protocol).
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
     #[command(flatten)]
     pub backend: BackendArgs,
     /// With `--backend remote`: sync this directory to the gateway (incrementally) before
@@ -89,10 +108,22 @@ impl BackendArgs {
         if let Some(server) = &self.server
             && config.server.backend == BackendKind::Remote
         {
+            // Checked here so that the message names where the URL came from.
+            crate::exec::remote::parse_server_url(server)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", server_source()))?;
             config.remote.server = Some(server.clone());
         }
         self.kube.apply(&mut config)?;
         Ok(config)
+    }
+}
+
+/// Which of `--server` and `RUN_REMOTE_SERVER` gave the remote backend's URL (the flag wins).
+fn server_source() -> &'static str {
+    if std::env::args().any(|a| a == "--server" || a.starts_with("--server=")) {
+        "--server"
+    } else {
+        "RUN_REMOTE_SERVER"
     }
 }
 
@@ -153,25 +184,54 @@ pub enum LogFormat {
 
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
+    let json_logs;
     let result = match cli.command {
         Command::Serve(args) => {
-            super::init_logging("info", args.log_format == LogFormat::Json);
+            json_logs = args.log_format == LogFormat::Json;
+            super::init_logging("info", json_logs);
             run_serve(args)
         }
         Command::Stdio(args) => {
             // stdout carries the protocol: logs go to stderr, quietly by default.
-            super::init_logging("warn", false);
+            json_logs = args.log_format == LogFormat::Json;
+            super::init_logging("warn", json_logs);
             run_stdio(args)
+        }
+        Command::Completions { shell } => {
+            use clap::CommandFactory as _;
+            return match super::write_completions(shell, Cli::command()) {
+                super::outcome::Outcome::Done => ExitCode::SUCCESS,
+                _ => ExitCode::FAILURE,
+            };
         }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            tracing::error!("{e:#}");
-            eprintln!("mcp-run: {e:#}");
+            // Once: a JSON log line for log collectors, else one line for a person.
+            if json_logs {
+                tracing::error!("{}", startup_error(&e));
+            } else {
+                eprintln!("mcp-run: {}", startup_error(&e));
+            }
             ExitCode::FAILURE
         }
     }
+}
+
+/// A start-up error as one line: the causes in order, each said once (kube's configuration
+/// errors repeat their cause at every level of the chain).
+pub fn startup_error(e: &anyhow::Error) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        // A level that only repeats what the previous one said adds nothing.
+        if parts.last().is_some_and(|p| p.contains(&text)) {
+            continue;
+        }
+        parts.push(text);
+    }
+    parts.join(": ")
 }
 
 /// Loads the configuration with the command line's overrides applied.
@@ -215,12 +275,30 @@ pub async fn build_executor(
             profiles.entry("default".into()).or_default();
             let kube = KubeExecutor::connect(config.kubernetes.clone(), profiles, metrics.clone())
                 .await
-                .context("Kubernetes backend")?;
+                .map_err(kube_setup_error)?;
             kube.prepare(Duration::from_secs(config.limits.max_timeout_secs))
                 .await;
             Arc::new(kube)
         }
     })
+}
+
+/// The Kubernetes backend's set-up error, short and with the fix. kube's "cannot infer a
+/// configuration" names both sources it tried (in-cluster, kubeconfig) and repeats them in
+/// its source chain; the kubeconfig's reason is the one a person can act on.
+fn kube_setup_error(e: KubeSetupError) -> anyhow::Error {
+    match &e {
+        KubeSetupError::Infer(infer) => {
+            let kubeconfig = std::error::Error::source(infer)
+                .map(|s| s.to_string())
+                .unwrap_or_else(|| infer.to_string());
+            anyhow::anyhow!(
+                "--backend kube: no Kubernetes credentials (not in a cluster, and {kubeconfig}): \
+                 pass --kubeconfig PATH or set KUBECONFIG, or use --backend local"
+            )
+        }
+        _ => anyhow::Error::new(e).context("--backend kube"),
+    }
 }
 
 fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
@@ -262,7 +340,7 @@ pub async fn app(config: &Config) -> anyhow::Result<App> {
         keepalive: config.keepalive(),
         capabilities,
         mcp: McpSettings {
-            max_output_bytes: config.mcp.max_output_bytes,
+            config: config.mcp.clone(),
             allowed_hosts: config.mcp.allowed_hosts.clone(),
             stop: drained.clone(),
             tools: Arc::new(config.tools.clone()),
@@ -438,7 +516,7 @@ pub async fn stdio(config: Config) -> anyhow::Result<()> {
         templates,
         capabilities,
     } = prepare(&config, true).await?;
-    let service = McpService::new(runner.clone(), capabilities, config.mcp.max_output_bytes)
+    let service = McpService::new(runner.clone(), capabilities, &config.mcp)
         .with_tools(Arc::new(config.tools.clone()))
         .with_templates(templates, working_dir());
     let running = service

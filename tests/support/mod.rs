@@ -45,7 +45,15 @@ impl Gateway {
 
     /// Like [`Gateway::start`], with extra environment variables for the gateway process.
     pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Gateway {
+        Self::start_in(None, args, env)
+    }
+
+    /// Like [`Gateway::start_with_env`], in the working directory `dir` (when given).
+    pub fn start_in(dir: Option<&std::path::Path>, args: &[&str], env: &[(&str, &str)]) -> Gateway {
         let mut cmd = Command::new(gateway_bin());
+        if let Some(dir) = dir {
+            cmd.current_dir(dir);
+        }
         cmd.arg("serve")
             .arg("--listen")
             .arg("127.0.0.1:0")
@@ -283,6 +291,41 @@ pub async fn raw_bytes(gw: &Gateway, body: Vec<u8>, content_type: &str) -> RawRu
         run.events.push(event);
     }
     run
+}
+
+/// POSTs a request with stdin (`Content-Type: application/vnd.mcp-run.stdin`: the request
+/// JSON on the first line, then the stdin bytes) and collects the answer.
+pub async fn raw_stdin(gw: &Gateway, body: serde_json::Value, stdin: &[u8]) -> RawRun {
+    let mut bytes = serde_json::to_vec(&body).unwrap();
+    bytes.push(b'\n');
+    bytes.extend_from_slice(stdin);
+    raw_bytes(gw, bytes, mcp_run::contract::STDIN_CONTENT_TYPE).await
+}
+
+/// Starts a stdin request whose body streams from `input` (chunked, ending when the sender is
+/// dropped); returns the response as soon as its headers arrive.
+pub async fn raw_stdin_streamed(
+    gw: &Gateway,
+    body: serde_json::Value,
+    input: tokio::sync::mpsc::Receiver<bytes::Bytes>,
+) -> reqwest::Response {
+    let mut head = serde_json::to_vec(&body).unwrap();
+    head.push(b'\n');
+    let first = futures_util::stream::once(async move {
+        Ok::<_, std::convert::Infallible>(bytes::Bytes::from(head))
+    });
+    let rest = futures_util::stream::unfold(input, |mut input| async move {
+        let chunk = input.recv().await?;
+        Some((Ok(chunk), input))
+    });
+    use futures_util::StreamExt;
+    http()
+        .post(gw.raw_url())
+        .header("content-type", mcp_run::contract::STDIN_CONTENT_TYPE)
+        .body(reqwest::Body::wrap_stream(first.chain(rest)))
+        .send()
+        .await
+        .expect("send")
 }
 
 /// Waits until `cond` holds, up to `limit`.

@@ -4,7 +4,6 @@
 //! runAsNonRoot 65532, that can write the profile's `emptyDir`). The image needs `tar` that
 //! reads `-x -f - -C DIR` (GNU tar, busybox, bsdtar all do).
 
-use k8s_openapi::api::core::v1::{EmptyDirVolumeSource, Volume, VolumeMount};
 use kube::api::AttachParams;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio_util::sync::CancellationToken;
@@ -12,51 +11,11 @@ use tokio_util::sync::CancellationToken;
 use super::KubeExecutor;
 use super::config::Profile;
 use super::pod::CONTAINER;
-use super::start::api_error;
 use crate::contract::{ErrorBody, ErrorCode};
 use crate::workspace::WorkspaceRun;
 
-/// The name of the `emptyDir` volume holding a pod's workspace.
-pub const VOLUME: &str = "mcp-run-workspace";
-
 /// The most of `tar`'s stderr kept for an error message.
 const MAX_STDERR: u64 = 16 * 1024;
-
-/// Whether the profile gets its own workspace volume (none of its mounts is at the path).
-fn own_volume(p: &Profile) -> Option<&str> {
-    let path = p.workspace_path.as_deref()?;
-    let trimmed = path.trim_end_matches('/');
-    (!p.volume_mounts
-        .iter()
-        .any(|m| m.mount_path.trim_end_matches('/') == trimmed))
-    .then_some(path)
-}
-
-/// The pod's volumes: the profile's, and the workspace `emptyDir` when it has a path.
-pub fn volumes(p: &Profile) -> Option<Vec<Volume>> {
-    let mut v = p.volumes.clone();
-    if own_volume(p).is_some() {
-        v.push(Volume {
-            name: VOLUME.into(),
-            empty_dir: Some(EmptyDirVolumeSource::default()),
-            ..Default::default()
-        });
-    }
-    (!v.is_empty()).then_some(v)
-}
-
-/// The container's mounts: the profile's, and the workspace volume at its path.
-pub fn volume_mounts(p: &Profile) -> Option<Vec<VolumeMount>> {
-    let mut m = p.volume_mounts.clone();
-    if let Some(path) = own_volume(p) {
-        m.push(VolumeMount {
-            name: VOLUME.into(),
-            mount_path: path.into(),
-            ..Default::default()
-        });
-    }
-    (!m.is_empty()).then_some(m)
-}
 
 /// The profile's workspace path, or why it takes no workspace.
 pub fn workspace_path<'a>(
@@ -106,7 +65,7 @@ impl KubeExecutor {
         };
         let argv = vec!["tar", "-x", "-f", "-", "-C", path];
         let mut attached = tokio::select! {
-            r = self.shared.pods.exec(pod, argv, &params) => r.map_err(|e| api_error("cannot exec tar in the runner pod", &e))?,
+            r = self.shared.pods.exec(pod, argv, &params) => r.map_err(|e| failed(format!("cannot exec tar: {e}")))?,
             _ = cancel.cancelled() => return Err(ErrorBody::new(ErrorCode::ShuttingDown, "the gateway is shutting down")),
         };
         let mut stdin = attached

@@ -126,8 +126,9 @@ pub async fn forward(
     remote: &RemoteExecutor,
     spec: ExecSpec,
     run: crate::workspace::WorkspaceRun,
-    cancel: CancellationToken,
+    opts: StartOptions,
 ) -> Result<Execution, ErrorBody> {
+    let cancel = opts.cancel.clone();
     let pin = run.store.pin(&run.workspace)?;
     let sources = run
         .workspace
@@ -151,7 +152,9 @@ pub async fn forward(
         workspace: Some(client.sync(&walked).await?.workspace),
         sync_back: run.sync_back.clone(),
     };
-    let inner = match remote.run(&req, cancel.clone()).await {
+    let inner = match remote.run_with(&req, opts).await {
+        // Evicted upstream between the sync and the run: once more (the first attempt took
+        // the stdin, if any).
         Err(e) if e.code == ErrorCode::WorkspaceIncomplete => {
             req.workspace = Some(client.sync(&walked).await?.workspace);
             remote.run(&req, cancel.clone()).await?
