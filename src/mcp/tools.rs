@@ -322,6 +322,7 @@ impl ToolConfig {
             env: BTreeMap::new(),
             timeout_secs: self.timeout_secs,
             profile: self.profile.clone(),
+            ..RunRequest::default()
         })
     }
 

@@ -51,6 +51,11 @@ pub struct ExecutionContext {
     pub host: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cwd: Option<String>,
+    /// The workspace the command ran in, and the version of its tree.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workspace: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workspace_version: Option<String>,
 }
 
 /// One command's captured result.
@@ -251,6 +256,8 @@ impl StructuredResult {
             profile: ctx.profile.or_else(|| req.profile.clone()),
             host: ctx.host,
             cwd: req.cwd.clone(),
+            workspace: ctx.workspace,
+            workspace_version: ctx.workspace_version,
         }
     }
 
