@@ -217,7 +217,7 @@ fn run_remote_template_with_json_output() {
     assert!(stdout.starts_with("[template pytest: "), "{stdout}");
     assert!(stdout.contains("E       assert 1.5 == 1\n") && !stdout.contains("PASSED"));
     let summary = v["summary"].as_str().unwrap();
-    assert!(summary.contains("template `pytest` removed"), "{summary}");
+    assert!(summary.contains("template `pytest` left out"), "{summary}");
     assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
 }
 

@@ -267,11 +267,18 @@ async fn run(args: Args) -> i32 {
         }
     };
     if args.output_format != OutputFormat::Stream {
+        // The template reads the whole output as it arrives, not the capped capture.
+        let mut filters = template.as_ref().map(crate::result::Filters::new);
         let collected =
-            crate::result::collect(execution, args.max_output_bytes.max(1024), |_, _| {}).await;
+            crate::result::collect(execution, args.max_output_bytes.max(1024), |s, d| {
+                if let Some(f) = filters.as_mut() {
+                    f.push(s, d);
+                }
+            })
+            .await;
         let mut r = crate::result::StructuredResult::from_run("run-remote", &request, &collected);
-        if let Some(t) = &template {
-            crate::result::apply_to_result(&mut r, t);
+        if let Some(f) = filters {
+            f.apply(&mut r, None);
         }
         if !print_result(&r, args.output_format) {
             return code::IO_ERROR;
