@@ -12,6 +12,7 @@ pub mod cli;
 pub mod config;
 pub mod contract;
 pub mod exec;
+pub mod exit;
 pub mod limits;
 pub mod mcp;
 pub mod metrics;

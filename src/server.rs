@@ -115,7 +115,10 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         })
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .layer(axum::middleware::from_fn_with_state(
-            state.auth.clone(),
+            crate::auth::Gate {
+                auth: state.auth.clone(),
+                metrics: state.runner.metrics().clone(),
+            },
             crate::auth::middleware,
         ))
         .with_state(state)
@@ -175,10 +178,10 @@ async fn readyz(State(state): State<AppState>) -> Response {
     }
 }
 
-async fn metrics() -> impl IntoResponse {
+async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     (
         [(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)],
-        crate::metrics::render(),
+        state.runner.metrics().render(),
     )
 }
 
@@ -225,7 +228,7 @@ async fn raw(
     let req = match parse_request(&headers, body) {
         Ok(r) => r,
         Err(e) => {
-            crate::metrics::rejected(e.code);
+            state.runner.metrics().rejected(e.code);
             return e.into_response();
         }
     };

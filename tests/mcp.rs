@@ -319,7 +319,7 @@ fn run_remote_output_formats() {
         .args(["--output-format", "json", "--profile", "nope", "--", "true"])
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(65));
+    assert_eq!(out.status.code(), Some(125));
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(
         v["error"].as_str().unwrap().starts_with("unknown_profile"),

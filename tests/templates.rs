@@ -240,7 +240,7 @@ fn run_remote_template_configuration() {
         .args(touch)
         .output()
         .unwrap();
-    assert_eq!(unknown.status.code(), Some(78));
+    assert_eq!(unknown.status.code(), Some(125));
     let msg = String::from_utf8(unknown.stderr).unwrap();
     assert_eq!(msg.lines().count(), 1, "{msg}");
     assert!(msg.contains("unknown template \"nope\""), "{msg}");
@@ -297,7 +297,7 @@ fn run_remote_template_configuration() {
             .args(&args)
             .output()
             .unwrap();
-        assert_eq!(bad.status.code(), Some(78), "{args:?}");
+        assert_eq!(bad.status.code(), Some(125), "{args:?}");
         let msg = String::from_utf8(bad.stderr).unwrap();
         assert_eq!(msg.lines().count(), 1, "{msg}");
         assert!(

@@ -133,11 +133,7 @@ pub fn cli_result(ran: &Ran, budget: usize) -> CallToolResult {
     if let Some(e) = &ran.collected.error {
         return error_result(e);
     }
-    let exit_code = ran
-        .collected
-        .exit
-        .map(|e| if e.timed_out { 124 } else { e.shell_status() })
-        .unwrap_or(255);
+    let exit_code = crate::exit::status(ran.collected.exit.as_ref());
     let t = texts(ran, budget);
     let mut output = json!({
         "stdout": t.stdout,

@@ -237,30 +237,12 @@ pub async fn collect(
     }
 }
 
-/// An argv as a reader would type it: plain words as they are, others single-quoted.
-pub fn command_line(executable: &str, args: &[String]) -> String {
-    std::iter::once(executable)
-        .chain(args.iter().map(String::as_str))
-        .map(|a| {
-            let plain = !a.is_empty()
-                && a.bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b"-_./=:,+@%^".contains(&b));
-            if plain {
-                a.to_string()
-            } else {
-                format!("'{}'", a.replace('\'', "'\\''"))
-            }
-        })
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
 impl StructuredResult {
     fn context_for(tool: &str, req: &RunRequest, ctx: Option<&RunContext>) -> ExecutionContext {
         let ctx = ctx.cloned().unwrap_or_default();
         ExecutionContext {
             tool: tool.into(),
-            command_line: command_line(&req.executable, &req.args),
+            command_line: req.command_line(),
             backend: ctx.backend,
             namespace: ctx.namespace,
             pod: ctx.pod,
@@ -330,17 +312,22 @@ impl StructuredResult {
 
     /// The result of a request that was refused or could not start.
     pub fn not_started(tool: &str, req: &RunRequest, error: &ErrorBody) -> Self {
+        Self::did_not_run(tool, req, error.code.as_str(), &error.message)
+    }
+
+    /// A command that did not run, for `reason` (an error code, or a client's own reason).
+    pub fn did_not_run(tool: &str, req: &RunRequest, reason: &str, message: &str) -> Self {
         let context = Self::context_for(tool, req, None);
         Self {
             summary: format!(
-                "`{}` did not run: {} ({})",
-                context.command_line, error.message, error.code
+                "`{}` did not run: {message} ({reason})",
+                context.command_line
             ),
             context,
             outputs: Vec::new(),
             success: false,
             total_duration_ms: 0,
-            error: Some(format!("{}: {}", error.code, error.message)),
+            error: Some(format!("{reason}: {message}")),
         }
     }
 
@@ -466,11 +453,12 @@ mod tests {
 
     #[test]
     fn command_lines_are_quoted_for_reading() {
-        let args = vec!["-c".to_string(), "echo 'hi' $HOME".into(), "".into()];
-        assert_eq!(
-            command_line("sh", &args),
-            r#"sh -c 'echo '\''hi'\'' $HOME' ''"#
-        );
+        let req = RunRequest {
+            executable: "sh".into(),
+            args: vec!["-c".to_string(), "echo 'hi' $HOME".into(), "".into()],
+            ..Default::default()
+        };
+        assert_eq!(req.command_line(), r#"sh -c 'echo '\''hi'\'' $HOME' ''"#);
     }
 
     fn req() -> RunRequest {
