@@ -314,6 +314,9 @@ impl StreamFilter {
         if keep_failure && why.is_none() {
             why = Some(Why::Failure);
         }
+        if self.template.excludes(text) {
+            why = None;
+        }
         if let Some(why) = why {
             self.candidate(no, why, &line);
             self.previous = None;
@@ -448,6 +451,7 @@ mod tests {
                 include_regex: re.into(),
                 tail_paragraphs: tail,
                 suppress_on_success: false,
+                exclude_regex: None,
             },
         )
         .unwrap()
@@ -581,6 +585,7 @@ mod tests {
             include_regex: "HIT".into(),
             tail_paragraphs: 1,
             suppress_on_success: true,
+            exclude_regex: None,
         };
         let out = b"HIT\nx\n\nsummary\n";
         let tpl = Template::new("s", spec.clone()).unwrap();
@@ -596,5 +601,117 @@ mod tests {
         spec.suppress_on_success = false;
         let tpl = Template::new("s", spec).unwrap();
         assert_eq!(body(&apply(&tpl, out, Some(0))), "HIT\nsummary\n");
+    }
+}
+
+#[cfg(test)]
+mod rule_tests {
+    use super::*;
+    use crate::templates::TemplateSpec;
+
+    fn t(re: &str, exclude: Option<&str>) -> Template {
+        Template::new(
+            "t",
+            TemplateSpec {
+                description: "test".into(),
+                include_regex: re.into(),
+                tail_paragraphs: 0,
+                suppress_on_success: false,
+                exclude_regex: exclude.map(str::to_owned),
+            },
+        )
+        .unwrap()
+    }
+
+    fn kept(tpl: &Template, out: &str, code: i32) -> String {
+        let f = apply(tpl, out.as_bytes(), Some(code));
+        let s = String::from_utf8(f.output).unwrap();
+        s.split_once("]\n").map(|x| x.1.to_owned()).unwrap_or(s)
+    }
+
+    fn noise() -> String {
+        (0..20).map(|i| format!("step {i} fine\n")).collect()
+    }
+
+    #[test]
+    fn diagnostic_blocks_carets_and_messages() {
+        let out = format!(
+            "{}error[E0308]: mismatched types\n --> src/a.rs:2:5\n  |\n2 |     x\n  |     ^ expected `u64`, found `u32`\n\n{}  ● cart › rejects\n\n    unknown sku: B\n\n      3 |   if (x) {{\n    > 4 |     throw new Error(`unknown`);\n        |           ^\n      5 |   }}\n{}",
+            noise(),
+            noise(),
+            noise()
+        );
+        let k = kept(&t("^NEVER$", None), &out, 1);
+        assert!(k.contains("  |     ^ expected `u64`, found `u32`\n"), "{k}");
+        assert!(k.contains("    unknown sku: B\n"), "{k}");
+        assert!(
+            k.contains("    > 4 |     throw new Error(`unknown`);\n        |           ^\n"),
+            "{k}"
+        );
+        assert!(!k.contains("      3 |") && !k.contains("      5 |"), "{k}");
+        assert!(!k.contains("step 3 fine"), "{k}");
+    }
+
+    #[test]
+    fn colour_is_ignored_and_removed() {
+        let out = format!(
+            "{}\x1b[91merror\x1b[0m\x1b[90m TS2322: \x1b[0mType 'string'\n",
+            noise()
+        );
+        let k = kept(&t("error TS\\d+", None), &out, 0);
+        assert_eq!(k, "error TS2322: Type 'string'\n");
+    }
+
+    #[test]
+    fn source_line_under_a_location_and_library_frames() {
+        let out = format!(
+            "{}E   ImportError: no module x\ntest_x.py:1: in <module>\n    import x\n{}java.lang.IllegalStateException: boom\n\tat java.base/java.util.ArrayList.forEach(ArrayList.java:1596)\n\tat com.shop.CartTest.adds(CartTest.java:12)\n",
+            noise(),
+            noise()
+        );
+        let k = kept(&t("^NEVER$", None), &out, 1);
+        assert!(
+            k.contains("test_x.py:1: in <module>\n    import x\n"),
+            "{k}"
+        );
+        assert!(
+            k.contains("CartTest.java:12") && !k.contains("java.base/"),
+            "{k}"
+        );
+    }
+
+    #[test]
+    fn repeated_lines_once_and_excluded_lines_never() {
+        let out = format!(
+            "{}FAILED the long test name here\n[ERROR] Re-run Maven using the -X switch\n{}FAILED the long test name here\n",
+            noise(),
+            noise()
+        );
+        let k = kept(&t("^NEVER$", Some(r"^\[ERROR\] Re-run")), &out, 1);
+        assert_eq!(k, "FAILED the long test name here\n");
+        let bad = Template::new(
+            "b",
+            TemplateSpec {
+                description: "d".into(),
+                include_regex: "x".into(),
+                tail_paragraphs: 0,
+                suppress_on_success: false,
+                exclude_regex: Some("(".into()),
+            },
+        );
+        assert_eq!(bad.err().map(|e| e.0), Some("exclude_regex"));
+    }
+
+    #[test]
+    fn memory_is_bounded_on_a_line_without_newlines() {
+        let mut f = StreamFilter::new(&t("x", None));
+        for _ in 0..100 {
+            f.push(&[b'x'; 100_000]);
+        }
+        let out = f.finish(Some(0), None);
+        // Split into lines of MAX_LINE bytes at most; every one matches and is kept, up to
+        // the bound on kept bytes.
+        assert!(out.output.len() <= MAX_KEPT + 4096, "{}", out.output.len());
+        assert_eq!(out.total_lines, 10_000_000 / MAX_LINE + 1);
     }
 }
