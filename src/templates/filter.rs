@@ -168,8 +168,10 @@ pub struct StreamFilter {
     after_failure: bool,
     /// Hashes of the candidate lines kept so far (each long line is kept once).
     seen: std::collections::HashSet<u64>,
-    /// The previous line, unless it is a candidate already (the line a caret marks).
-    previous: Option<(usize, Vec<u8>)>,
+    /// The previous line's number, unless it is a candidate already (the line a caret
+    /// marks), and its bytes.
+    previous: Option<usize>,
+    previous_line: Vec<u8>,
 }
 
 impl StreamFilter {
@@ -194,6 +196,7 @@ impl StreamFilter {
             after_failure: false,
             seen: std::collections::HashSet::new(),
             previous: None,
+            previous_line: Vec::new(),
         }
     }
 
@@ -206,12 +209,17 @@ impl StreamFilter {
                 None if data.len() >= room => (room, true),
                 None => (data.len(), false),
             };
-            self.partial.extend_from_slice(&data[..n]);
-            data = &data[n..];
-            if complete {
-                let line = std::mem::take(&mut self.partial);
-                self.line(line);
+            if complete && self.partial.is_empty() {
+                // A whole line in the chunk: judged in place, without a copy.
+                self.line(&data[..n]);
+            } else {
+                self.partial.extend_from_slice(&data[..n]);
+                if complete {
+                    let line = std::mem::take(&mut self.partial);
+                    self.line(&line);
+                }
             }
+            data = &data[n..];
         }
     }
 
@@ -244,24 +252,27 @@ impl StreamFilter {
         }
     }
 
-    fn line(&mut self, raw: Vec<u8>) {
+    fn line(&mut self, raw: &[u8]) {
         let no = self.lines;
         self.lines += 1;
         // Agents and patterns see the text without colour.
-        let line = super::ansi::strip(&raw).into_owned();
-        let text = content(&line);
-        let blank = is_blank(&line);
+        let stripped = super::ansi::strip(raw);
+        let line: &[u8] = &stripped;
+        let text = content(line);
+        let blank = is_blank(line);
         if self.first.len() <= SHORT_STREAM_LINES {
-            self.first.push(line.clone());
+            self.first.push(line.to_vec());
         }
-        self.paragraph(no, &line, blank);
+        self.paragraph(no, line, blank);
 
         let mut why = None;
         if self.template.include.is_match(text) {
             why = Some(Why::Include);
         }
         let failure = ERROR_SHAPED.is_match(text);
-        let location = !failure && LOCATION.is_match(text);
+        // Locations matter only near a failure: most lines skip the pattern.
+        let near = self.window > 0 || self.block > 0 || self.after_failure;
+        let location = !failure && near && LOCATION.is_match(text);
         let mut keep_failure = failure;
         if self.block > 0 {
             if blank {
@@ -302,10 +313,12 @@ impl StreamFilter {
                 self.want_message = true;
             }
         }
-        if CARET.is_match(text) {
+        if memchr::memchr2(b'^', b'~', text).is_some() && CARET.is_match(text) {
             keep_failure = true;
-            if let Some((p, l)) = self.previous.take() {
+            if let Some(p) = self.previous.take() {
+                let l = std::mem::take(&mut self.previous_line);
                 self.candidate(p, Why::Failure, &l);
+                self.previous_line = l;
             }
         }
         if keep_failure && !failure && LIBRARY_FRAME.is_match(text) {
@@ -318,10 +331,13 @@ impl StreamFilter {
             why = None;
         }
         if let Some(why) = why {
-            self.candidate(no, why, &line);
+            self.candidate(no, why, line);
             self.previous = None;
         } else {
-            self.previous = Some((no, line));
+            // Kept in a reused buffer: most lines are never asked for again.
+            self.previous = Some(no);
+            self.previous_line.clear();
+            self.previous_line.extend_from_slice(line);
         }
     }
 
@@ -367,7 +383,7 @@ impl StreamFilter {
     pub fn finish(mut self, exit_code: Option<i32>, full: Option<&str>) -> Filtered {
         if !self.partial.is_empty() {
             let line = std::mem::take(&mut self.partial);
-            self.line(line);
+            self.line(&line);
         }
         let failed = exit_code != Some(0);
         let total = self.lines;
