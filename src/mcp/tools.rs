@@ -405,7 +405,18 @@ pub fn output_schema() -> Map<String, Value> {
         "properties": {
             "stdout": {"type": "string"},
             "stderr": {"type": "string"},
-            "exitCode": {"type": "integer", "description": "The exit code; 128+N when signal N killed the command; 124 when its timeout did."}
+            "exitCode": {"type": "integer", "description": "The exit code; 128+N when signal N killed the command; 124 when its timeout did."},
+            "fullOutput": {
+                "type": "object",
+                "description": "When the result leaves output out: where the full output is (resources/read).",
+                "properties": {
+                    "stdout_uri": {"type": "string"},
+                    "stdout_bytes": {"type": "integer", "minimum": 0},
+                    "stderr_uri": {"type": "string"},
+                    "stderr_bytes": {"type": "integer", "minimum": 0},
+                    "how": {"type": "string"}
+                }
+            }
         }
     }) {
         Value::Object(m) => m,
