@@ -161,7 +161,7 @@ impl Config {
                 "must contain a `default` profile".into(),
             ));
         }
-        self.mcp.validate().map_err(|(f, m)| invalid(&f, m))?;
+        self.mcp.validate().map_err(|(f, m)| invalid(f, m))?;
         self.remote.validate().map_err(|(f, m)| invalid(&f, m))?;
         self.local.validate().map_err(|(f, m)| invalid(&f, m))?;
         crate::mcp::tools::validate(&self.tools).map_err(|e| invalid(&e.field, e.message))?;

@@ -3,24 +3,23 @@
 //! unauthenticated, like the probes).
 //! Every error is a JSON body `{"error":{"code","message"}}` with a matching status.
 
-use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use futures_util::StreamExt;
-use futures_util::stream::{self, Stream};
 use tokio::net::TcpListener;
 
-use crate::contract::{ErrorBody, ErrorCode, ErrorResponse, Event, RunRequest};
-use crate::exec::Execution;
+use crate::contract::{ErrorBody, ErrorCode, ErrorResponse, RunRequest};
 use crate::runner::Runner;
+
+mod raw;
+pub use raw::HeadLimit;
 
 /// Shared state of the HTTP handlers.
 #[derive(Clone)]
@@ -100,7 +99,7 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         )
     };
     Router::new()
-        .route("/raw", post(raw))
+        .route("/raw", post(raw::raw))
         .route("/capabilities", get(capabilities))
         .nest_service("/mcp", mcp)
         .route("/healthz", get(healthz))
@@ -114,6 +113,7 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
             )
         })
         .layer(DefaultBodyLimit::max(max_body_bytes))
+        .layer(axum::Extension(HeadLimit(max_body_bytes)))
         .layer(axum::middleware::from_fn_with_state(
             crate::auth::Gate {
                 auth: state.auth.clone(),
@@ -199,7 +199,7 @@ pub fn parse_request(
     if !is_json {
         return Err(ErrorBody::new(
             ErrorCode::UnsupportedMediaType,
-            "the request body must be JSON with `Content-Type: application/json`",
+            "the request body must be JSON with `Content-Type: application/json` (or, with stdin, `Content-Type: application/vnd.mcp-run.stdin`)",
         ));
     }
     let body = body.map_err(|rejection| {
@@ -217,67 +217,4 @@ pub fn parse_request(
     })?;
     serde_json::from_slice::<RunRequest>(&body)
         .map_err(|e| ErrorBody::new(ErrorCode::InvalidRequest, format!("invalid request: {e}")))
-}
-
-async fn raw(
-    State(state): State<AppState>,
-    caller: Option<axum::Extension<crate::auth::Caller>>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    let req = match parse_request(&headers, body) {
-        Ok(r) => r,
-        Err(e) => {
-            state.runner.metrics().rejected(e.code);
-            return e.into_response();
-        }
-    };
-    // Logged below: secrets in the command line are redacted like the output.
-    let command = match state.runner.redactor() {
-        Some(r) => r.redact_str(&req.command_line()),
-        None => req.command_line(),
-    };
-    let caller = caller.map(|c| c.0).unwrap_or_default();
-    match state.runner.start_as(req, &caller).await {
-        Ok(execution) => {
-            tracing::debug!(%command, context = ?execution.context(), "started");
-            let mut resp = Response::new(Body::from_stream(ndjson(execution, state.keepalive)));
-            let h = resp.headers_mut();
-            h.insert(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("application/x-ndjson"),
-            );
-            h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-            // Tells nginx-style proxies not to buffer the stream.
-            h.insert("x-accel-buffering", HeaderValue::from_static("no"));
-            resp
-        }
-        Err(e) => {
-            tracing::info!(%command, code = %e.code, message = %e.message, "rejected");
-            e.into_response()
-        }
-    }
-}
-
-/// The NDJSON body of a run: `started`, output, keep-alives while silent, one terminal
-/// event. The execution lives inside the stream, so a client that goes away drops it, and
-/// dropping it kills the command.
-pub fn ndjson(
-    execution: Execution,
-    keepalive: Duration,
-) -> impl Stream<Item = Result<Bytes, Infallible>> + Send {
-    let first = Event::Started {
-        context: execution.context().clone(),
-    }
-    .to_line();
-    let rest = stream::unfold(Some(execution), move |state| async move {
-        let mut execution = state?;
-        let event = match tokio::time::timeout(keepalive, execution.next()).await {
-            Ok(Some(event)) => event,
-            Ok(None) => return None,
-            Err(_) => Event::Keepalive,
-        };
-        Some((Ok(event.to_line()), Some(execution)))
-    });
-    stream::once(async move { Ok(first) }).chain(rest)
 }

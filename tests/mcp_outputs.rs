@@ -265,3 +265,33 @@ async fn templates_find_a_failure_in_the_middle_of_10_mb() {
     assert!(o["full_output"]["stdout_bytes"].as_u64().unwrap() > 10_000_000);
     c.cancel().await.unwrap();
 }
+
+/// `stdin` reaches the command (the local backend feeds it); over the limit it is refused.
+#[tokio::test(flavor = "multi_thread")]
+async fn stdin_reaches_the_command() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = support::config_file(&dir, "mcp:\n  max_stdin_bytes: 100000\n");
+    let gw = Gateway::start(&["--config", cfg.to_str().unwrap()]);
+    let c = client(&gw).await;
+    let r = call(&c, json!({"executable": "cat", "stdin": "hello\nworld\n"})).await;
+    assert_eq!(out(&r)["stdout"], "hello\nworld\n");
+    let big = "x".repeat(99_999) + "\n";
+    let r = call(
+        &c,
+        json!({"executable": "wc", "args": ["-c"], "stdin": big}),
+    )
+    .await;
+    assert_eq!(out(&r)["stdout"].as_str().unwrap().trim(), "100000");
+    let r = call(
+        &c,
+        json!({"executable": "cat", "stdin": "y".repeat(100_001)}),
+    )
+    .await;
+    assert_eq!(r.is_error, Some(true));
+    assert!(r.structured_content.is_none());
+    // Without stdin, a command that reads it gets end of input at once.
+    let r = call(&c, json!({"executable": "cat"})).await;
+    assert_eq!(out(&r)["stdout"], "");
+    assert_eq!(out(&r)["exit_code"], 0);
+    c.cancel().await.unwrap();
+}

@@ -110,7 +110,7 @@ pub fn excerpt(
     }
     let tail_start = tail_part.len() - t;
     if let Some(i) = memchr::memchr(b'\n', &tail_part[tail_start..])
-        && i + 1 <= t / 2
+        && i < t / 2
         && tail_start > 0
     {
         t -= i + 1;
