@@ -88,7 +88,7 @@ impl Capabilities {
     pub fn new(backend: BackendCapabilities, limits: &Limits, max_output_bytes: usize) -> Self {
         // The Kubernetes backend does not feed stdin yet; the others do (`/raw`'s stdin
         // mode, MCP's `stdin` argument).
-        let stdin = backend.backend != "kubernetes";
+        let stdin = limits.allow_stdin && backend.backend != "kubernetes";
         let mut limitations = vec![
             if stdin {
                 "stdin only as given in the request (MCP: the `stdin` argument); commands read nothing else".to_string()
