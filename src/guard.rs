@@ -95,8 +95,21 @@ impl Guard {
         Ok(())
     }
 
-    /// Refuses a declared body larger than the limit before any of it is read.
+    /// Refuses a declared body larger than the limit before any of it is read. A body that
+    /// carries stdin is exempt: its request line and its stdin have limits of their own,
+    /// checked by `/raw` (`server.max_body_bytes`, `limits.max_stdin_bytes`).
     pub fn check_length(&self, headers: &HeaderMap) -> Result<(), ErrorBody> {
+        let stdin = headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.split(';').next())
+            .is_some_and(|m| {
+                m.trim()
+                    .eq_ignore_ascii_case(crate::contract::STDIN_CONTENT_TYPE)
+            });
+        if stdin {
+            return Ok(());
+        }
         let declared = headers
             .get(header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
