@@ -214,11 +214,15 @@ async fn resources_pages_lines_and_grep() {
     c.cancel().await.unwrap();
 }
 
-/// A run past the age bound: reading it says it expired.
+/// A stream past the per-stream bound says what was kept; a run past the age bound says it
+/// expired.
 #[tokio::test(flavor = "multi_thread")]
 async fn expired_outputs_say_so() {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = support::config_file(&dir, "mcp:\n  output_store:\n    max_age_secs: 1\n");
+    let cfg = support::config_file(
+        &dir,
+        "mcp:\n  max_output_bytes: 4096\n  output_store:\n    max_age_secs: 1\n",
+    );
     let gw = Gateway::start(&["--config", cfg.to_str().unwrap()]);
     let c = client(&gw).await;
     let r = call(
@@ -230,7 +234,14 @@ async fn expired_outputs_say_so() {
         .as_str()
         .unwrap()
         .to_owned();
-    assert!(read(&c, &uri).await.is_ok());
+    // Past the per-stream bound, the read says what was kept.
+    let text = read(&c, &uri).await.unwrap();
+    assert!(text.starts_with("1\n2\n"), "{text}");
+    assert!(
+        text.contains("only the first 4096 of 588895 bytes of this stream were kept"),
+        "{}",
+        &text[text.len() - 300..]
+    );
     tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
     let e = read(&c, &uri).await.unwrap_err();
     assert!(e.contains("has expired"), "{e}");
