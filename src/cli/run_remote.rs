@@ -533,11 +533,17 @@ async fn structured(
     workspace: Option<&WorkspaceRun>,
     changes: &ws::Changes,
 ) -> Outcome {
-    let collected =
-        crate::result::collect(execution, args.max_output_bytes.max(1024), |_, _| {}).await;
+    // The template reads the whole output as it arrives, not the capped capture.
+    let mut filters = prepared.template.as_ref().map(crate::result::Filters::new);
+    let collected = crate::result::collect(execution, args.max_output_bytes.max(1024), |s, d| {
+        if let Some(f) = filters.as_mut() {
+            f.push(s, d);
+        }
+    })
+    .await;
     let mut r = StructuredResult::from_run("run-remote", &prepared.request, &collected);
-    if let Some(t) = &prepared.template {
-        crate::result::apply_to_result(&mut r, t);
+    if let Some(f) = filters {
+        f.apply(&mut r, None);
     }
     let mut synced_back = None;
     if let Some(w) = workspace

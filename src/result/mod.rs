@@ -21,7 +21,7 @@ mod budget;
 mod template;
 
 pub use budget::{cost, excerpt, fit_head, fit_tail};
-pub use template::apply_to_result;
+pub use template::{Filters, apply_to_result};
 
 /// The default cap per stream of `run-remote --output-format json|markdown`: 1 MiB. (MCP
 /// results are sized by a character budget instead, see [`Capture::excerpt`].)
