@@ -17,7 +17,14 @@ use serde::{Deserialize, Serialize};
 use crate::contract::{ErrorBody, Event, ExitInfo, RunContext, RunRequest};
 use crate::exec::Execution;
 
-/// The default cap per stream in MCP results: 1 MiB.
+mod budget;
+mod template;
+
+pub use budget::{cost, excerpt, fit_head, fit_tail};
+pub use template::apply_to_result;
+
+/// The default cap per stream of `run-remote --output-format json|markdown`: 1 MiB. (MCP
+/// results are sized by a character budget instead, see [`Capture::excerpt`].)
 pub const DEFAULT_MAX_OUTPUT_BYTES: usize = 1024 * 1024;
 
 /// Where and how a command ran.
@@ -64,6 +71,21 @@ pub struct CommandOutput {
     /// Whether the gateway's timeout killed it.
     #[serde(default)]
     pub timed_out: bool,
+    /// Where the whole output can be read, when this result leaves part of it out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub full_output: Option<FullOutput>,
+}
+
+/// The kept full output of a run (MCP resources, `resources/read`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct FullOutput {
+    /// The URI of stdout (`mcp-run://runs/{id}/stdout`).
+    pub stdout_uri: String,
+    pub stdout_bytes: u64,
+    pub stderr_uri: String,
+    pub stderr_bytes: u64,
+    /// How to read parts of it.
+    pub how: String,
 }
 
 /// The whole result.
@@ -147,6 +169,14 @@ impl Capture {
 
     pub fn total(&self) -> u64 {
         self.total
+    }
+
+    /// The captured stream cut to `budget` (see [`excerpt`]); `marker` gets stream offsets.
+    pub fn excerpt(&self, budget: usize, marker: impl Fn(u64, u64) -> String) -> (String, bool) {
+        let mut bytes = self.head.clone();
+        let split = bytes.len();
+        bytes.extend(self.tail.iter());
+        excerpt(&bytes, Some((split, self.omitted())), budget, marker)
     }
 }
 
@@ -244,6 +274,7 @@ impl StructuredResult {
             started_at: run.started_at.clone(),
             truncated: t1 || t2,
             timed_out: exit.timed_out,
+            full_output: None,
         };
         let success =
             run.error.is_none() && run.exit.is_some_and(|e| e.code == Some(0) && !e.timed_out);
@@ -344,6 +375,12 @@ impl StructuredResult {
                 (Some(c), _) if c != 0 => md.push_str(&format!("**Exit Code:** {c}\n\n")),
                 (None, Some(s)) => md.push_str(&format!("**Signal:** {s}\n\n")),
                 _ => {}
+            }
+            if let Some(f) = &o.full_output {
+                md.push_str(&format!(
+                    "**Full output:** `{}` ({} bytes), `{}` ({} bytes): {}.\n\n",
+                    f.stdout_uri, f.stdout_bytes, f.stderr_uri, f.stderr_bytes, f.how
+                ));
             }
         }
         md
