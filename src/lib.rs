@@ -7,6 +7,7 @@
 
 pub mod audit;
 pub mod auth;
+pub mod caller;
 pub mod capabilities;
 pub mod cli;
 pub mod config;
@@ -26,3 +27,4 @@ pub mod result;
 pub mod runner;
 pub mod server;
 pub mod templates;
+pub mod workspace;

@@ -4,6 +4,7 @@ pub mod outcome;
 pub mod run_remote;
 pub mod run_remote_io;
 pub mod run_remote_templates;
+pub mod run_remote_workspace;
 pub mod serve;
 
 /// Sets up logging on stderr (stdout may carry a protocol). `RUST_LOG` overrides the level.
