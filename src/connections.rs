@@ -42,6 +42,9 @@ pub struct ConnectionLimits {
     pub max_unauthenticated: usize,
     pub header_timeout: Duration,
     pub body_timeout: Duration,
+    /// Whether bearer tokens are required: a connection then counts as unauthenticated until
+    /// one of its requests passed auth (otherwise until its first request).
+    pub auth_on: bool,
 }
 
 /// A connection's hold on the unauthenticated cap, released by its first authenticated
@@ -127,7 +130,6 @@ pub async fn run(
     listener: TcpListener,
     router: Router,
     limits: ConnectionLimits,
-    auth_on: bool,
     metrics: crate::metrics::Metrics,
     drained: impl std::future::Future<Output = ()> + Send,
 ) -> std::io::Result<()> {
@@ -166,6 +168,7 @@ pub async fn run(
         let router = router.clone();
         let closing = closing.clone();
         let header_timeout = limits.header_timeout;
+        let auth_on = limits.auth_on;
         tracker.spawn(async move {
             let _permit = permit;
             serve_connection(

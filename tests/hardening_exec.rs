@@ -190,6 +190,7 @@ fn commands_die_with_a_killed_gateway() {
         streams.push(s);
     }
     // A grandchild, in the group and out of it: the reaper process gets those.
+    let re = regex::Regex::new(r#""type":"stdout","data":"([^"]+)""#).unwrap();
     for script in [
         "sleep 300 & echo $!; wait",
         "setsid sleep 300 & echo $!; wait",
@@ -202,7 +203,6 @@ fn commands_die_with_a_killed_gateway() {
         .unwrap();
         let mut seen = String::new();
         let mut buf = [0u8; 512];
-        let re = regex::Regex::new(r#""type":"stdout","data":"([^"]+)""#).unwrap();
         let pid = loop {
             let n = s.read(&mut buf).expect("read");
             assert!(n > 0, "{seen}");
