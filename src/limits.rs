@@ -21,6 +21,12 @@ pub struct Limits {
     /// Executions a client (auth identity, else address) may start: a token bucket.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rate_limit: Option<RateLimitConfig>,
+    /// Whether requests may send the command a standard input (`run-remote -i`); when false
+    /// such requests get 403 `policy_violation`.
+    pub allow_stdin: bool,
+    /// The most stdin one execution may receive, in bytes; more ends the run with a
+    /// `payload_too_large` error (413 before the start when the body's length says so).
+    pub max_stdin_bytes: u64,
 }
 
 impl Default for Limits {
@@ -32,6 +38,8 @@ impl Default for Limits {
             // (docs/policy.md#memory-per-stream).
             max_concurrent_executions: Some(DEFAULT_MAX_CONCURRENT_EXECUTIONS),
             rate_limit: None,
+            allow_stdin: true,
+            max_stdin_bytes: 1 << 30,
         }
     }
 }

@@ -218,6 +218,12 @@ impl Runner {
             rate.take(caller)?;
         }
         let spec = self.spec(req)?;
+        if io.stdin.is_some() && !self.limits.allow_stdin {
+            return Err(ErrorBody::new(
+                ErrorCode::PolicyViolation,
+                "this gateway does not accept stdin for commands (limits.allow_stdin is false)",
+            ));
+        }
         // Taken before the backend starts anything, released when the execution is dropped.
         let slot = match &self.slots {
             Some(s) => Some(s.clone().try_acquire_owned().map_err(|_| {

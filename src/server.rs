@@ -3,24 +3,23 @@
 //! unauthenticated, like the probes).
 //! Every error is a JSON body `{"error":{"code","message"}}` with a matching status.
 
-use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use futures_util::StreamExt;
-use futures_util::stream::{self, Stream};
 use tokio::net::TcpListener;
 
-use crate::contract::{ErrorBody, ErrorCode, ErrorResponse, Event, RunRequest};
-use crate::exec::Execution;
+use crate::contract::{ErrorBody, ErrorCode, ErrorResponse, RunRequest};
 use crate::runner::Runner;
+
+mod raw;
+pub use raw::HeadLimit;
 
 /// Shared state of the HTTP handlers.
 #[derive(Clone)]
@@ -112,7 +111,7 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
             ))
     };
     Router::new()
-        .route("/raw", post(raw))
+        .route("/raw", post(raw::raw))
         .route("/capabilities", get(capabilities))
         .nest_service("/mcp", mcp)
         .route("/healthz", get(healthz))
@@ -126,6 +125,7 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
             )
         })
         .layer(DefaultBodyLimit::max(max_body_bytes))
+        .layer(axum::Extension(HeadLimit(max_body_bytes)))
         // Inside auth: a request that gets here frees its connection from the cap on
         // unauthenticated connections.
         .layer(axum::middleware::from_fn(
@@ -149,6 +149,7 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
 /// Serves `router` on `listener` until `shutdown` fires, then drains: the listener stays
 /// open (new executions get `503 shutting_down`), running commands get `grace` to finish,
 /// then they are killed, and connections are closed (see [`crate::connections`]).
+#[allow(clippy::too_many_arguments)] // each is a distinct piece of the start-up; no bundle reads better
 pub async fn serve(
     listener: TcpListener,
     router: Router,
@@ -213,7 +214,7 @@ pub fn parse_request(
     if !is_json {
         return Err(ErrorBody::new(
             ErrorCode::UnsupportedMediaType,
-            "the request body must be JSON with `Content-Type: application/json`",
+            "the request body must be JSON with `Content-Type: application/json` (or, with stdin, `Content-Type: application/vnd.mcp-run.stdin`)",
         ));
     }
     let body = body.map_err(|rejection| {
@@ -240,99 +241,3 @@ pub fn parse_request(
     serde_json::from_slice::<RunRequest>(&body)
         .map_err(|e| ErrorBody::new(ErrorCode::InvalidRequest, format!("invalid request: {e}")))
 }
-
-async fn raw(
-    State(state): State<AppState>,
-    caller: Option<axum::Extension<crate::auth::Caller>>,
-    peer_closed: Option<axum::Extension<crate::connections::PeerClosed>>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    let req = match parse_request(&headers, body) {
-        Ok(r) => r,
-        Err(mut e) => {
-            // serde's messages quote the offending value.
-            if let Some(r) = state.runner.redactor() {
-                e.message = r.redact_str(&e.message);
-            }
-            state.runner.metrics().rejected(e.code);
-            return e.into_response();
-        }
-    };
-    // Logged below: secrets in the command line are redacted like the output, and a huge
-    // command line is cut.
-    let command = crate::audit::argv_json(
-        &req.executable,
-        &req.args,
-        state.runner.redactor().map(|r| r.as_ref()),
-    );
-    let caller = caller.map(|c| c.0).unwrap_or_default();
-    match state.runner.start_as(req, &caller).await {
-        Ok(execution) => {
-            tracing::debug!(%command, context = ?execution.context(), "started");
-            // Watched while the stream lives: the client's EOF starts probing (see ndjson).
-            let streaming = tokio_util::sync::CancellationToken::new();
-            let peer = peer_closed.and_then(|p| p.0.watch(streaming.clone()));
-            let alive = streaming.drop_guard();
-            let stream = ndjson(execution, state.keepalive, peer).map(move |item| {
-                let _ = &alive;
-                item
-            });
-            let mut resp = Response::new(Body::from_stream(stream));
-            let h = resp.headers_mut();
-            h.insert(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("application/x-ndjson"),
-            );
-            h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-            // Tells nginx-style proxies not to buffer the stream.
-            h.insert("x-accel-buffering", HeaderValue::from_static("no"));
-            resp
-        }
-        Err(e) => {
-            tracing::info!(%command, code = %e.code, message = %e.message, "rejected");
-            e.into_response()
-        }
-    }
-}
-
-/// The NDJSON body of a run: `started`, output, keep-alives while silent, one terminal
-/// event. The execution lives inside the stream, so a client that goes away drops it, and
-/// dropping it kills the command.
-pub fn ndjson(
-    execution: Execution,
-    keepalive: Duration,
-    peer_closed: Option<tokio_util::sync::CancellationToken>,
-) -> impl Stream<Item = Result<Bytes, Infallible>> + Send {
-    let first = Event::Started {
-        context: execution.context().clone(),
-    }
-    .to_line();
-    let peer = peer_closed.unwrap_or_default();
-    let rest = stream::unfold(Some((execution, false)), move |state| {
-        let peer = peer.clone();
-        async move {
-            let (mut execution, probing) = state?;
-            // After the client's EOF (a half-close, or a client that is gone), short
-            // keep-alives find out which: writing to a gone client fails at once.
-            let wait = if probing {
-                CLOSED_PEER_PROBE
-            } else {
-                keepalive
-            };
-            let (event, probing) = tokio::select! {
-                next = tokio::time::timeout(wait, execution.next()) => match next {
-                    Ok(Some(event)) => (event, probing),
-                    Ok(None) => return None,
-                    Err(_) => (Event::Keepalive, probing),
-                },
-                () = peer.cancelled(), if !probing => (Event::Keepalive, true),
-            };
-            Some((Ok(event.to_line()), Some((execution, probing))))
-        }
-    });
-    stream::once(async move { Ok(first) }).chain(rest)
-}
-
-/// How often a stream whose client sent EOF is probed with a keep-alive.
-const CLOSED_PEER_PROBE: Duration = Duration::from_millis(200);

@@ -2,6 +2,7 @@
 
 pub mod outcome;
 pub mod run_remote;
+pub mod run_remote_io;
 pub mod run_remote_templates;
 pub mod serve;
 

@@ -11,13 +11,14 @@ use std::os::unix::process::ExitStatusExt;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 use futures_util::future::BoxFuture;
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
-use tokio::process::{Child, Command};
+use tokio::io::AsyncWriteExt;
+use tokio::process::{Child, ChildStdin, Command};
 use tokio::sync::mpsc;
-use tokio_util::sync::CancellationToken;
+use tokio_util::sync::{CancellationToken, DropGuard};
 
 use super::{EVENT_BUFFER, ExecSpec, Execution, Executor, StartOptions, read_opt};
 use crate::contract::{ErrorBody, ErrorCode, Event, ExitInfo, RunContext};
@@ -57,6 +58,10 @@ impl LocalConfig {
 /// else leaks from the gateway (which may hold credentials) into commands.
 pub const DEFAULT_INHERIT_ENV: &[&str] =
     &["PATH", "HOME", "USER", "LANG", "LC_ALL", "TZ", "TMPDIR"];
+
+/// The capacity asked for the command's pipes (Linux' default is 64 KiB): a reader that
+/// wakes up less often, and a command that runs ahead while the gateway sends.
+const PIPE_SIZE: nix::libc::c_int = 1024 * 1024;
 
 /// After the main process exited, how long to wait for its pipes to close.
 const DRAIN_GRACE: Duration = Duration::from_secs(2);
@@ -132,7 +137,12 @@ impl LocalExecutor {
 
     /// `cancel` kills the command; it is a child of the caller's token, so that shutdown
     /// reaches it too.
-    fn spawn(&self, spec: &ExecSpec, cancel: CancellationToken) -> Result<Execution, ErrorBody> {
+    fn spawn(
+        &self,
+        spec: &ExecSpec,
+        cancel: CancellationToken,
+        stdin: Option<mpsc::Receiver<Bytes>>,
+    ) -> Result<Execution, ErrorBody> {
         if let Some(cwd) = &spec.cwd {
             // Checked here because a failed chdir and a missing program are the same io error
             // once inside spawn().
@@ -169,7 +179,11 @@ impl LocalExecutor {
             .envs(self.base_env.iter().map(|(k, v)| (k, v)))
             .envs(&spec.env)
             .env(RUN_TAG_VAR, &tag)
-            .stdin(Stdio::null())
+            .stdin(if stdin.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .process_group(0)
@@ -190,7 +204,7 @@ impl LocalExecutor {
                 Ok(())
             });
         }
-        let child = match cmd.spawn() {
+        let mut child = match cmd.spawn() {
             Ok(child) => child,
             Err(e) => {
                 let (code, what) = match e.kind() {
@@ -223,10 +237,30 @@ impl LocalExecutor {
             }
         };
         let pid = child.id();
+        if let Some(p) = &child.stdout {
+            enlarge_pipe(p);
+        }
+        if let Some(p) = &child.stderr {
+            enlarge_pipe(p);
+        }
+        if let Some(p) = &child.stdin {
+            enlarge_pipe(p);
+        }
         let (tx, rx) = mpsc::channel(EVENT_BUFFER);
-        tokio::spawn(supervise(child, tx, cancel.clone(), tag));
+        // Stops feeding stdin when the run ends (the supervisor is done) or is cancelled.
+        let fed = cancel.child_token();
+        if let (Some(pipe), Some(input)) = (child.stdin.take(), stdin) {
+            tokio::spawn(feed_stdin(pipe, input, fed.clone()));
+        }
+        tokio::spawn(supervise(child, tx, cancel.clone(), fed.drop_guard(), tag));
         Ok(Execution::new(self.context(pid), rx, cancel))
     }
+}
+
+/// Best effort: a pipe keeps its size when the system refuses (`fs.pipe-max-size`, or the
+/// user's pipe quota).
+fn enlarge_pipe(pipe: &impl std::os::fd::AsFd) {
+    let _ = nix::fcntl::fcntl(pipe, nix::fcntl::FcntlArg::F_SETPIPE_SZ(PIPE_SIZE));
 }
 
 /// Linux's limit on one argument or environment string (`MAX_ARG_STRLEN`, 32 pages).
@@ -312,7 +346,7 @@ impl Executor for LocalExecutor {
         spec: ExecSpec,
         opts: StartOptions,
     ) -> BoxFuture<'_, Result<Execution, ErrorBody>> {
-        Box::pin(async move { self.spawn(&spec, opts.cancel.child_token()) })
+        Box::pin(async move { self.spawn(&spec, opts.cancel.child_token(), opts.stdin) })
     }
 
     /// Profiles are the configured names (`default` always).
@@ -380,6 +414,30 @@ fn kill_group(pgid: Option<u32>) {
     }
 }
 
+/// Writes the caller's stdin into the command's, chunk by chunk: awaiting the pipe is the
+/// back-pressure on the caller. The end of the caller's input closes the pipe (EOF). A command
+/// that closed its stdin or exited (EPIPE) simply gets no more, and dropping the receiver
+/// tells the caller so; that is not an error of the run.
+async fn feed_stdin(
+    mut pipe: ChildStdin,
+    mut input: mpsc::Receiver<Bytes>,
+    stop: CancellationToken,
+) {
+    loop {
+        let chunk = tokio::select! {
+            biased;
+            _ = stop.cancelled() => return,
+            c = input.recv() => c,
+        };
+        let Some(chunk) = chunk else { return };
+        tokio::select! {
+            biased;
+            _ = stop.cancelled() => return,
+            written = pipe.write_all(&chunk) => if written.is_err() { return },
+        }
+    }
+}
+
 /// Kills a command's group and whatever escaped it, off the async threads.
 fn kill_all(pgid: Option<u32>, tag: &str) {
     kill_group(pgid);
@@ -421,6 +479,7 @@ async fn supervise(
     mut child: Child,
     tx: mpsc::Sender<Event>,
     cancel: CancellationToken,
+    _stdin_stop: DropGuard,
     tag: String,
 ) {
     let started = Instant::now();
