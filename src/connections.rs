@@ -142,6 +142,7 @@ pub async fn run(
         body_timeout,
     ));
     tokio::pin!(drained);
+    let trimmer = tokio::spawn(return_freed_memory());
     loop {
         let (stream, addr) = tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -184,6 +185,7 @@ pub async fn run(
         });
     }
     drop(listener);
+    trimmer.abort();
     tracker.close();
     closing.cancel();
     if tokio::time::timeout(CLOSE_GRACE, tracker.wait())
@@ -325,6 +327,22 @@ impl tokio::io::AsyncWrite for JsonParseErrors {
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<std::io::Result<()>> {
         std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// glibc keeps what a burst of connections, sessions or streams freed in its arenas, so the
+/// gateway's memory would stay at its peak (500 expired MCP sessions kept 34 MiB); giving
+/// free pages back to the system now and then lets it fall again.
+async fn return_freed_memory() {
+    let mut every = tokio::time::interval(Duration::from_secs(30));
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        every.tick().await;
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        // SAFETY: malloc_trim only walks the allocator's own free lists.
+        unsafe {
+            nix::libc::malloc_trim(0);
+        }
     }
 }
 

@@ -190,7 +190,6 @@ fn commands_die_with_a_killed_gateway() {
         streams.push(s);
     }
     // A grandchild, in the group and out of it: the reaper process gets those.
-    let re = regex::Regex::new(r#""type":"stdout","data":"([^"]+)""#).unwrap();
     for script in [
         "sleep 300 & echo $!; wait",
         "setsid sleep 300 & echo $!; wait",
@@ -207,16 +206,17 @@ fn commands_die_with_a_killed_gateway() {
             let n = s.read(&mut buf).expect("read");
             assert!(n > 0, "{seen}");
             seen.push_str(&String::from_utf8_lossy(&buf[..n]));
-            if let Some(c) = re.captures(&seen) {
-                use base64::Engine as _;
-                let out = base64::engine::general_purpose::STANDARD
-                    .decode(&c[1])
-                    .unwrap();
-                break String::from_utf8(out)
-                    .unwrap()
-                    .trim()
-                    .parse::<i32>()
-                    .unwrap();
+            let out = seen
+                .lines()
+                .filter(|l| l.starts_with(r#"{"type":"stdout""#))
+                .find_map(|l| match serde_json::from_str(l) {
+                    Ok(mcp_run::contract::Event::Stdout { data }) => {
+                        String::from_utf8_lossy(&data).trim().parse::<i32>().ok()
+                    }
+                    _ => None,
+                });
+            if let Some(pid) = out {
+                break pid;
             }
         };
         pids.push(pid);
