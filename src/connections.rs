@@ -7,7 +7,7 @@
 //! - `header_timeout`: the time a client has to send a request's headers, which is also how
 //!   long a keep-alive connection may stay idle between requests (hyper starts the timer when
 //!   it waits for the next request head).
-//! - `body_timeout`: the longest silence while a request body arrives.
+//! - (The request body timeout is [`crate::guard`]'s: it depends on the request.)
 //! - Shutdown: the listener stays open while running commands drain, so that new requests
 //!   get `503 shutting_down` rather than a refused connection; then connections are asked to
 //!   close, and after [`CLOSE_GRACE`] whatever is left (a client that stopped reading) is
@@ -41,7 +41,6 @@ pub struct ConnectionLimits {
     pub max_connections: usize,
     pub max_unauthenticated: usize,
     pub header_timeout: Duration,
-    pub body_timeout: Duration,
     /// Whether bearer tokens are required: a connection then counts as unauthenticated until
     /// one of its requests passed auth (otherwise until its first request).
     pub auth_on: bool,
@@ -137,10 +136,6 @@ pub async fn run(
     let unauth = Arc::new(Semaphore::new(limits.max_unauthenticated));
     let closing = CancellationToken::new();
     let tracker = TaskTracker::new();
-    let body_timeout = limits.body_timeout;
-    let router = router.layer(tower_http::timeout::RequestBodyTimeoutLayer::new(
-        body_timeout,
-    ));
     tokio::pin!(drained);
     let trimmer = tokio::spawn(return_freed_memory());
     loop {
