@@ -104,8 +104,13 @@ impl Guard {
         Ok(())
     }
 
-    /// Refuses a declared body larger than the limit before any of it is read.
+    /// Refuses a declared body larger than the limit before any of it is read. A body that
+    /// carries stdin is exempt: its request line and its stdin have limits of their own,
+    /// checked by `/raw` (`server.max_body_bytes`, `limits.max_stdin_bytes`).
     pub fn check_length(&self, headers: &HeaderMap) -> Result<(), ErrorBody> {
+        if is_stdin(headers) {
+            return Ok(());
+        }
         let declared = headers
             .get(header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
@@ -155,13 +160,7 @@ pub async fn middleware(State(guard): State<Arc<Guard>>, req: Request, next: Nex
     } else {
         guard.check_host(req.uri(), req.headers())
     }
-    .and_then(|()| {
-        if stdin {
-            Ok(())
-        } else {
-            guard.check_length(req.headers())
-        }
-    });
+    .and_then(|()| guard.check_length(req.headers()));
     if let Err(e) = checked {
         tracing::info!(path = %req.uri().path(), code = %e.code, "refused: {}", e.message);
         if let Some(m) = &guard.metrics {
