@@ -161,7 +161,6 @@ pub async fn serve(
     router: Router,
     runner: Arc<Runner>,
     limits: crate::connections::ConnectionLimits,
-    auth_on: bool,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     grace: Duration,
     drained: tokio_util::sync::CancellationToken,
@@ -174,7 +173,7 @@ pub async fn serve(
         // Long-lived connections (MCP sessions) end now, so that the server can stop.
         drained.cancel();
     };
-    crate::connections::run(listener, router, limits, auth_on, metrics, drain).await
+    crate::connections::run(listener, router, limits, metrics, drain).await
 }
 
 async fn capabilities(State(state): State<AppState>) -> Response {

@@ -363,6 +363,7 @@ pub async fn app(config: &Config) -> anyhow::Result<App> {
             .map(Arc::new),
         guard: Arc::new(
             crate::guard::Guard::new(&config.server.allowed_hosts, config.server.max_body_bytes)
+                .with_body_timeout(Duration::from_secs(config.server.body_timeout_secs))
                 .with_metrics(runner.metrics().clone()),
         ),
     };
@@ -403,9 +404,8 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
             max_connections: config.server.max_connections,
             max_unauthenticated: config.server.max_unauthenticated_connections,
             header_timeout: Duration::from_secs(config.server.header_timeout_secs),
-            body_timeout: Duration::from_secs(config.server.body_timeout_secs),
+            auth_on,
         },
-        auth_on,
         shutdown_signal(),
         config.shutdown_grace(),
         drained,
