@@ -80,6 +80,16 @@ def resolve(path):
     return path
 
 
+# Modules declared `#[cfg(test)] mod x;` (tests in a file of their own) are tests too.
+test_only = set()
+for mod, fname in files.items():
+    raw = open(fname, encoding="utf-8").read()
+    for m in re.finditer(r"#\[cfg\(test\)\]\s*(?:pub(?:\([^)]*\))?\s+)?mod\s+(\w+)\s*;", raw):
+        test_only.add(mod + (m.group(1),))
+files = {
+    m: f for m, f in files.items() if not any(m[: len(t)] == t for t in test_only)
+}
+
 edges = defaultdict(set)  # (parent, child_a) -> set(child_b), within one parent
 where = {}
 for mod, fname in files.items():

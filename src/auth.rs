@@ -331,11 +331,18 @@ impl Auth {
     }
 }
 
+/// What the HTTP middleware needs: the tokens (`None`: auth off) and where to count refusals.
+#[derive(Clone)]
+pub struct Gate {
+    pub auth: Option<Arc<Auth>>,
+    pub metrics: crate::metrics::Metrics,
+}
+
 /// The HTTP middleware: finds the caller's address and, when auth is on, checks the bearer
 /// token of every path but the open ones. The [`Caller`] goes into the request's extensions
 /// for the handlers (and, through rmcp, the MCP tools).
 pub async fn middleware(
-    State(auth): State<Option<Arc<Auth>>>,
+    State(Gate { auth, metrics }): State<Gate>,
     mut req: Request,
     next: Next,
 ) -> Response {
@@ -354,7 +361,7 @@ pub async fn middleware(
             Ok(name) => caller.identity = Some(name),
             Err(e) => {
                 tracing::info!(target: "mcp_run::audit", path = %req.uri().path(), client = %caller.describe(), outcome = "unauthorized", "{}", e.message);
-                crate::metrics::rejected(e.code);
+                metrics.rejected(e.code);
                 return e.into_response();
             }
         }

@@ -64,7 +64,7 @@ pub struct Config {
     /// Secrets replaced by `[REDACTED]` in output (docs/policy.md).
     pub redaction: crate::redact::RedactionConfig,
     /// Operator-declared CLI tools, each its own MCP tool (docs/tools.md).
-    pub tools: Vec<crate::tools::ToolConfig>,
+    pub tools: Vec<crate::mcp::tools::ToolConfig>,
     /// Output templates of the MCP tool, added to the built-ins (docs/templates.md);
     /// checked at start by `templates::Catalog::with_templates`.
     pub templates: BTreeMap<String, yaml_serde::Value>,
@@ -161,10 +161,10 @@ impl Config {
                 "must contain a `default` profile".into(),
             ));
         }
-        self.mcp.validate().map_err(|(f, m)| invalid(&f, m))?;
+        self.mcp.validate().map_err(|(f, m)| invalid(f, m))?;
         self.remote.validate().map_err(|(f, m)| invalid(&f, m))?;
         self.local.validate().map_err(|(f, m)| invalid(&f, m))?;
-        crate::tools::validate(&self.tools).map_err(|e| invalid(&e.field, e.message))?;
+        crate::mcp::tools::validate(&self.tools).map_err(|e| invalid(&e.field, e.message))?;
         self.redaction
             .validate()
             .map_err(|e| invalid(&e.field, e.message))?;

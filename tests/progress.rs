@@ -141,6 +141,9 @@ fn phases_show_on_a_terminal() {
     let screen = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(0), "{screen}");
     assert!(screen.contains("pulling image"), "{screen:?}");
-    assert!(!screen.contains("pod=mcp-run-abc12"), "context only with -v: {screen:?}");
+    assert!(
+        !screen.contains("pod=mcp-run-abc12"),
+        "context only with -v: {screen:?}"
+    );
     assert_eq!(std::fs::read(&out_file).unwrap(), b"hi\n");
 }

@@ -288,7 +288,11 @@ fn run_remote_i_is_byte_exact() {
     assert!(String::from_utf8_lossy(&out.stdout).starts_with(&hex));
     let out = run("-i", &["wc", "-c"], std::process::Stdio::null());
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "0");
-    assert!(out.stderr.is_empty(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.stderr.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// Piped data without `-i` is not sent; run-remote says so in one line, and only then.
@@ -323,5 +327,9 @@ fn piped_stdin_without_i_gets_a_one_line_hint() {
     let (code, out, err) = run(&["-i", "--", "wc", "-c"], Some(b"data\n"));
     assert_eq!((code, out.trim(), err.as_str()), (Some(0), "5", ""));
     let (code, _, err) = run(&["--", "true"], None);
-    assert_eq!((code, err.as_str()), (Some(0), ""), "stdin /dev/null: no hint");
+    assert_eq!(
+        (code, err.as_str()),
+        (Some(0), ""),
+        "stdin /dev/null: no hint"
+    );
 }

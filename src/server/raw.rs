@@ -60,7 +60,7 @@ pub(super) async fn raw(
     let (req, stdin) = match parsed {
         Ok(p) => p,
         Err(e) => {
-            crate::metrics::rejected(e.code);
+            state.runner.metrics().rejected(e.code);
             return e.into_response();
         }
     };

@@ -122,11 +122,15 @@
 //! `running_execs`, `resource_version`.
 #![allow(dead_code)]
 
+mod admission;
+mod delete;
 mod exec;
+mod kubelet;
 mod pods;
 mod selector;
 mod server;
 mod status;
+mod watch;
 
 use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::path::PathBuf;
@@ -160,6 +164,9 @@ pub struct DoubleOptions {
     /// The exec subprotocols served. Without `v5.channel.k8s.io` the double is a cluster
     /// older than 1.30 (no stream translator in the API server).
     pub exec_protocols: Vec<String>,
+    /// Labels of the namespaces (for example `pod-security.kubernetes.io/enforce=restricted`,
+    /// which Pod Security admission enforces).
+    pub namespace_labels: BTreeMap<String, BTreeMap<String, String>>,
 }
 
 impl Default for DoubleOptions {
@@ -181,6 +188,7 @@ impl Default for DoubleOptions {
             ]
             .map(String::from)
             .to_vec(),
+            namespace_labels: BTreeMap::new(),
         }
     }
 }
@@ -235,6 +243,15 @@ pub(crate) struct State {
     pub execs: BTreeMap<u64, ExecEntry>,
     pub next_exec: u64,
     pub next_ip: u32,
+    /// Faults injected by tests, consumed as they fire.
+    pub faults: Faults,
+}
+
+/// Faults the next requests meet (see `KubeDouble::inject`).
+#[derive(Default)]
+pub(crate) struct Faults {
+    /// Answers of the next pod creates, in order (429 with Retry-After, 500, ...).
+    pub create: VecDeque<ApiError>,
 }
 
 pub(crate) struct Shared {

@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 
 use super::Shared;
 use super::status::{ApiError, json_response};
-use super::{exec, pods};
+use super::{delete, exec, pods, watch};
 
 pub fn router(shared: Arc<Shared>) -> Router {
     Router::new()
@@ -29,17 +29,17 @@ pub fn router(shared: Arc<Shared>) -> Router {
             "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
             post(ssar),
         )
-        .route("/api/v1/pods", get(pods::list_all))
+        .route("/api/v1/pods", get(watch::list_all))
         .route(
             "/api/v1/namespaces/{ns}/pods",
-            get(pods::list)
+            get(watch::list)
                 .post(pods::create)
-                .delete(pods::delete_collection),
+                .delete(delete::delete_collection),
         )
         .route(
             "/api/v1/namespaces/{ns}/pods/{name}",
             get(pods::get)
-                .delete(pods::delete)
+                .delete(delete::delete)
                 .patch(pods::patch)
                 .put(pods::replace),
         )

@@ -65,6 +65,30 @@ impl ApiError {
         .with_details(Details::named(name, resource))
     }
 
+    /// `errors.NewForbidden` (admission refusals): `pods "x" is forbidden: WHY`.
+    pub fn forbidden(resource: &str, name: &str, why: &str) -> Self {
+        Self::new(
+            403,
+            "Forbidden",
+            format!("{resource} \"{name}\" is forbidden: {why}"),
+        )
+        .with_details(Details::named(name, resource))
+    }
+
+    /// `errors.NewTooManyRequests`, with the Retry-After the server sets for it.
+    pub fn too_many_requests(retry_after_secs: u64) -> Self {
+        let mut e = Self::new(
+            429,
+            "TooManyRequests",
+            "the server has received too many requests and has asked us to try again later",
+        );
+        e.details = Some(Details {
+            retry_after_seconds: Some(retry_after_secs as i64),
+            ..Details::default()
+        });
+        e
+    }
+
     pub fn bad_request(message: impl Into<String>) -> Self {
         Self::new(400, "BadRequest", message)
     }
@@ -189,6 +213,8 @@ pub struct Details {
     pub kind: Option<String>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub causes: Vec<Cause>,
+    #[serde(rename = "retryAfterSeconds", skip_serializing_if = "Option::is_none")]
+    pub retry_after_seconds: Option<i64>,
 }
 
 /// `metav1.StatusCause`: the Go field `Type` is serialised as `reason`.
@@ -207,7 +233,7 @@ impl Details {
         Details {
             name: Some(name.to_string()),
             kind: Some(kind.to_string()),
-            causes: Vec::new(),
+            ..Details::default()
         }
     }
 }
@@ -225,7 +251,15 @@ impl Cause {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let code = StatusCode::from_u16(self.code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        json_text_response(code, self.to_status())
+        let retry = self.details.as_ref().and_then(|d| d.retry_after_seconds);
+        let mut resp = json_text_response(code, self.to_status());
+        if let Some(secs) = retry
+            && let Ok(v) = axum::http::HeaderValue::from_str(&secs.to_string())
+        {
+            resp.headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, v);
+        }
+        resp
     }
 }
 

@@ -30,10 +30,11 @@ use kube::runtime::{WatchStreamExt as _, watcher};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+use super::Shared;
 use super::config::Profile;
+use super::pod::CONTAINER;
 use super::pod::{self, ANNOTATION_EXPIRES, LABEL_GATEWAY, LABEL_POOL, LABEL_STATE};
 use super::status::{self, PodState};
-use super::{CONTAINER, Shared};
 
 /// A claim needs at least this beyond the request's timeout before the pod's deadline.
 const CLAIM_MARGIN: Duration = Duration::from_secs(60);
@@ -161,7 +162,9 @@ impl WarmPool {
                 .await
             {
                 Ok(_) => {
-                    crate::metrics::warm_pool_claim(&self.profile_name, true);
+                    self.shared
+                        .metrics
+                        .warm_pool_claim(&self.profile_name, true);
                     self.wake.notify_one();
                     return Some((name, node));
                 }
@@ -179,7 +182,9 @@ impl WarmPool {
                 }
             }
         }
-        crate::metrics::warm_pool_claim(&self.profile_name, false);
+        self.shared
+            .metrics
+            .warm_pool_claim(&self.profile_name, false);
         self.wake.notify_one();
         None
     }
@@ -257,7 +262,9 @@ impl WarmPool {
                             .creation_timestamp()
                             .and_then(|t| Duration::try_from(now.duration_since(t.0)).ok())
                     {
-                        crate::metrics::warm_pool_refill(&self.profile_name, age);
+                        self.shared
+                            .metrics
+                            .warm_pool_refill(&self.profile_name, age);
                     }
                 }
                 PodState::Waiting(_) => healthy += 1,

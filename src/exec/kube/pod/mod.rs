@@ -1,6 +1,8 @@
 //! The runner pod built from a profile: a pure function, so that its hardening, labels and
 //! overrides are unit-tested without a cluster.
 
+pub mod argv;
+
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{

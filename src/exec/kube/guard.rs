@@ -1,0 +1,139 @@
+//! Cleanup by construction: the [`PodGuard`] deletes its pod when dropped, on every path, and
+//! holds the concurrency permit until the pod is gone; [`Timings`] records the request's
+//! phases for the debug log.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kube::api::DeleteParams;
+use tokio::sync::OwnedSemaphorePermit;
+
+use super::{DELETE_ATTEMPTS, Shared};
+
+impl Shared {
+    /// Marks a pod as used by this gateway (the reaper leaves it alone).
+    pub(super) fn track(&self, name: &str) {
+        if let Ok(mut live) = self.live.lock() {
+            live.insert(name.to_string());
+        }
+    }
+
+    pub(super) fn untrack(&self, name: &str) {
+        if let Ok(mut live) = self.live.lock() {
+            live.remove(name);
+        }
+    }
+
+    /// Deletes a pod at once (grace 0), retrying transient failures; a pod already gone is
+    /// fine.
+    pub(super) async fn delete(&self, name: &str) -> bool {
+        let params = DeleteParams {
+            grace_period_seconds: Some(0),
+            ..DeleteParams::background()
+        };
+        let mut wait = Duration::from_millis(100);
+        for attempt in 1..=DELETE_ATTEMPTS {
+            match self.pods.delete(name, &params).await {
+                Ok(_) => return true,
+                Err(kube::Error::Api(s)) if s.code == 404 => return true,
+                Err(e) => {
+                    tracing::warn!(pod = name, attempt, "cannot delete runner pod: {e}");
+                    tokio::time::sleep(wait).await;
+                    wait *= 2;
+                }
+            }
+        }
+        tracing::error!(pod = name, "runner pod not deleted; the reaper will retry");
+        false
+    }
+}
+
+/// Deletes its pod when dropped, on every path, and releases the concurrency permit once
+/// the pod is gone.
+pub(super) struct PodGuard {
+    pub(super) shared: Arc<Shared>,
+    pub(super) name: String,
+    permit: Option<OwnedSemaphorePermit>,
+    pub(super) timings: Option<Timings>,
+    /// Deleted already (when killed): the drop only releases.
+    deleted: bool,
+}
+
+impl PodGuard {
+    pub(super) async fn delete_now(&mut self) {
+        self.deleted = self.shared.delete(&self.name).await;
+    }
+
+    pub(super) fn arm(shared: Arc<Shared>, name: String, permit: OwnedSemaphorePermit) -> Self {
+        shared.track(&name);
+        Self {
+            shared,
+            name,
+            permit: Some(permit),
+            timings: None,
+            deleted: false,
+        }
+    }
+}
+
+impl Drop for PodGuard {
+    fn drop(&mut self) {
+        let shared = self.shared.clone();
+        let name = std::mem::take(&mut self.name);
+        let permit = self.permit.take();
+        let timings = self.timings.take();
+        let already = self.deleted;
+        let cleanup = async move {
+            if already || shared.delete(&name).await {
+                shared.untrack(&name);
+            }
+            if let Some(mut t) = timings {
+                t.mark("deleted");
+                tracing::debug!(pod = name, phases = %t, "runner pod phases");
+            }
+            drop(permit);
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(handle) => {
+                // The tracker may be closed at shutdown; spawning on it still tracks.
+                self.shared.deletions.spawn_on(cleanup, &handle);
+            }
+            Err(_) => tracing::error!(pod = self.name, "no runtime to delete the runner pod"),
+        }
+    }
+}
+
+/// Per-phase timings of one request, logged at debug level when its pod is deleted.
+pub(super) struct Timings {
+    start: Instant,
+    marks: Vec<(&'static str, Duration)>,
+}
+
+impl Timings {
+    pub(super) fn new() -> Self {
+        Self {
+            start: Instant::now(),
+            marks: Vec::with_capacity(8),
+        }
+    }
+
+    pub(super) fn mark(&mut self, phase: &'static str) {
+        self.marks.push((phase, self.start.elapsed()));
+    }
+
+    pub(super) fn since_start(&self) -> Duration {
+        self.start.elapsed()
+    }
+}
+
+impl std::fmt::Display for Timings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, (phase, at)) in self.marks.iter().enumerate() {
+            if i > 0 {
+                f.write_str(" → ")?;
+            }
+            write!(f, "{phase} {}ms", at.as_millis())?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,232 @@
+//! Setting the backend up: connecting to the API server, checking permissions, starting the
+//! reaper and the warm pools.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use k8s_openapi::api::authorization::v1::{
+    ResourceAttributes, SelfSubjectAccessReview, SelfSubjectAccessReviewSpec,
+};
+use kube::Client;
+use kube::api::{Api, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::config::{KubernetesConfig, Profile};
+use super::pod::{self, Identity};
+use super::{KubeExecutor, Shared, pool, reaper};
+
+/// Why the backend could not be set up (the gateway does not start).
+#[derive(Debug, thiserror::Error)]
+pub enum KubeSetupError {
+    #[error("cannot read the kubeconfig: {0}")]
+    Kubeconfig(#[from] kube::config::KubeconfigError),
+    #[error("no Kubernetes credentials: {0}")]
+    Infer(#[from] kube::config::InferConfigError),
+    #[error("cannot build the Kubernetes client: {0}")]
+    Client(#[from] kube::Error),
+}
+
+impl KubeExecutor {
+    /// Connects with the in-cluster account, else the kubeconfig (`KUBECONFIG` or
+    /// `~/.kube/config`); `kubernetes.kubeconfig` / `kubernetes.context` pick one explicitly.
+    pub async fn connect(
+        config: KubernetesConfig,
+        profiles: BTreeMap<String, Profile>,
+        metrics: crate::metrics::Metrics,
+    ) -> Result<Self, KubeSetupError> {
+        // Whichever TLS user comes first installs the process's crypto provider.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let kube_config = if config.kubeconfig.is_some() || config.context.is_some() {
+            let options = KubeConfigOptions {
+                context: config.context.clone(),
+                ..Default::default()
+            };
+            match &config.kubeconfig {
+                Some(path) => {
+                    kube::Config::from_custom_kubeconfig(Kubeconfig::read_from(path)?, &options)
+                        .await?
+                }
+                None => kube::Config::from_kubeconfig(&options).await?,
+            }
+        } else if let Ok(c) = kube::Config::incluster() {
+            c
+        } else {
+            kube::Config::infer().await?
+        };
+        let namespace = config
+            .namespace
+            .clone()
+            .unwrap_or_else(|| kube_config.default_namespace.clone());
+        let client = Client::try_from(kube_config)?;
+        let gateway = std::env::var("MCP_RUN_POD_NAME")
+            .ok()
+            .filter(|s| !s.is_empty())
+            .or_else(|| {
+                nix::unistd::gethostname()
+                    .ok()
+                    .and_then(|h| h.into_string().ok())
+            })
+            .unwrap_or_else(|| "gateway".into());
+        let identity = Identity {
+            instance: config.instance.clone(),
+            gateway: pod::label_value(&gateway),
+            owner: pod::owner_from_env(|k| std::env::var(k).ok(), &namespace),
+        };
+        tracing::info!(
+            namespace,
+            instance = identity.instance,
+            gateway = identity.gateway,
+            owner_reference = identity.owner.is_some(),
+            profiles = ?profiles.keys().collect::<Vec<_>>(),
+            "Kubernetes backend"
+        );
+        Ok(Self {
+            shared: Arc::new(Shared {
+                pods: Api::namespaced(client.clone(), &namespace),
+                namespace,
+                identity,
+                live: Mutex::new(HashSet::new()),
+                deletions: TaskTracker::new(),
+                metrics,
+            }),
+            client,
+            permits: Arc::new(Semaphore::new(config.max_concurrent_pods)),
+            profiles,
+            config,
+            reaper: CancellationToken::new(),
+            missing: Mutex::new(None),
+            pools: std::sync::OnceLock::new(),
+        })
+    }
+
+    /// Checks permissions and deletes this gateway's leftovers from a previous run, then
+    /// starts the periodic reaper and the warm pools. Called once before serving;
+    /// `longest_request` is the server's maximum timeout.
+    pub async fn prepare(&self, longest_request: Duration) {
+        self.check_permissions().await;
+        let reaper = reaper::Reaper {
+            pods: self.shared.pods.clone(),
+            identity: self.shared.identity.clone(),
+            min_age: Duration::from_secs(self.config.reaper_min_age_secs),
+        };
+        let live = self.shared.clone();
+        let is_live = move |name: &str| live.live.lock().map(|l| l.contains(name)).unwrap_or(true);
+        match reaper.startup().await {
+            Ok(n) if n > 0 => tracing::info!(
+                deleted = n,
+                "deleted runner pods left by a previous run of this gateway"
+            ),
+            Ok(_) => {}
+            Err(e) => tracing::warn!("start-up reaping failed: {e}"),
+        }
+        let pools = self
+            .profiles
+            .iter()
+            .filter(|(_, p)| p.warm_pool.size > 0)
+            .map(|(name, p)| {
+                let pool = pool::WarmPool::start(
+                    self.shared.clone(),
+                    name,
+                    p,
+                    longest_request + Duration::from_secs(self.config.pod_start_timeout_secs),
+                    self.reaper.child_token(),
+                );
+                tracing::info!(profile = name, size = pool.size(), "warm pool started");
+                (name.clone(), pool)
+            })
+            .collect();
+        let _ = self.pools.set(pools);
+        let interval = Duration::from_secs(self.config.reaper_interval_secs);
+        let stop = self.reaper.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(interval);
+            tick.tick().await;
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tick.tick() => {}
+                }
+                match reaper.sweep(&is_live).await {
+                    Ok(n) if n > 0 => {
+                        tracing::info!(deleted = n, "reaper deleted leftover runner pods")
+                    }
+                    Ok(_) => {}
+                    Err(e) => tracing::warn!("reaper: {e}"),
+                }
+            }
+        });
+    }
+
+    /// SelfSubjectAccessReview for everything the backend calls; logs exactly what is
+    /// missing. Returns the missing permissions.
+    pub(super) async fn check_permissions(&self) -> Vec<String> {
+        let ns = self.shared.namespace.clone();
+        // Exec over WebSocket is authorized as `get` pods/exec, and from Kubernetes 1.35 as
+        // `create` too. The warm pool claims pods with `patch`.
+        let mut needed = vec![
+            ("", "create"),
+            ("", "get"),
+            ("", "list"),
+            ("", "watch"),
+            ("", "delete"),
+            ("exec", "create"),
+            ("exec", "get"),
+        ];
+        if self.profiles.values().any(|p| p.warm_pool.size > 0) {
+            needed.push(("", "patch"));
+        }
+        let api: Api<SelfSubjectAccessReview> = Api::all(self.client.clone());
+        let mut missing = Vec::new();
+        for (sub, verb) in needed {
+            let review = SelfSubjectAccessReview {
+                spec: SelfSubjectAccessReviewSpec {
+                    resource_attributes: Some(ResourceAttributes {
+                        namespace: Some(ns.clone()),
+                        resource: Some("pods".into()),
+                        subresource: (!sub.is_empty()).then(|| sub.to_string()),
+                        verb: Some(verb.into()),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                },
+                ..Default::default()
+            };
+            let what = if sub.is_empty() {
+                format!("{verb} pods")
+            } else {
+                format!("{verb} pods/{sub}")
+            };
+            match api.create(&PostParams::default(), &review).await {
+                Ok(r) if r.status.as_ref().is_some_and(|s| s.allowed) => {}
+                Ok(r) => {
+                    let why = r.status.and_then(|s| s.reason).unwrap_or_default();
+                    tracing::error!(
+                        namespace = ns,
+                        permission = what,
+                        reason = why,
+                        "the gateway is missing a permission it needs"
+                    );
+                    missing.push(what);
+                }
+                Err(e) => {
+                    tracing::warn!(
+                        namespace = ns,
+                        permission = what,
+                        "cannot check permission: {e}"
+                    );
+                }
+            }
+        }
+        if missing.is_empty() {
+            tracing::info!(namespace = ns, "permissions to run pods checked");
+        }
+        if let Ok(mut m) = self.missing.lock() {
+            *m = Some(missing.clone());
+        }
+        missing
+    }
+}
