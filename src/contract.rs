@@ -342,6 +342,9 @@ pub enum ErrorCode {
     Unauthorized,
     /// The execution policy forbids the request (403).
     PolicyViolation,
+    /// The `Host` or `Origin` header names a host the gateway does not serve (403): DNS
+    /// rebinding protection (`server.allowed_hosts`).
+    ForbiddenHost,
     /// Too many executions at once, or rate limited (429).
     TooManyRequests,
     /// Not found (404).
@@ -388,6 +391,7 @@ impl ErrorCode {
             ErrorCode::UnsupportedMediaType => "unsupported_media_type",
             ErrorCode::Unauthorized => "unauthorized",
             ErrorCode::PolicyViolation => "policy_violation",
+            ErrorCode::ForbiddenHost => "forbidden_host",
             ErrorCode::TooManyRequests => "too_many_requests",
             ErrorCode::NotFound => "not_found",
             ErrorCode::MethodNotAllowed => "method_not_allowed",
@@ -412,7 +416,7 @@ impl ErrorCode {
         match self {
             ErrorCode::InvalidRequest | ErrorCode::UnknownProfile => 400,
             ErrorCode::Unauthorized => 401,
-            ErrorCode::PolicyViolation => 403,
+            ErrorCode::PolicyViolation | ErrorCode::ForbiddenHost => 403,
             ErrorCode::NotFound => 404,
             ErrorCode::MethodNotAllowed => 405,
             ErrorCode::PayloadTooLarge => 413,

@@ -294,6 +294,22 @@ struct Prepared {
     remote: RemoteExecutor,
 }
 
+/// Runs the command; data piped in without -i is not sent, and says so once, as early as it
+/// can be seen (a pipe's writer may not have written yet at the start, so it is checked
+/// again at the end).
+async fn run(args: Args) -> Outcome {
+    let forwarding = args.stdin;
+    let hinted = !forwarding && io::stdin_has_data();
+    if hinted {
+        eprintln!("{}", io::STDIN_HINT);
+    }
+    let outcome = run_command(args).await;
+    if !forwarding && !hinted && io::stdin_has_data() {
+        eprintln!("{}", io::STDIN_HINT);
+    }
+    outcome
+}
+
 fn prepare(args: &Args) -> Result<Prepared, Failure> {
     let (server, request) =
         build_request(args, |k| std::env::var(k).ok(), std::env::current_dir())?;
@@ -308,21 +324,6 @@ fn prepare(args: &Args) -> Result<Prepared, Failure> {
         template,
         remote,
     })
-}
-
-async fn run(args: Args) -> Outcome {
-    // Data piped in without -i is not sent: say so once, as early as it can be seen (a pipe's
-    // writer may not have written yet at the start, so it is checked again at the end).
-    let forwarding = args.stdin;
-    let hinted = !forwarding && io::stdin_has_data();
-    if hinted {
-        eprintln!("{}", io::STDIN_HINT);
-    }
-    let outcome = run_command(args).await;
-    if !forwarding && !hinted && io::stdin_has_data() {
-        eprintln!("{}", io::STDIN_HINT);
-    }
-    outcome
 }
 
 async fn run_command(args: Args) -> Outcome {
@@ -341,7 +342,6 @@ async fn run_command(args: Args) -> Outcome {
         }
         _ => None,
     };
-    // Phases on stderr while the gateway prepares the command (asked for only when shown).
     let (progress, printer) = if io::show_progress(args.verbose) {
         let (progress, phases) = crate::exec::Progress::channel();
         (progress, Some(io::print_phases(phases)))
