@@ -127,6 +127,7 @@ pub enum OutputFormat {
 /// Runs the client and returns its exit status. Every path ends here, in [`outcome::report`]:
 /// the one place that prints a failure and picks the status.
 pub fn main() -> i32 {
+    super::tune_allocator();
     let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
     let outcome = match parse(&argv) {
         Ok(Invocation::Run(args)) => run_blocking(*args),

@@ -190,6 +190,7 @@ pub enum LogFormat {
 }
 
 pub fn main() -> ExitCode {
+    super::tune_allocator();
     let cli = Cli::parse();
     let json_logs;
     let result = match cli.command {
