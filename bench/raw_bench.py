@@ -156,10 +156,14 @@ def main():
         if not os.path.exists(b):
             raise SystemExit(f"{b} missing: cargo build --release --bins")
 
-    gw, addr = start_gateway()
+    tmp = tempfile.mkdtemp()
+    # 100 concurrent streams below: above the default limits.max_concurrent_executions (64).
+    base_conf = os.path.join(tmp, "gateway.yaml")
+    with open(base_conf, "w") as f:
+        f.write("limits:\n  max_concurrent_executions: 128\n")
+    gw, addr = start_gateway(base_conf)
     env = {**os.environ, "RUN_REMOTE_SERVER": f"http://{addr}/raw"}
     rows = []
-    tmp = tempfile.mkdtemp()
     try:
         big = os.path.join(tmp, "big")
         with open(big, "wb") as f:
@@ -209,7 +213,8 @@ def main():
             # every chunk and holds back 39 bytes per stream (docs/policy.md).
             conf = os.path.join(tmp, "redaction.yaml")
             with open(conf, "w") as f:
-                f.write("redaction:\n  secrets: [not-in-the-data-0123456789]\n"
+                f.write("limits:\n  max_concurrent_executions: 128\n"
+                        "redaction:\n  secrets: [not-in-the-data-0123456789]\n"
                         "  patterns: [{regex: 'ghp_[A-Za-z0-9]{36}', max_len: 40}]\n")
             rgw, raddr = start_gateway(conf)
             renv = {**os.environ, "RUN_REMOTE_SERVER": f"http://{raddr}/raw"}
