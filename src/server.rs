@@ -19,6 +19,7 @@ use crate::contract::{ErrorBody, ErrorCode, ErrorResponse, RunRequest};
 use crate::runner::Runner;
 
 mod raw;
+mod workspace;
 pub use raw::HeadLimit;
 
 /// Shared state of the HTTP handlers.
@@ -110,7 +111,12 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
                 config,
             ))
     };
+    let workspaces = match state.runner.workspaces() {
+        Some(store) => workspace::routes(store.clone(), state.runner.metrics().clone()),
+        None => Router::new(),
+    };
     Router::new()
+        .merge(workspaces)
         .route("/raw", post(raw::raw))
         .route("/capabilities", get(capabilities))
         .nest_service("/mcp", mcp)

@@ -113,11 +113,17 @@ impl KubeExecutor {
     ) -> Result<Execution, ErrorBody> {
         let name = guard.name.clone();
         let pod_start = timings.since_start();
+        let mut cwd = spec.cwd.clone();
+        if let Some(run) = &spec.workspace {
+            let path = super::workspace::workspace_path(profile_name, profile, run)?;
+            cwd = Some(self.place_workspace(&name, run, path, &cancel).await?);
+            timings.mark("workspace placed");
+        }
         let argv = pod::argv::exec_argv(
             profile.shell(),
             &spec.executable,
             &spec.args,
-            spec.cwd.as_deref(),
+            cwd.as_deref(),
             &spec.env,
         );
         let params = AttachParams {
@@ -148,6 +154,8 @@ impl KubeExecutor {
             image: Some(profile.image().to_string()),
             profile: Some(profile_name.to_string()),
             pod_start_ms: Some(pod_start.as_millis() as u64),
+            workspace: spec.workspace.as_ref().map(|w| w.workspace.id.clone()),
+            workspace_version: spec.workspace.as_ref().map(|w| w.workspace.digest.clone()),
             ..Default::default()
         };
         let token = cancel.child_token();

@@ -3,6 +3,8 @@
 
 pub mod argv;
 
+pub mod workspace;
+
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
@@ -141,7 +143,7 @@ pub fn build(req: &PodRequest<'_>, id: &Identity) -> Pod {
         command: Some(keepalive),
         resources: p.resources.clone(),
         working_dir: p.working_dir.clone(),
-        volume_mounts: (!p.volume_mounts.is_empty()).then(|| p.volume_mounts.clone()),
+        volume_mounts: workspace::volume_mounts(p),
         stdin: Some(false),
         tty: Some(false),
         security_context: Some(SecurityContext {
@@ -191,7 +193,7 @@ pub fn build(req: &PodRequest<'_>, id: &Identity) -> Pod {
                     .map(|n| LocalObjectReference { name: n.clone() })
                     .collect()
             }),
-            volumes: (!p.volumes.is_empty()).then(|| p.volumes.clone()),
+            volumes: workspace::volumes(p),
             security_context: Some(PodSecurityContext {
                 run_as_user: p.run_as_user,
                 run_as_group: p.run_as_group,
