@@ -111,6 +111,7 @@ def good(addr, stats, stop):
             continue
         if status != 200:
             stats.add("refused_wrongly")
+            stats.add(f"wrong: good run -> {status}")
             continue
         got, exited = b"", False
         for line in body.splitlines():
@@ -246,7 +247,10 @@ def main():
         t.start()
     time.sleep(a.duration)
     stop.set()
-    time.sleep(0.5)
+    # Let every client finish what it started: a request cut by the shutdown below would be
+    # refused (503 shutting_down) rightly, not wrongly.
+    for t in threads[1:]:
+        t.join(timeout=30)
     gw.send_signal(signal.SIGTERM)
     try:
         gw.wait(timeout=60)

@@ -553,7 +553,8 @@ async fn supervise(
     while status.is_none() || stdout.is_some() || stderr.is_some() || pending.is_some() {
         tokio::select! {
             _ = cancel.cancelled(), if !killed => {
-                kill_all(pgid, &tag);
+                // The group id is only ours while the leader is unreaped (see below).
+                kill_all(pgid.filter(|_| status.is_none()), &tag);
                 killed = true;
             }
             permit = tx.reserve(), if pending.is_some() => {
@@ -584,8 +585,11 @@ async fn supervise(
                 duration = started.elapsed();
                 status = Some(s);
                 // Whatever the command left running goes with it: nothing is orphaned, and
-                // its pipes close so that the drain below ends.
-                kill_all(pgid, &tag);
+                // its pipes close so that the drain below ends. Not by its process group:
+                // the leader is reaped now, and an empty group's id may already belong to
+                // another process (pids wrap quickly on a busy machine); the tag is ours
+                // only, and what stays in the group carries it.
+                kill_all(None, &tag);
                 drain_deadline.as_mut().reset(tokio::time::Instant::now() + DRAIN_GRACE);
             }
             _ = &mut drain_deadline, if status.is_some() && pending.is_none() => {
