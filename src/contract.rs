@@ -4,6 +4,9 @@
 //! Everything that crosses the network is defined here once, so that the server,
 //! `run-remote` and the `remote` backend cannot drift apart. `docs/protocol.md` is the
 //! prose version of this module.
+//!
+//! Size: over 500 lines on purpose: the whole wire contract in one module, so that nothing that
+//! crosses the network is defined anywhere else.
 
 use std::collections::BTreeMap;
 

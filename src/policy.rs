@@ -3,6 +3,10 @@
 //! [`crate::runner::Runner::spec`], so that every front end (`/raw`, MCP, CLI tools) gets the
 //! same rules; a violation is rejected before anything starts, with the rule that matched in
 //! the message. `docs/policy.md` documents the matching rules.
+//!
+//! Size: about 650 lines of code plus unit tests. Each rule (executables, arguments,
+//! environment, cwd, timeouts, per-profile overrides) is a config type, its validation and its
+//! check side by side; split apart, a rule's three parts would sit in three files.
 
 use std::collections::BTreeMap;
 

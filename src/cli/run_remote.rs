@@ -3,6 +3,10 @@
 //! `run-remote templates` lists the output templates (see [`super::run_remote_templates`]);
 //! `run-remote completions SHELL` prints a completion script. How an invocation ends is an
 //! [`Outcome`], reported in one place ([`outcome::report`]).
+//!
+//! Size: about 650 lines of code: the flags, the request they build, and the two ways the
+//! answer is shown (streamed, or one structured result); stdin, progress lines, templates and
+//! workspaces live in `run_remote_io`, `run_remote_templates` and `run_remote_workspace`.
 
 use std::collections::BTreeMap;
 use std::io::Write;

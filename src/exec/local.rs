@@ -5,6 +5,10 @@
 //! `env -C CWD NAME=VALUE... EXECUTABLE ARGS...` would, with the exit codes of `env(1)` for
 //! what fails before the program runs: 125 when the working directory cannot be entered,
 //! 126 when the program cannot be invoked, 127 when it is not found.
+//!
+//! Size: about 620 lines of code: one process's whole life (spawn with its limits checked,
+//! stdin feeding, pipe reading, the group kill and reaping, the workspace directory), which
+//! the supervisor loop ties together.
 
 use std::io::ErrorKind;
 use std::os::unix::process::ExitStatusExt;

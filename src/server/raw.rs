@@ -6,6 +6,9 @@
 //!   bounded channel between the body and the backend), so neither side buffers unbounded;
 //! - progress: with [`PROGRESS_HEADER`] the stream may begin before the command started, with
 //!   `phase` events; a start that fails after that ends the stream with an `error` event.
+//!
+//! Size: about 500 lines of code: the stdin pump and the stream's stages (phases, started,
+//! output, terminal) are one state machine over the same request.
 
 use std::convert::Infallible;
 use std::time::Duration;
