@@ -60,6 +60,10 @@ impl KubeExecutor {
             .namespace
             .clone()
             .unwrap_or_else(|| kube_config.default_namespace.clone());
+        // kube's own retry of 429/503/504 may wait up to minutes; the backend retries what
+        // it can within each request's start budget instead (start.rs).
+        let mut kube_config = kube_config;
+        kube_config.default_retry = false;
         let client = Client::try_from(kube_config)?;
         let gateway = std::env::var("MCP_RUN_POD_NAME")
             .ok()
@@ -85,7 +89,9 @@ impl KubeExecutor {
         );
         Ok(Self {
             shared: Arc::new(Shared {
+                client: client.clone(),
                 pods: Api::namespaced(client.clone(), &namespace),
+                throttle: super::throttle::Throttle::new(config.api_qps, config.api_burst),
                 namespace,
                 identity,
                 live: Mutex::new(HashSet::new()),
