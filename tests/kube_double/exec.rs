@@ -204,6 +204,11 @@ pub async fn exec(
     let Ok(mut ws) = ws else {
         return ApiError::bad_request("Upgrade request required").into_response();
     };
+    let delay = shared.lock().faults.exec_delay.take();
+    if let Some(d) = delay {
+        // Fault injection: a slow kubelet or API server.
+        tokio::time::sleep(d).await;
+    }
     let running = container_running(&pod, &req.container);
     let not_found = format!("container not found ({:?})", req.container);
     let proto = match negotiate(&headers, &shared.opts.exec_protocols) {

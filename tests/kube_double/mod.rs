@@ -249,9 +249,22 @@ pub(crate) struct State {
 
 /// Faults the next requests meet (see `KubeDouble::inject`).
 #[derive(Default)]
-pub(crate) struct Faults {
+pub struct Faults {
     /// Answers of the next pod creates, in order (429 with Retry-After, 500, ...).
     pub create: VecDeque<ApiError>,
+    /// Pod creates that fail with 500 after storing the pod (the answer is lost).
+    pub create_lost_answers: usize,
+    /// Watch connections to break after their initial events.
+    pub watch_cuts: usize,
+    /// Resumed watches (with a resourceVersion) to answer with 410 Gone.
+    pub gone_on_resume: usize,
+    /// New pods stay Unschedulable this long before the scheduler binds them.
+    pub unschedulable_for: Option<Duration>,
+    /// Image pulls of new pods fail (ErrImagePull, a registry rate limit) this many times
+    /// before they succeed.
+    pub pull_failures: usize,
+    /// Exec upgrades are answered this late.
+    pub exec_delay: Option<Duration>,
 }
 
 pub(crate) struct Shared {
@@ -476,6 +489,55 @@ impl KubeDouble {
     /// Exec processes that are still running.
     pub fn running_execs(&self) -> usize {
         self.shared.lock().execs.len()
+    }
+
+    /// Changes the faults the next requests meet.
+    pub fn inject(&self, f: impl FnOnce(&mut Faults)) {
+        f(&mut self.shared.lock().faults);
+    }
+
+    /// Deletes a pod at once (grace 0), as `kubectl delete --now` does: its exec processes
+    /// die with it (137 on their status channels).
+    pub fn delete_pod(&self, namespace: &str, name: &str) {
+        let mut st = self.shared.lock();
+        pods::remove_locked(&self.shared, &mut st, namespace, name);
+        drop(st);
+        self.shared.kill_execs(Some((namespace, name)));
+    }
+
+    /// Ends a pod's container as the kubelet does when it is OOM-killed (or evicted, with
+    /// `evicted`): terminated with exit 137, the pod Failed, its exec processes killed.
+    pub fn kill_container(&self, namespace: &str, name: &str, evicted: bool) {
+        let mut st = self.shared.lock();
+        pods::modify_locked(&self.shared, &mut st, namespace, name, |p| {
+            let s = p.status.get_or_insert_with(Default::default);
+            s.phase = Some("Failed".into());
+            if evicted {
+                s.reason = Some("Evicted".into());
+                s.message = Some("The node was low on resource: memory. Threshold quantity: 100Mi, available: 90Mi.".into());
+            }
+            for c in s.container_statuses.iter_mut().flatten() {
+                c.ready = false;
+                c.state = Some(k8s_openapi::api::core::v1::ContainerState {
+                    terminated: Some(k8s_openapi::api::core::v1::ContainerStateTerminated {
+                        exit_code: 137,
+                        reason: Some(
+                            if evicted {
+                                "ContainerStatusUnknown"
+                            } else {
+                                "OOMKilled"
+                            }
+                            .into(),
+                        ),
+                        finished_at: Some(pods::now()),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                });
+            }
+        });
+        drop(st);
+        self.shared.kill_execs(Some((namespace, name)));
     }
 
     /// The current global resourceVersion.

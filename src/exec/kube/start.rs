@@ -309,7 +309,8 @@ impl KubeExecutor {
                 what: "no status yet".into(),
                 problem: None,
             },
-            reported: None,
+            // `run` reported Scheduling when it created the pod.
+            reported: Some((Phase::Scheduling, String::new())),
             scheduled: false,
         };
         let timed_out = |last: &Waiting| match &last.problem {
@@ -415,10 +416,12 @@ impl Watch {
             PodState::Waiting(w) => {
                 // Scheduling → scheduled → pulling → starting: a phase is reported when it
                 // (or its detail) changes, never backwards past Scheduled.
+                // A new detail is news only when it is a problem (Unschedulable, a failing
+                // pull): the caller learns why it waits.
                 let fresh = self
                     .reported
                     .as_ref()
-                    .is_none_or(|(p, m)| *p != w.phase || *m != w.what);
+                    .is_none_or(|(p, m)| *p != w.phase || (w.problem.is_some() && *m != w.what));
                 let backwards = self.scheduled && w.phase == Phase::Scheduling;
                 if fresh && !backwards && w.phase != Phase::Scheduled {
                     progress.report(w.phase, Some(w.what.clone()));
