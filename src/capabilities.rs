@@ -6,7 +6,7 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::config::Limits;
+use crate::limits::Limits;
 
 /// The URI of the capabilities resource.
 pub const RESOURCE_URI: &str = "mcp-run://capabilities";
@@ -57,7 +57,7 @@ pub struct ProfileInfo {
 pub struct LimitsInfo {
     pub default_timeout_secs: u64,
     pub max_timeout_secs: u64,
-    /// Per stream, in MCP results (head and tail kept); `/raw` is not capped.
+    /// Per stream, the output of an MCP run kept for `resources/read`; `/raw` is not capped.
     pub max_output_bytes: usize,
     pub stdin: bool,
     pub tty: bool,
@@ -90,8 +90,8 @@ impl Capabilities {
             "no stdin: commands read nothing (use files or arguments)".to_string(),
             "no TTY: interactive programs do not work".into(),
             format!(
-                "MCP results keep the first and last {} KiB of each stream",
-                max_output_bytes / 2048
+                "MCP results carry the head and tail of each stream within a character budget; the full output (up to {} MiB per stream) stays readable as a resource for a while",
+                max_output_bytes >> 20
             ),
             "arguments are passed as argv, never through a shell: use `sh -c` explicitly when you need one".into(),
         ];

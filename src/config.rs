@@ -8,9 +8,11 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::exec::local::DEFAULT_INHERIT_ENV;
-
 pub use crate::exec::kube::config::{KubernetesConfig, Profile};
+pub use crate::exec::local::LocalConfig;
+pub use crate::exec::remote::RemoteConfig;
+pub use crate::limits::Limits;
+pub use crate::mcp::config::McpConfig;
 
 /// A configuration problem, naming the file and the field.
 #[derive(Debug, thiserror::Error)]
@@ -58,11 +60,11 @@ pub struct Config {
     /// The execution policy (docs/policy.md).
     pub policy: crate::policy::PolicyConfig,
     /// Bearer-token auth (docs/policy.md).
-    pub auth: crate::access::AuthConfig,
+    pub auth: crate::auth::AuthConfig,
     /// Secrets replaced by `[REDACTED]` in output (docs/policy.md).
     pub redaction: crate::redact::RedactionConfig,
     /// Operator-declared CLI tools, each its own MCP tool (docs/tools.md).
-    pub tools: Vec<crate::tools::ToolConfig>,
+    pub tools: Vec<crate::mcp::tools::ToolConfig>,
     /// Output templates of the MCP tool, added to the built-ins (docs/templates.md);
     /// checked at start by `templates::Catalog::with_templates`.
     pub templates: BTreeMap<String, yaml_serde::Value>,
@@ -93,77 +95,6 @@ impl Default for ServerConfig {
             keepalive_secs: 15,
             shutdown_grace_secs: 30,
             max_body_bytes: 1024 * 1024,
-        }
-    }
-}
-
-/// Limits applied to every execution.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct Limits {
-    /// The timeout of a request that does not set `timeout_secs`.
-    pub default_timeout_secs: u64,
-    /// The largest `timeout_secs` a request may ask for.
-    pub max_timeout_secs: u64,
-    /// Executions at once over every front end; more get 429. Absent: no limit.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub max_concurrent_executions: Option<usize>,
-    /// Executions a client (auth identity, else address) may start: a token bucket.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub rate_limit: Option<crate::access::RateLimitConfig>,
-}
-
-impl Default for Limits {
-    fn default() -> Self {
-        Self {
-            default_timeout_secs: 600,
-            max_timeout_secs: 3600,
-            max_concurrent_executions: None,
-            rate_limit: None,
-        }
-    }
-}
-
-/// The MCP server (`/mcp` and `mcp-run stdio`).
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct McpConfig {
-    /// Per stream, the most output kept in a tool result (head and tail).
-    pub max_output_bytes: usize,
-    /// `Host` headers `/mcp` accepts (DNS-rebinding protection for gateways on a
-    /// workstation); an empty list accepts any host, for a gateway behind a Service.
-    pub allowed_hosts: Vec<String>,
-}
-
-impl Default for McpConfig {
-    fn default() -> Self {
-        Self {
-            max_output_bytes: crate::result::DEFAULT_MAX_OUTPUT_BYTES,
-            allowed_hosts: vec!["localhost".into(), "127.0.0.1".into(), "::1".into()],
-        }
-    }
-}
-
-/// The remote backend.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct RemoteConfig {
-    /// The gateway's `/raw` URL [default: `RUN_REMOTE_SERVER`].
-    pub server: Option<String>,
-}
-
-/// The local backend.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct LocalConfig {
-    /// Variables of the gateway's environment that every command inherits.
-    pub inherit_env: Vec<String>,
-}
-
-impl Default for LocalConfig {
-    fn default() -> Self {
-        Self {
-            inherit_env: DEFAULT_INHERIT_ENV.iter().map(|s| s.to_string()).collect(),
         }
     }
 }
@@ -203,22 +134,7 @@ impl Config {
             field: field.into(),
             message,
         };
-        let l = &self.limits;
-        if l.max_timeout_secs == 0 {
-            return Err(invalid(
-                "limits.max_timeout_secs",
-                "must be at least 1".into(),
-            ));
-        }
-        if l.default_timeout_secs == 0 || l.default_timeout_secs > l.max_timeout_secs {
-            return Err(invalid(
-                "limits.default_timeout_secs",
-                format!(
-                    "must be between 1 and limits.max_timeout_secs ({})",
-                    l.max_timeout_secs
-                ),
-            ));
-        }
+        self.limits.validate().map_err(|(f, m)| invalid(&f, m))?;
         if self.server.keepalive_secs == 0 {
             return Err(invalid(
                 "server.keepalive_secs",
@@ -245,45 +161,10 @@ impl Config {
                 "must contain a `default` profile".into(),
             ));
         }
-        if self.mcp.max_output_bytes < 1024 {
-            return Err(invalid(
-                "mcp.max_output_bytes",
-                "must be at least 1024".into(),
-            ));
-        }
-        if let Some(server) = &self.remote.server {
-            crate::exec::remote::parse_server_url(server)
-                .map_err(|m| invalid("remote.server", m))?;
-        }
-        for name in &self.local.inherit_env {
-            if !crate::contract::is_valid_env_name(name) {
-                return Err(invalid(
-                    "local.inherit_env",
-                    format!("contains an invalid variable name {name:?}"),
-                ));
-            }
-        }
-        if l.max_concurrent_executions == Some(0) {
-            return Err(invalid(
-                "limits.max_concurrent_executions",
-                "must be at least 1".into(),
-            ));
-        }
-        if let Some(r) = &l.rate_limit {
-            if r.per_minute == 0 {
-                return Err(invalid(
-                    "limits.rate_limit.per_minute",
-                    "must be at least 1".into(),
-                ));
-            }
-            if r.burst == 0 {
-                return Err(invalid(
-                    "limits.rate_limit.burst",
-                    "must be at least 1".into(),
-                ));
-            }
-        }
-        crate::tools::validate(&self.tools).map_err(|e| invalid(&e.field, e.message))?;
+        self.mcp.validate().map_err(|(f, m)| invalid(f, m))?;
+        self.remote.validate().map_err(|(f, m)| invalid(&f, m))?;
+        self.local.validate().map_err(|(f, m)| invalid(&f, m))?;
+        crate::mcp::tools::validate(&self.tools).map_err(|e| invalid(&e.field, e.message))?;
         self.redaction
             .validate()
             .map_err(|e| invalid(&e.field, e.message))?;

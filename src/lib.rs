@@ -5,19 +5,21 @@
 //! execution interface and its backends; [`runner`] is the one entry point every front end
 //! uses; [`server`] is the HTTP gateway; [`cli`] holds the logic of the binaries.
 
-pub mod access;
 pub mod audit;
+pub mod auth;
 pub mod capabilities;
 pub mod cli;
 pub mod config;
 pub mod contract;
 pub mod exec;
+pub mod exit;
+pub mod limits;
 pub mod mcp;
 pub mod metrics;
 pub mod policy;
+pub mod rate_limit;
 pub mod redact;
 pub mod result;
 pub mod runner;
 pub mod server;
 pub mod templates;
-pub mod tools;

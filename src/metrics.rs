@@ -1,21 +1,25 @@
-//! The gateway's Prometheus metrics, served on `GET /metrics` in the Prometheus text
-//! exposition format (version 0.0.4).
+//! The gateway's Prometheus metrics, served on `GET /metrics` in the OpenMetrics text format
+//! (which Prometheus scrapes natively), built on `prometheus-client`.
 //!
-//! One process-wide registry, always present, so that any part of the gateway can record
-//! without a handle being threaded through: the runner counts executions and rejections,
-//! [`crate::exec::Execution`] counts streamed bytes, the Kubernetes backend calls
-//! [`observe_pod_start`]. A handful of mutex-guarded maps is enough at the gateway's request
-//! rates and keeps the output exactly the 0.0.4 format without a dependency.
+//! One [`Metrics`] per gateway, made at start-up and handed to whoever records: the runner
+//! counts executions and rejections, [`crate::exec::Execution`] counts streamed bytes
+//! through its [`ExecutionObserver`], the Kubernetes backend records pod starts and warm
+//! pool claims. Cloning is cheap: every metric is shared behind an `Arc`.
 
-use std::collections::BTreeMap;
-use std::fmt::Write as _;
-use std::sync::{LazyLock, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
 
 use crate::contract::{ErrorCode, Event};
 
-/// The `Content-Type` of [`render`]'s output.
-pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+/// The `Content-Type` of [`Metrics::render`]'s output.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// Execution durations: from a few milliseconds to the default maximum timeout.
 const DURATION_BUCKETS: &[f64] = &[
@@ -72,118 +76,160 @@ impl Outcome {
     }
 }
 
-#[derive(Debug, Clone)]
-struct Histogram {
-    bounds: &'static [f64],
-    /// Non-cumulative counts per bucket; the last one is `+Inf`.
-    counts: Vec<u64>,
-    sum: f64,
-    count: u64,
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BackendLabels {
+    backend: &'static str,
 }
 
-impl Histogram {
-    fn new(bounds: &'static [f64]) -> Self {
-        Self {
-            bounds,
-            counts: vec![0; bounds.len() + 1],
-            sum: 0.0,
-            count: 0,
-        }
-    }
-
-    fn observe(&mut self, value: f64) {
-        let i = self
-            .bounds
-            .iter()
-            .position(|b| value <= *b)
-            .unwrap_or(self.bounds.len());
-        self.counts[i] += 1;
-        self.sum += value;
-        self.count += 1;
-    }
-
-    fn write(&self, out: &mut String, name: &str, labels: &str) {
-        let sep = if labels.is_empty() { "" } else { "," };
-        let mut cumulative = 0;
-        for (i, n) in self.counts.iter().enumerate() {
-            cumulative += n;
-            let le = match self.bounds.get(i) {
-                Some(b) => format_float(*b),
-                None => "+Inf".into(),
-            };
-            let _ = writeln!(
-                out,
-                "{name}_bucket{{{labels}{sep}le=\"{le}\"}} {cumulative}"
-            );
-        }
-        let braces = if labels.is_empty() {
-            String::new()
-        } else {
-            format!("{{{labels}}}")
-        };
-        let _ = writeln!(out, "{name}_sum{braces} {}", format_float(self.sum));
-        let _ = writeln!(out, "{name}_count{braces} {}", self.count);
-    }
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabels {
+    backend: &'static str,
+    result: &'static str,
 }
 
-/// Floats as Prometheus writes them: integers without a fraction, others in the shortest
-/// form that round-trips.
-fn format_float(v: f64) -> String {
-    if v.is_infinite() {
-        if v > 0.0 { "+Inf" } else { "-Inf" }.into()
-    } else if v.is_nan() {
-        "NaN".into()
-    } else {
-        format!("{v}")
-    }
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StreamLabels {
+    backend: &'static str,
+    stream: &'static str,
 }
 
-/// Every metric of the gateway. Tests make their own; the gateway uses [`registry`].
-#[derive(Debug)]
-pub struct Registry {
-    executions: Mutex<BTreeMap<(&'static str, Outcome), u64>>,
-    durations: Mutex<BTreeMap<&'static str, Histogram>>,
-    in_flight: Mutex<BTreeMap<&'static str, i64>>,
-    bytes: Mutex<BTreeMap<(&'static str, &'static str), u64>>,
-    rejections: Mutex<BTreeMap<&'static str, u64>>,
-    pod_start: Mutex<Histogram>,
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ClaimLabels {
+    profile: String,
+    result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ProfileLabels {
+    profile: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct VersionLabels {
+    version: &'static str,
+}
+
+type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+fn duration_histogram() -> Histogram {
+    Histogram::new(DURATION_BUCKETS.iter().copied())
+}
+
+fn pod_start_histogram() -> Histogram {
+    Histogram::new(POD_START_BUCKETS.iter().copied())
+}
+
+/// Every metric of the gateway, and the registry that renders them.
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Arc<Registry>,
+    executions: Family<ResultLabels, Counter>,
+    durations: HistogramFamily<BackendLabels>,
+    in_flight: Family<BackendLabels, Gauge>,
+    bytes: Family<StreamLabels, Counter>,
+    rejections: Family<ReasonLabels, Counter>,
+    pod_start: Histogram,
     /// Warm pool claims by profile and whether a pod was there (hit) or not (miss).
-    pool_claims: Mutex<BTreeMap<(String, bool), u64>>,
+    pool_claims: Family<ClaimLabels, Counter>,
     /// Warm pool refills: from creating a pool pod to it running, by profile.
-    pool_refill: Mutex<BTreeMap<String, Histogram>>,
+    pool_refill: HistogramFamily<ProfileLabels>,
 }
 
-impl Default for Registry {
+impl Default for Metrics {
     fn default() -> Self {
         Self::new()
     }
 }
 
-/// A poisoned metrics lock only means another thread panicked mid-update of a number:
-/// the data is still usable.
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics")
+    }
 }
 
-impl Registry {
+impl Metrics {
     pub fn new() -> Self {
+        let mut registry = Registry::default();
+        let build_info = Family::<VersionLabels, Gauge>::default();
+        build_info
+            .get_or_create(&VersionLabels {
+                version: env!("CARGO_PKG_VERSION"),
+            })
+            .set(1);
+        registry.register(
+            "mcp_run_build_info",
+            "The running mcp-run version",
+            build_info,
+        );
+        let m = Self {
+            registry: Arc::new(Registry::default()),
+            executions: Family::default(),
+            durations: Family::new_with_constructor(duration_histogram as fn() -> Histogram),
+            in_flight: Family::default(),
+            bytes: Family::default(),
+            rejections: Family::default(),
+            pod_start: pod_start_histogram(),
+            pool_claims: Family::default(),
+            pool_refill: Family::new_with_constructor(pod_start_histogram as fn() -> Histogram),
+        };
+        registry.register(
+            "mcp_run_executions",
+            "Executions that ended, by backend and result (success, failure, signal, timeout, error, cancelled)",
+            m.executions.clone(),
+        );
+        registry.register(
+            "mcp_run_execution_duration_seconds",
+            "Wall time of executions from start to their end, by backend",
+            m.durations.clone(),
+        );
+        registry.register(
+            "mcp_run_executions_in_flight",
+            "Executions running now, by backend",
+            m.in_flight.clone(),
+        );
+        registry.register(
+            "mcp_run_streamed_bytes",
+            "Output bytes streamed to clients, by backend and stream (stdout, stderr)",
+            m.bytes.clone(),
+        );
+        registry.register(
+            "mcp_run_rejections",
+            "Requests refused before their stream began, by error code",
+            m.rejections.clone(),
+        );
+        registry.register(
+            "mcp_run_pod_start_duration_seconds",
+            "Time from creating a runner pod to it running (Kubernetes backend)",
+            m.pod_start.clone(),
+        );
+        registry.register(
+            "mcp_run_warm_pool_claims",
+            "Warm pool claims by profile and result (hit: a warm pod was claimed; miss: a pod was created)",
+            m.pool_claims.clone(),
+        );
+        registry.register(
+            "mcp_run_warm_pool_refill_duration_seconds",
+            "Time from creating a warm pool pod to it running, by profile",
+            m.pool_refill.clone(),
+        );
         Self {
-            executions: Mutex::default(),
-            durations: Mutex::default(),
-            in_flight: Mutex::default(),
-            bytes: Mutex::default(),
-            rejections: Mutex::default(),
-            pod_start: Mutex::new(Histogram::new(POD_START_BUCKETS)),
-            pool_claims: Mutex::default(),
-            pool_refill: Mutex::default(),
+            registry: Arc::new(registry),
+            ..m
         }
     }
 
     /// Counts an execution as running; its [`ExecutionObserver`] records how it ends.
-    pub fn execution_started(&'static self, backend: &'static str) -> ExecutionObserver {
-        *lock(&self.in_flight).entry(backend).or_default() += 1;
+    pub fn execution_started(&self, backend: &'static str) -> ExecutionObserver {
+        self.in_flight
+            .get_or_create(&BackendLabels { backend })
+            .inc();
         ExecutionObserver {
-            registry: self,
+            metrics: self.clone(),
             backend,
             started: Instant::now(),
             done: false,
@@ -191,169 +237,73 @@ impl Registry {
     }
 
     fn execution_ended(&self, backend: &'static str, outcome: Outcome, duration: Duration) {
-        *lock(&self.in_flight).entry(backend).or_default() -= 1;
-        *lock(&self.executions)
-            .entry((backend, outcome))
-            .or_default() += 1;
-        lock(&self.durations)
-            .entry(backend)
-            .or_insert_with(|| Histogram::new(DURATION_BUCKETS))
+        self.in_flight
+            .get_or_create(&BackendLabels { backend })
+            .dec();
+        self.executions
+            .get_or_create(&ResultLabels {
+                backend,
+                result: outcome.as_str(),
+            })
+            .inc();
+        self.durations
+            .get_or_create(&BackendLabels { backend })
             .observe(duration.as_secs_f64());
     }
 
     fn streamed(&self, backend: &'static str, stream: &'static str, n: usize) {
-        *lock(&self.bytes).entry((backend, stream)).or_default() += n as u64;
+        self.bytes
+            .get_or_create(&StreamLabels { backend, stream })
+            .inc_by(n as u64);
     }
 
     /// Counts a request refused before its stream began.
     pub fn rejected(&self, code: ErrorCode) {
-        *lock(&self.rejections).entry(code.as_str()).or_default() += 1;
+        self.rejections
+            .get_or_create(&ReasonLabels {
+                reason: code.as_str(),
+            })
+            .inc();
     }
 
     /// Records how long a runner pod took from creation to Running.
     pub fn observe_pod_start(&self, d: Duration) {
-        lock(&self.pod_start).observe(d.as_secs_f64());
+        self.pod_start.observe(d.as_secs_f64());
     }
 
     /// Counts a warm pool claim: `hit` when a warm pod was claimed.
     pub fn warm_pool_claim(&self, profile: &str, hit: bool) {
-        *lock(&self.pool_claims)
-            .entry((profile.to_string(), hit))
-            .or_default() += 1;
+        self.pool_claims
+            .get_or_create(&ClaimLabels {
+                profile: profile.to_owned(),
+                result: if hit { "hit" } else { "miss" },
+            })
+            .inc();
     }
 
     /// Records how long a warm pool pod took from creation to Running.
     pub fn warm_pool_refill(&self, profile: &str, d: Duration) {
-        lock(&self.pool_refill)
-            .entry(profile.to_string())
-            .or_insert_with(|| Histogram::new(POD_START_BUCKETS))
+        self.pool_refill
+            .get_or_create(&ProfileLabels {
+                profile: profile.to_owned(),
+            })
             .observe(d.as_secs_f64());
     }
 
-    /// The whole registry in the Prometheus text format.
+    /// Every metric in the OpenMetrics text format.
     pub fn render(&self) -> String {
         let mut out = String::with_capacity(4096);
-        let _ = writeln!(
-            out,
-            "# HELP mcp_run_build_info The running mcp-run version.\n\
-             # TYPE mcp_run_build_info gauge\n\
-             mcp_run_build_info{{version=\"{}\"}} 1",
-            env!("CARGO_PKG_VERSION")
-        );
-
-        header(
-            &mut out,
-            "mcp_run_executions_total",
-            "counter",
-            "Executions that ended, by backend and result (success, failure, signal, timeout, error, cancelled).",
-        );
-        for ((backend, outcome), n) in lock(&self.executions).iter() {
-            let _ = writeln!(
-                out,
-                "mcp_run_executions_total{{backend=\"{backend}\",result=\"{}\"}} {n}",
-                outcome.as_str()
-            );
-        }
-
-        header(
-            &mut out,
-            "mcp_run_execution_duration_seconds",
-            "histogram",
-            "Wall time of executions from start to their end, by backend.",
-        );
-        for (backend, h) in lock(&self.durations).iter() {
-            h.write(
-                &mut out,
-                "mcp_run_execution_duration_seconds",
-                &format!("backend=\"{backend}\""),
-            );
-        }
-
-        header(
-            &mut out,
-            "mcp_run_executions_in_flight",
-            "gauge",
-            "Executions running now, by backend.",
-        );
-        for (backend, n) in lock(&self.in_flight).iter() {
-            let _ = writeln!(
-                out,
-                "mcp_run_executions_in_flight{{backend=\"{backend}\"}} {n}"
-            );
-        }
-
-        header(
-            &mut out,
-            "mcp_run_streamed_bytes_total",
-            "counter",
-            "Output bytes streamed to clients, by backend and stream (stdout, stderr).",
-        );
-        for ((backend, stream), n) in lock(&self.bytes).iter() {
-            let _ = writeln!(
-                out,
-                "mcp_run_streamed_bytes_total{{backend=\"{backend}\",stream=\"{stream}\"}} {n}"
-            );
-        }
-
-        header(
-            &mut out,
-            "mcp_run_rejections_total",
-            "counter",
-            "Requests refused before their stream began, by error code.",
-        );
-        for (reason, n) in lock(&self.rejections).iter() {
-            let _ = writeln!(out, "mcp_run_rejections_total{{reason=\"{reason}\"}} {n}");
-        }
-
-        header(
-            &mut out,
-            "mcp_run_pod_start_duration_seconds",
-            "histogram",
-            "Time from creating a runner pod to it running (Kubernetes backend).",
-        );
-        lock(&self.pod_start).write(&mut out, "mcp_run_pod_start_duration_seconds", "");
-
-        header(
-            &mut out,
-            "mcp_run_warm_pool_claims_total",
-            "counter",
-            "Warm pool claims by profile and result (hit: a warm pod was claimed; miss: a pod was created).",
-        );
-        for ((profile, hit), n) in lock(&self.pool_claims).iter() {
-            let result = if *hit { "hit" } else { "miss" };
-            let _ = writeln!(
-                out,
-                "mcp_run_warm_pool_claims_total{{profile=\"{}\",result=\"{result}\"}} {n}",
-                escape_label(profile)
-            );
-        }
-
-        header(
-            &mut out,
-            "mcp_run_warm_pool_refill_duration_seconds",
-            "histogram",
-            "Time from creating a warm pool pod to it running, by profile.",
-        );
-        for (profile, h) in lock(&self.pool_refill).iter() {
-            h.write(
-                &mut out,
-                "mcp_run_warm_pool_refill_duration_seconds",
-                &format!("profile=\"{}\"", escape_label(profile)),
-            );
-        }
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
     }
-}
-
-fn header(out: &mut String, name: &str, kind: &str, help: &str) {
-    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
 }
 
 /// Follows one execution: counts its streamed bytes, and when it ends (terminal event, or
 /// dropped before one), its result and duration.
 #[derive(Debug)]
 pub struct ExecutionObserver {
-    registry: &'static Registry,
+    metrics: Metrics,
     backend: &'static str,
     started: Instant,
     done: bool,
@@ -363,8 +313,8 @@ impl ExecutionObserver {
     /// Records what `event` says about the execution.
     pub fn observe(&mut self, event: &Event) {
         match event {
-            Event::Stdout { data } => self.registry.streamed(self.backend, "stdout", data.len()),
-            Event::Stderr { data } => self.registry.streamed(self.backend, "stderr", data.len()),
+            Event::Stdout { data } => self.metrics.streamed(self.backend, "stdout", data.len()),
+            Event::Stderr { data } => self.metrics.streamed(self.backend, "stderr", data.len()),
             _ => {
                 if let Some(outcome) = Outcome::of(event) {
                     self.end(outcome);
@@ -376,7 +326,7 @@ impl ExecutionObserver {
     fn end(&mut self, outcome: Outcome) {
         if !self.done {
             self.done = true;
-            self.registry
+            self.metrics
                 .execution_ended(self.backend, outcome, self.started.elapsed());
         }
     }
@@ -388,57 +338,13 @@ impl Drop for ExecutionObserver {
     }
 }
 
-static REGISTRY: LazyLock<Registry> = LazyLock::new(Registry::new);
-
-/// The gateway's registry.
-pub fn registry() -> &'static Registry {
-    &REGISTRY
-}
-
-/// Records how long a runner pod took to start (called by the Kubernetes backend).
-pub fn observe_pod_start(d: Duration) {
-    registry().observe_pod_start(d);
-}
-
-/// See [`Registry::warm_pool_claim`].
-pub fn warm_pool_claim(profile: &str, hit: bool) {
-    registry().warm_pool_claim(profile, hit);
-}
-
-/// See [`Registry::warm_pool_refill`].
-pub fn warm_pool_refill(profile: &str, d: Duration) {
-    registry().warm_pool_refill(profile, d);
-}
-
-/// A label value as the text format wants it: backslash, quote and newline escaped.
-fn escape_label(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
-}
-
-/// Counts a request refused before its stream began.
-pub fn rejected(code: ErrorCode) {
-    registry().rejected(code);
-}
-
-/// Starts following an execution on `backend`.
-pub fn execution_started(backend: &'static str) -> ExecutionObserver {
-    registry().execution_started(backend)
-}
-
-/// The gateway's metrics in the Prometheus text format.
-pub fn render() -> String {
-    registry().render()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::contract::ExitInfo;
 
-    fn leaked() -> &'static Registry {
-        Box::leak(Box::new(Registry::new()))
+    fn leaked() -> Metrics {
+        Metrics::new()
     }
 
     fn exit(code: Option<i32>, signal: Option<i32>, timed_out: bool) -> Event {
@@ -497,7 +403,7 @@ mod tests {
             "mcp_run_streamed_bytes_total{backend=\"local\",stream=\"stdout\"} 5\n",
             "mcp_run_streamed_bytes_total{backend=\"local\",stream=\"stderr\"} 2\n",
             "mcp_run_execution_duration_seconds_count{backend=\"local\"} 1\n",
-            "mcp_run_execution_duration_seconds_bucket{backend=\"local\",le=\"+Inf\"} 1\n",
+            "mcp_run_execution_duration_seconds_bucket{le=\"+Inf\",backend=\"local\"} 1\n",
         ] {
             assert!(text.contains(line), "missing {line:?} in\n{text}");
         }
@@ -525,8 +431,8 @@ mod tests {
         for line in [
             "mcp_run_pod_start_duration_seconds_bucket{le=\"0.25\"} 0\n",
             "mcp_run_pod_start_duration_seconds_bucket{le=\"0.5\"} 1\n",
-            "mcp_run_pod_start_duration_seconds_bucket{le=\"2\"} 2\n",
-            "mcp_run_pod_start_duration_seconds_bucket{le=\"120\"} 2\n",
+            "mcp_run_pod_start_duration_seconds_bucket{le=\"2.0\"} 2\n",
+            "mcp_run_pod_start_duration_seconds_bucket{le=\"120.0\"} 2\n",
             "mcp_run_pod_start_duration_seconds_bucket{le=\"+Inf\"} 3\n",
             "mcp_run_pod_start_duration_seconds_sum 501.8\n",
             "mcp_run_pod_start_duration_seconds_count 3\n",

@@ -8,8 +8,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::Limits;
 use crate::contract::{ErrorBody, ErrorCode};
+use crate::limits::Limits;
 
 /// The `policy:` section of the configuration file.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]

@@ -8,17 +8,38 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::access::{Caller, RateLimiter};
-use crate::config::Limits;
-use crate::contract::{ErrorBody, ErrorCode, RunRequest};
+use crate::auth::Caller;
+use crate::contract::{ErrorBody, ErrorCode, Event, RunRequest};
 use crate::exec::{ExecSpec, Execution, Executor, Progress, StartOptions};
+use crate::limits::Limits;
+use crate::metrics::Metrics;
 use crate::policy::{Policy, PolicyConfig, Subject};
+use crate::rate_limit::RateLimiter;
 use crate::redact::{RedactFilter, Redactor};
 use tokio::sync::Semaphore;
 
 /// After the grace period, how long killed commands get to report their exit before the
 /// backend's shutdown runs anyway.
 const KILL_WAIT: Duration = Duration::from_secs(10);
+
+/// Ends the stream of a command that the gateway's shutdown killed with an `error` event
+/// `shutting_down` instead of the `exit` of its SIGKILL, which would read as the command's own
+/// fate (an out-of-memory kill). After the audit filter: the audit log keeps the real exit.
+struct StoppedFilter(CancellationToken);
+
+impl crate::exec::EventFilter for StoppedFilter {
+    fn filter(&mut self, event: Event, out: &mut std::collections::VecDeque<Event>) {
+        out.push_back(match event {
+            Event::Exit(info) if self.0.is_cancelled() && info.code.is_none() && !info.timed_out => {
+                Event::Error {
+                    code: ErrorCode::ShuttingDown,
+                    message: "the gateway stopped and killed the command at the end of its shutdown grace period".into(),
+                }
+            }
+            e => e,
+        });
+    }
+}
 
 /// What a front end attaches to a run besides the request: the caller's stdin and where to
 /// report start-up phases.
@@ -38,6 +59,7 @@ pub struct Runner {
     redactor: Option<Arc<Redactor>>,
     shutdown: CancellationToken,
     tracker: TaskTracker,
+    metrics: Metrics,
 }
 
 impl Runner {
@@ -53,6 +75,7 @@ impl Runner {
             limits,
             shutdown: CancellationToken::new(),
             tracker: TaskTracker::new(),
+            metrics: Metrics::default(),
         }
     }
 
@@ -60,6 +83,16 @@ impl Runner {
     pub fn with_policy(mut self, policy: Policy) -> Self {
         self.policy = policy;
         self
+    }
+
+    /// Records executions and refusals in `metrics` (the gateway's, served on `/metrics`).
+    pub fn with_metrics(mut self, metrics: Metrics) -> Self {
+        self.metrics = metrics;
+        self
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
     }
 
     /// Redacts secrets in every execution's output (and in audit lines).
@@ -157,7 +190,7 @@ impl Runner {
         };
         let started = self.start_inner(req, caller, io).await;
         if let Err(e) = &started {
-            crate::metrics::rejected(e.code);
+            self.metrics.rejected(e.code);
             self.audit_rejected(&audit, caller, e);
         }
         started
@@ -219,9 +252,10 @@ impl Runner {
         );
         Ok(execution
             .filtered(audit)
+            .filtered(StoppedFilter(self.shutdown.clone()))
             .with_timeout(timeout)
             .tracked(self.tracker.token())
-            .observed(crate::metrics::execution_started(self.executor.name()))
+            .observed(self.metrics.execution_started(self.executor.name()))
             .hold(slot))
     }
 

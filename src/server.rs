@@ -30,19 +30,20 @@ pub struct AppState {
     pub capabilities: Arc<crate::capabilities::Capabilities>,
     pub mcp: McpSettings,
     /// Bearer tokens for every path but the probes and metrics; `None`: auth off.
-    pub auth: Option<Arc<crate::access::Auth>>,
+    pub auth: Option<Arc<crate::auth::Auth>>,
 }
 
 /// How `/mcp` is served.
 #[derive(Clone)]
 pub struct McpSettings {
-    pub max_output_bytes: usize,
+    /// The `mcp:` section (result budget, output store, ...).
+    pub config: crate::mcp::McpConfig,
     /// Accepted `Host` headers (DNS-rebinding protection); empty accepts any.
     pub allowed_hosts: Vec<String>,
     /// Ends every MCP session (at shutdown, once running commands were drained).
     pub stop: tokio_util::sync::CancellationToken,
     /// Operator-declared CLI tools served next to `run_network_tool`.
-    pub tools: Arc<Vec<crate::tools::ToolConfig>>,
+    pub tools: Arc<Vec<crate::mcp::tools::ToolConfig>>,
     /// Output templates for `run_network_tool` (the built-ins plus the config's).
     pub templates: Arc<crate::templates::TemplateStore>,
 }
@@ -81,7 +82,7 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         let service = crate::mcp::McpService::new(
             state.runner.clone(),
             state.capabilities.clone(),
-            state.mcp.max_output_bytes,
+            &state.mcp.config,
         )
         .with_tools(state.mcp.tools.clone())
         .with_templates(state.mcp.templates.clone(), "/".into());
@@ -114,8 +115,11 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         })
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .layer(axum::middleware::from_fn_with_state(
-            state.auth.clone(),
-            crate::access::middleware,
+            crate::auth::Gate {
+                auth: state.auth.clone(),
+                metrics: state.runner.metrics().clone(),
+            },
+            crate::auth::middleware,
         ))
         .with_state(state)
 }
@@ -174,10 +178,10 @@ async fn readyz(State(state): State<AppState>) -> Response {
     }
 }
 
-async fn metrics() -> impl IntoResponse {
+async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     (
         [(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)],
-        crate::metrics::render(),
+        state.runner.metrics().render(),
     )
 }
 
@@ -217,14 +221,14 @@ pub fn parse_request(
 
 async fn raw(
     State(state): State<AppState>,
-    caller: Option<axum::Extension<crate::access::Caller>>,
+    caller: Option<axum::Extension<crate::auth::Caller>>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let req = match parse_request(&headers, body) {
         Ok(r) => r,
         Err(e) => {
-            crate::metrics::rejected(e.code);
+            state.runner.metrics().rejected(e.code);
             return e.into_response();
         }
     };

@@ -33,7 +33,9 @@ async fn executor(
     let mut all: BTreeMap<String, Profile> =
         BTreeMap::from([("default".into(), Profile::default())]);
     all.extend(profiles.iter().map(|(n, p)| (n.to_string(), p.clone())));
-    KubeExecutor::connect(config, all).await.expect("connect")
+    KubeExecutor::connect(config, all, mcp_run::metrics::Metrics::new())
+        .await
+        .expect("connect")
 }
 
 fn spec(argv: &[&str]) -> ExecSpec {

@@ -149,9 +149,20 @@ async fn gateway_environment_does_not_leak() {
     );
 }
 
+/// run-remote's own failures all exit 125 (docs/protocol.md) with one line on stderr that says
+/// which failure it was, so that a script tells them from the command's own codes.
 #[test]
 fn run_remote_own_failures_have_documented_codes() {
     let gw = Gateway::start(&[]);
+    let one_line_125 = |out: &std::process::Output, what: &str| -> String {
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(out.status.code(), Some(125), "{what}: {err}");
+        assert!(
+            err.starts_with("run-remote: ") && err.lines().count() == 1,
+            "{what}: {err}"
+        );
+        err
+    };
     // A --keep-env variable that is unset: fail before sending, naming every missing one.
     let out = gw
         .run_remote()
@@ -168,28 +179,35 @@ fn run_remote_own_failures_have_documented_codes() {
         ])
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(78));
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("A, C") && err.lines().count() == 1, "{err}");
-    // Missing `--`.
-    let out = gw.run_remote().args(["true"]).output().unwrap();
-    assert_eq!(out.status.code(), Some(64));
-    // RUN_REMOTE_SERVER unset or not a full URL.
+    assert!(one_line_125(&out, "keep-env").contains("A, C"));
+    // Missing `--`: the synopsis is the hint.
+    let out = gw.run_remote().args(["echo", "hi"]).output().unwrap();
+    let err = one_line_125(&out, "missing --");
+    assert!(
+        err.contains("'echo'") && err.contains("run-remote [OPTIONS] -- COMMAND [ARGS...]"),
+        "{err}"
+    );
+    // RUN_REMOTE_SERVER unset or not a full URL; a bad --server is named as --server.
     let out = gw
         .run_remote()
         .env_remove("RUN_REMOTE_SERVER")
         .args(["--", "true"])
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(78));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("RUN_REMOTE_SERVER"));
+    assert!(one_line_125(&out, "unset").contains("RUN_REMOTE_SERVER"));
     let out = gw
         .run_remote()
         .env("RUN_REMOTE_SERVER", "127.0.0.1:8080")
         .args(["--", "true"])
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(78));
+    assert!(one_line_125(&out, "not a URL").starts_with("run-remote: RUN_REMOTE_SERVER: "));
+    let out = gw
+        .run_remote()
+        .args(["--server", "127.0.0.1:8080", "--", "true"])
+        .output()
+        .unwrap();
+    assert!(one_line_125(&out, "bad --server").starts_with("run-remote: --server: "));
     // Nothing listens there.
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -202,20 +220,31 @@ fn run_remote_own_failures_have_documented_codes() {
         .args(["--", "true"])
         .output()
         .unwrap();
-    assert_eq!(
-        out.status.code(),
-        Some(69),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(one_line_125(&out, "unreachable").contains("gateway_unreachable"));
+    // A URL that is not /raw: the hint says so.
+    let out = gw
+        .run_remote()
+        .env("RUN_REMOTE_SERVER", gw.url("/"))
+        .args(["--", "true"])
+        .output()
+        .unwrap();
+    assert!(one_line_125(&out, "not /raw").contains("/raw endpoint"));
     // Rejected by the gateway: the server's message is printed.
     let out = gw
         .run_remote()
         .args(["--timeout", "999999999", "--", "true"])
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(65));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("server maximum"));
+    assert!(one_line_125(&out, "rejected").contains("server maximum"));
+    // The remote command's own 125 (a directory it cannot enter) is mirrored, with its
+    // message from the runner.
+    let out = gw
+        .run_remote()
+        .args(["--cwd", "/nonexistent-dir", "--", "true"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(125));
+    assert!(String::from_utf8_lossy(&out.stderr).starts_with("mcp-run: cannot change directory"));
     // --help and --version succeed.
     assert_eq!(
         gw.run_remote()
@@ -278,10 +307,11 @@ async fn graceful_shutdown_kills_after_grace() {
         "the command got its grace period"
     );
     assert!(!pid_alive(pid), "the command was killed");
+    // The stream says why the command ended (not a bare SIGKILL, which reads like an OOM kill).
     let text = run.await.unwrap();
     let last = text.lines().last().unwrap_or_default();
     assert!(
-        last.contains("\"type\":\"exit\"") && last.contains("\"signal\":9"),
+        last.contains("\"type\":\"error\"") && last.contains("\"code\":\"shutting_down\""),
         "{text}"
     );
 }

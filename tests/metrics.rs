@@ -22,9 +22,10 @@ impl Exposition {
     }
 }
 
-/// Parses the Prometheus text format (0.0.4) strictly: every line a HELP, a TYPE or a
-/// sample; names and labels well-formed; each sample after its family's TYPE; no sample
-/// twice; histogram buckets cumulative and ending in `+Inf` equal to `_count`.
+/// Parses the OpenMetrics text format strictly: every line a HELP, a TYPE or a sample, then
+/// `# EOF`; names and labels well-formed; each sample after its family's TYPE (a counter
+/// family `x` has the sample `x_total`); no sample twice; histogram buckets cumulative and
+/// ending in `+Inf` equal to `_count`.
 fn parse(text: &str) -> Exposition {
     let name = r"[a-zA-Z_:][a-zA-Z0-9_:]*";
     let help = Regex::new(&format!(r"^# HELP ({name}) (.*)$")).unwrap();
@@ -35,10 +36,9 @@ fn parse(text: &str) -> Exposition {
     let sample = Regex::new(&format!(r"^({name})(\{{(.*)\}})? ([^ ]+)( -?[0-9]+)?$")).unwrap();
     let label = Regex::new(r#"^([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\[\\"n])*)"$"#).unwrap();
     let mut out = Exposition::default();
-    assert!(
-        text.ends_with('\n'),
-        "the exposition must end with a newline"
-    );
+    let text = text
+        .strip_suffix("# EOF\n")
+        .expect("the exposition must end with `# EOF` and a newline");
     for line in text.lines() {
         if let Some(c) = help.captures(line) {
             assert!(!c[2].is_empty(), "empty HELP: {line}");
@@ -55,14 +55,19 @@ fn parse(text: &str) -> Exposition {
             .captures(line)
             .unwrap_or_else(|| panic!("not a valid exposition line: {line:?}"));
         let metric = &c[1];
-        let family = ["_bucket", "_sum", "_count"]
-            .iter()
-            .find_map(|s| {
-                metric
-                    .strip_suffix(s)
-                    .filter(|f| out.types.get(*f).map(String::as_str) == Some("histogram"))
-            })
-            .unwrap_or(metric);
+        let family = [
+            ("_bucket", "histogram"),
+            ("_sum", "histogram"),
+            ("_count", "histogram"),
+            ("_total", "counter"),
+        ]
+        .iter()
+        .find_map(|(s, kind)| {
+            metric
+                .strip_suffix(s)
+                .filter(|f| out.types.get(*f).map(String::as_str) == Some(*kind))
+        })
+        .unwrap_or(metric);
         assert!(
             out.types.contains_key(family),
             "sample before its TYPE: {line}"
@@ -150,7 +155,10 @@ async fn scrape(gw: &Gateway) -> Exposition {
     let resp = http().get(gw.url("/metrics")).send().await.unwrap();
     assert_eq!(resp.status(), 200);
     let ct = resp.headers()["content-type"].to_str().unwrap().to_owned();
-    assert!(ct.starts_with("text/plain; version=0.0.4"), "{ct}");
+    assert!(
+        ct.starts_with("application/openmetrics-text; version=1.0.0"),
+        "{ct}"
+    );
     parse(&resp.text().await.unwrap())
 }
 
@@ -158,19 +166,6 @@ async fn scrape(gw: &Gateway) -> Exposition {
 async fn counters_move_with_the_requests() {
     let gw = Gateway::start(&["--backend", "local"]);
     let before = scrape(&gw).await;
-    assert_eq!(before.types["mcp_run_executions_total"], "counter");
-    assert_eq!(
-        before.types["mcp_run_execution_duration_seconds"],
-        "histogram"
-    );
-    assert_eq!(
-        before.types["mcp_run_pod_start_duration_seconds"],
-        "histogram"
-    );
-    assert_eq!(before.types["mcp_run_executions_in_flight"], "gauge");
-    assert_eq!(before.types["mcp_run_streamed_bytes_total"], "counter");
-    assert_eq!(before.types["mcp_run_rejections_total"], "counter");
-
     let ok = raw(
         &gw,
         serde_json::json!({"executable": "printf", "args": ["hello"]}),
@@ -193,6 +188,20 @@ async fn counters_move_with_the_requests() {
     assert_eq!(too_long.status, 400);
 
     let after = scrape(&gw).await;
+    // A labelled family is listed once it has a sample (prometheus-client leaves out empty ones).
+    assert_eq!(after.types["mcp_run_executions"], "counter");
+    assert_eq!(
+        after.types["mcp_run_execution_duration_seconds"],
+        "histogram"
+    );
+    assert_eq!(
+        after.types["mcp_run_pod_start_duration_seconds"],
+        "histogram"
+    );
+    assert_eq!(after.types["mcp_run_executions_in_flight"], "gauge");
+    assert_eq!(after.types["mcp_run_streamed_bytes"], "counter");
+    assert_eq!(after.types["mcp_run_rejections"], "counter");
+
     for (key, moved) in [
         (
             r#"mcp_run_executions_total{backend="local",result="success"}"#,
@@ -265,11 +274,12 @@ async fn a_client_that_goes_away_is_counted_as_cancelled() {
 #[test]
 fn the_parser_rejects_malformed_expositions() {
     for bad in [
-        "# TYPE x counter\nx{a=b} 1\n",
-        "x 1\n",
-        "# TYPE x counter\nx one\n",
-        "# TYPE x counter\nx 1\nx 2\n",
-        "# TYPE h histogram\nh_bucket{le=\"1\"} 2\nh_bucket{le=\"+Inf\"} 1\nh_count 1\nh_sum 0\n",
+        "# TYPE x counter\nx_total{a=b} 1\n# EOF\n",
+        "x 1\n# EOF\n",
+        "# TYPE x counter\nx_total one\n# EOF\n",
+        "# TYPE x counter\nx_total 1\nx_total 2\n# EOF\n",
+        "# TYPE x counter\nx_total 1\n",
+        "# TYPE h histogram\nh_bucket{le=\"1\"} 2\nh_bucket{le=\"+Inf\"} 1\nh_count 1\nh_sum 0\n# EOF\n",
     ] {
         assert!(
             std::panic::catch_unwind(|| parse(bad)).is_err(),

@@ -240,7 +240,7 @@ fn run_remote_template_configuration() {
         .args(touch)
         .output()
         .unwrap();
-    assert_eq!(unknown.status.code(), Some(78));
+    assert_eq!(unknown.status.code(), Some(125));
     let msg = String::from_utf8(unknown.stderr).unwrap();
     assert_eq!(msg.lines().count(), 1, "{msg}");
     assert!(msg.contains("unknown template \"nope\""), "{msg}");
@@ -297,7 +297,7 @@ fn run_remote_template_configuration() {
             .args(&args)
             .output()
             .unwrap();
-        assert_eq!(bad.status.code(), Some(78), "{args:?}");
+        assert_eq!(bad.status.code(), Some(125), "{args:?}");
         let msg = String::from_utf8(bad.stderr).unwrap();
         assert_eq!(msg.lines().count(), 1, "{msg}");
         assert!(
@@ -367,19 +367,38 @@ async fn mcp_template_parameter() {
         .unwrap();
     assert_eq!(r.is_error, Some(true));
     let s = r.structured_content.unwrap();
+    // One short note that says what was left out and where the full output is.
+    let uri = s["outputs"][0]["full_output"]["stdout_uri"]
+        .as_str()
+        .unwrap()
+        .to_owned();
     assert_eq!(
         s["outputs"][0]["stdout"],
-        "[template mine: 20 of 21 lines left out]\nWANTED 1\n"
+        format!("[template mine: 20 of 21 lines left out; full output: {uri}]\nWANTED 1\n")
     );
     // A failing command's short stderr survives any template.
     assert_eq!(s["outputs"][0]["stderr"], "oops\n");
     assert_eq!(s["outputs"][0]["exit_code"], 3);
-    let summary = s["summary"].as_str().unwrap();
-    assert!(
-        summary.contains("template `mine` removed 20 of 22")
-            && summary.contains("without a template"),
-        "{summary}"
-    );
+    let full = c
+        .read_resource(rmcp::model::ReadResourceRequestParams::new(uri))
+        .await
+        .unwrap();
+    let text = match &full.contents[0] {
+        rmcp::model::ResourceContents::TextResourceContents { text, .. } => text.clone(),
+        other => panic!("{other:?}"),
+    };
+    let want: String = (1..=20).map(|i| format!("{i}\n")).collect::<String>() + "WANTED 1\n";
+    assert_eq!(text, want);
+    // Nothing removed: nothing added.
+    let r = c
+        .call_tool(call(
+            json!({"executable": "echo", "args": ["WANTED"], "template": "mine"}),
+        ))
+        .await
+        .unwrap();
+    let s = r.structured_content.unwrap();
+    assert_eq!(s["outputs"][0]["stdout"], "WANTED\n");
+    assert!(s["outputs"][0].get("full_output").is_none(), "{s}");
 
     let bad = c
         .call_tool(call(json!({"executable": "true", "template": "nope"})))

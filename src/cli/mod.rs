@@ -1,6 +1,6 @@
 //! The logic behind the binaries, kept in the library so that it is tested like the rest.
 
-pub mod exit_codes;
+pub mod outcome;
 pub mod run_remote;
 pub mod run_remote_templates;
 pub mod serve;
@@ -18,5 +18,25 @@ pub fn init_logging(default_level: &str, json: bool) {
         builder.json().init();
     } else {
         builder.init();
+    }
+}
+
+/// The shells `completions` knows, for usage messages.
+pub const SHELLS: &str = "bash|zsh|fish|elvish|powershell";
+
+/// The shell named `name`.
+pub fn shell(name: &str) -> Option<clap_complete::Shell> {
+    <clap_complete::Shell as clap::ValueEnum>::from_str(name, true).ok()
+}
+
+/// Prints the completion script of `cmd` for `shell` on stdout.
+pub fn write_completions(shell: clap_complete::Shell, mut cmd: clap::Command) -> outcome::Outcome {
+    let name = cmd.get_name().to_owned();
+    let mut script = Vec::new();
+    clap_complete::generate(shell, &mut cmd, name, &mut script);
+    let mut stdout = std::io::stdout().lock();
+    match std::io::Write::write_all(&mut stdout, &script) {
+        Ok(()) => outcome::Outcome::Done,
+        Err(e) => outcome::write_failed(&e, "the completion script"),
     }
 }

@@ -1,6 +1,8 @@
 //! `run-remote [OPTIONS] -- <executable> [args...]`: runs a command on a gateway and
 //! behaves like the command: its output on our stdout and stderr, its exit code ours.
-//! `run-remote templates` lists the output templates (see [`super::run_remote_templates`]).
+//! `run-remote templates` lists the output templates (see [`super::run_remote_templates`]);
+//! `run-remote completions SHELL` prints a completion script. How an invocation ends is an
+//! [`Outcome`], reported in one place ([`outcome::report`]).
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -9,30 +11,50 @@ use std::os::fd::AsFd;
 use clap::Parser;
 use tokio_util::sync::CancellationToken;
 
-use super::exit_codes as code;
+use super::outcome::{self, Failure, Outcome};
 use super::run_remote_templates::{self as tpl, TemplateSink};
-use crate::contract::{ErrorCode, Event, ExitInfo, RunRequest};
+use crate::contract::{ErrorBody, ErrorCode, Event, RunRequest};
+use crate::exec::Execution;
 use crate::exec::remote::RemoteExecutor;
+use crate::result::StructuredResult;
+
+/// The one-line synopsis, also the hint after a usage error.
+pub const SYNOPSIS: &str = "run-remote [OPTIONS] -- COMMAND [ARGS...]";
 
 const AFTER_HELP: &str = "\
+Examples:
+  export RUN_REMOTE_SERVER=http://127.0.0.1:8080/raw
+  run-remote -- uname -a                     # everything after -- is the command, as argv
+  run-remote -- sh -c 'make && make test'    # a shell only when you ask for one
+  run-remote --keep-env RUST_LOG --timeout 600 -- cargo test
+  run-remote --output-format json -- ls /    # one JSON result when the command ends
+  run-remote templates                       # the output templates available here
+  run-remote completions bash > ~/.local/share/bash-completion/completions/run-remote
+
 Environment:
   RUN_REMOTE_SERVER  the gateway's /raw URL, e.g. http://127.0.0.1:8080/raw (required unless --server)
   RUN_REMOTE_TOKEN   bearer token sent to the gateway, if it requires one
 
 Exit status: the remote command's exit code; 128+N if signal N killed it; 124 if the gateway's
-timeout killed it. run-remote's own failures: 64 usage, 65 rejected by the gateway, 69 gateway
-unreachable, 70 failure on the gateway after the start, 74 output error, 76 protocol error,
-78 configuration error (also: an unknown template, an invalid .mcp-run/config.yaml).
+timeout killed it; 141 if our stdout was closed. 125 when run-remote itself failed (bad usage or
+configuration, gateway unreachable, request rejected, the run failed on the gateway, an output
+error): the command did not run or its end is unknown, and one line on stderr says why.
 
 Templates: --template NAME prints the output filtered when the command ends (errors and
 summary), and names the file that keeps the full output. `run-remote templates` lists them.";
 
 /// Run a command on an mcp-run gateway, streaming its output and mirroring its exit code.
 ///
-/// The current directory is sent as the command's working directory. No environment
+/// Everything after `--` is the command and its arguments, sent as argv (never through a
+/// shell). The current directory is sent as the command's working directory. No environment
 /// variable is sent unless named with --keep-env.
 #[derive(Debug, Parser)]
-#[command(name = "run-remote", version, about, after_help = AFTER_HELP)]
+#[command(
+    name = "run-remote",
+    version,
+    override_usage = SYNOPSIS,
+    after_help = AFTER_HELP
+)]
 pub struct Args {
     /// Send this variable of the local environment with the command (repeatable). Fails
     /// before sending when any of them is unset.
@@ -78,46 +100,109 @@ pub enum OutputFormat {
     Markdown,
 }
 
-/// Runs the client and returns its exit code.
+/// Runs the client and returns its exit status. Every path ends here, in [`outcome::report`]:
+/// the one place that prints a failure and picks the status.
 pub fn main() -> i32 {
-    // `templates` as the first argument is the listing; a command always follows `--`, so
-    // this cannot shadow a run.
-    let argv: Vec<String> = std::env::args().skip(1).collect();
-    if argv.first().map(String::as_str) == Some("templates") {
-        return tpl::list_main(&argv[1..]);
-    }
-    let args = match Args::try_parse() {
-        Ok(a) => a,
-        Err(e) => {
-            let _ = e.print();
-            return if e.use_stderr() { code::USAGE } else { 0 };
-        }
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let outcome = match parse(&argv) {
+        Ok(Invocation::Run(args)) => run_blocking(*args),
+        Ok(Invocation::Templates(rest)) => tpl::list(&rest),
+        Ok(Invocation::Completions(rest)) => completions(&rest),
+        Err(outcome) => outcome,
     };
-    let rt = match tokio::runtime::Builder::new_current_thread()
+    outcome::report(&outcome, &mut std::io::stderr())
+}
+
+/// What the command line asks for.
+#[derive(Debug)]
+pub enum Invocation {
+    Run(Box<Args>),
+    /// `run-remote templates ...`
+    Templates(Vec<String>),
+    /// `run-remote completions SHELL`
+    Completions(Vec<String>),
+}
+
+/// Parses the command line. `templates` and `completions` as the first argument are
+/// subcommands; a command always follows `--`, so they cannot shadow a run. Help and version
+/// are printed here (they are the output asked for).
+pub fn parse(argv: &[std::ffi::OsString]) -> Result<Invocation, Outcome> {
+    let first = argv.get(1).and_then(|a| a.to_str());
+    let rest = || -> Vec<String> {
+        argv.iter()
+            .skip(2)
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect()
+    };
+    match first {
+        Some("templates") => return Ok(Invocation::Templates(rest())),
+        Some("completions") => return Ok(Invocation::Completions(rest())),
+        _ => {}
+    }
+    match Args::try_parse_from(argv) {
+        Ok(a) => Ok(Invocation::Run(Box::new(a))),
+        Err(e) if !e.use_stderr() => Err(match e.print() {
+            Ok(()) => Outcome::Done,
+            Err(io) => outcome::write_failed(&io, "the help"),
+        }),
+        Err(e) => Err(Failure::usage(usage_message(&e)).into()),
+    }
+}
+
+/// clap's error in one line, with the synopsis (a forgotten `--` is the usual mistake).
+fn usage_message(e: &clap::Error) -> String {
+    // clap's first line, with what a line ending in `:` introduces ("the following required
+    // arguments were not provided:" and the list below it).
+    let text = e.to_string();
+    let mut lines = text.lines().map(str::trim).filter(|l| !l.is_empty());
+    let first = lines.next().unwrap_or_default();
+    let mut line = first.strip_prefix("error: ").unwrap_or(first).to_owned();
+    if line.ends_with(':')
+        && let Some(next) = lines.next()
+    {
+        line.push(' ');
+        line.push_str(next);
+    }
+    format!("{line}; usage: {SYNOPSIS} (see run-remote --help)")
+}
+
+fn run_blocking(args: Args) -> Outcome {
+    match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
     {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("run-remote: cannot start the runtime: {e}");
-            return code::IO_ERROR;
-        }
-    };
-    rt.block_on(run(args))
-}
-
-/// A failure of run-remote itself: the message and the exit code.
-#[derive(Debug)]
-pub struct Failure {
-    pub code: i32,
-    pub message: String,
-}
-
-fn fail(code: i32, message: impl Into<String>) -> Failure {
-    Failure {
-        code,
-        message: message.into(),
+        Ok(rt) => rt.block_on(run(args)),
+        Err(e) => Failure::output(format!("cannot start the runtime: {e}")).into(),
     }
+}
+
+/// `run-remote completions bash|zsh|fish|elvish|powershell`: the completion script on stdout.
+fn completions(args: &[String]) -> Outcome {
+    use clap::CommandFactory as _;
+    let [shell] = args else {
+        return Failure::usage(format!(
+            "completions takes one shell name; usage: run-remote completions {}",
+            super::SHELLS
+        ))
+        .into();
+    };
+    let Some(shell) = super::shell(shell) else {
+        return Failure::usage(format!("unknown shell {shell:?}; one of {}", super::SHELLS)).into();
+    };
+    // The subcommands are parsed by hand (see `parse`); they are declared here for the script.
+    let cmd = Args::command()
+        .subcommand_negates_reqs(true)
+        .subcommand(
+            clap::Command::new("templates").about("List the output templates available here"),
+        )
+        .subcommand(
+            clap::Command::new("completions")
+                .about("Print a shell completion script")
+                .arg(
+                    clap::Arg::new("shell").value_parser(clap::value_parser!(clap_complete::Shell)),
+                ),
+        );
+    super::write_completions(shell, cmd)
 }
 
 /// Builds the request from the command line and the environment, checking everything that
@@ -127,26 +212,28 @@ pub fn build_request(
     env: impl Fn(&str) -> Option<String>,
     cwd: std::io::Result<std::path::PathBuf>,
 ) -> Result<(String, RunRequest), Failure> {
-    let server = args.server.clone().or_else(|| env("RUN_REMOTE_SERVER")).ok_or_else(|| {
-        fail(
-            code::CONFIG,
-            "RUN_REMOTE_SERVER is not set: set it to the gateway's /raw URL, e.g. http://127.0.0.1:8080/raw",
-        )
-    })?;
+    let (server, source) = match (&args.server, env("RUN_REMOTE_SERVER")) {
+        (Some(s), _) => (s.clone(), "--server"),
+        (None, Some(s)) => (s, "RUN_REMOTE_SERVER"),
+        (None, None) => {
+            return Err(Failure::config(
+                "RUN_REMOTE_SERVER is not set: set it (or --server) to the gateway's /raw URL, e.g. http://127.0.0.1:8080/raw",
+            ));
+        }
+    };
     crate::exec::remote::parse_server_url(&server)
-        .map_err(|e| fail(code::CONFIG, format!("RUN_REMOTE_SERVER: {e}")))?;
+        .map_err(|e| Failure::config(format!("{source}: {e}")))?;
     let (executable, rest) = args
         .command
         .split_first()
-        .ok_or_else(|| fail(code::USAGE, "no command given after `--`"))?;
+        .ok_or_else(|| Failure::usage("no command given after `--`"))?;
     let mut env_out = BTreeMap::new();
     let mut missing = Vec::new();
     for name in &args.keep_env {
         if !crate::contract::is_valid_env_name(name) {
-            return Err(fail(
-                code::USAGE,
-                format!("--keep-env {name:?} is not a valid variable name"),
-            ));
+            return Err(Failure::usage(format!(
+                "--keep-env {name:?} is not a valid variable name"
+            )));
         }
         match env(name) {
             Some(v) => {
@@ -156,32 +243,24 @@ pub fn build_request(
         }
     }
     if !missing.is_empty() {
-        return Err(fail(
-            code::CONFIG,
-            format!(
-                "--keep-env names variables that are not set: {}",
-                missing.join(", ")
-            ),
-        ));
+        return Err(Failure::config(format!(
+            "--keep-env names variables that are not set: {}",
+            missing.join(", ")
+        )));
     }
     let cwd = if args.no_cwd {
         None
     } else if let Some(dir) = &args.cwd {
         Some(dir.clone())
     } else {
-        let cwd = cwd.map_err(|e| {
-            fail(
-                code::CONFIG,
-                format!("cannot read the current directory: {e}"),
-            )
-        })?;
+        let cwd =
+            cwd.map_err(|e| Failure::config(format!("cannot read the current directory: {e}")))?;
         Some(
             cwd.to_str()
                 .ok_or_else(|| {
-                    fail(
-                        code::CONFIG,
-                        format!("the current directory {cwd:?} is not valid UTF-8"),
-                    )
+                    Failure::config(format!(
+                        "the current directory {cwd:?} is not valid UTF-8 (use --cwd or --no-cwd)"
+                    ))
                 })?
                 .to_owned(),
         )
@@ -197,92 +276,102 @@ pub fn build_request(
     Ok((server, request))
 }
 
-/// The exit code that mirrors how the remote command ended.
-pub fn mirror_exit(info: &ExitInfo) -> i32 {
-    if info.timed_out {
-        code::TIMED_OUT
-    } else {
-        info.shell_status()
-    }
+/// Everything checked and resolved before the request is sent.
+struct Prepared {
+    server: String,
+    request: RunRequest,
+    template: Option<crate::templates::Template>,
+    remote: RemoteExecutor,
 }
 
-/// The exit code for a rejection before the stream began.
-pub fn rejection_code(c: ErrorCode) -> i32 {
-    match c {
-        ErrorCode::GatewayUnreachable => code::UNAVAILABLE,
-        ErrorCode::ProtocolError => code::PROTOCOL,
-        _ => code::REJECTED,
-    }
-}
-
-async fn run(args: Args) -> i32 {
+fn prepare(args: &Args) -> Result<Prepared, Failure> {
     let (server, request) =
-        match build_request(&args, |k| std::env::var(k).ok(), std::env::current_dir()) {
-            Ok(r) => r,
-            Err(f) => {
-                eprintln!("run-remote: {}", f.message);
-                return f.code;
-            }
-        };
-    // The template is resolved before anything is sent; in stream format its output goes
-    // through a sink that keeps the full output in a file.
-    let structured = args.output_format != OutputFormat::Stream;
-    let template = match args.template.as_deref().map(resolve_template) {
-        None => None,
-        Some(Ok(t)) => Some(t),
-        Some(Err(f)) => {
-            eprintln!("run-remote: {}", f.message);
-            return f.code;
-        }
-    };
-    let mut sink = match template.clone().filter(|_| !structured) {
-        None => None,
-        Some(t) => match TemplateSink::create(t, &std::env::temp_dir()) {
-            Ok(s) => Some(s),
-            Err(f) => {
-                eprintln!("run-remote: {}", f.message);
-                return f.code;
-            }
-        },
-    };
+        build_request(args, |k| std::env::var(k).ok(), std::env::current_dir())?;
+    let template = args.template.as_deref().map(resolve_template).transpose()?;
     let token = std::env::var("RUN_REMOTE_TOKEN")
         .ok()
         .filter(|t| !t.is_empty());
-    let remote = match RemoteExecutor::new(&server, token) {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("run-remote: {e}");
-            return code::CONFIG;
-        }
+    let remote = RemoteExecutor::new(&server, token).map_err(Failure::config)?;
+    Ok(Prepared {
+        server,
+        request,
+        template,
+        remote,
+    })
+}
+
+async fn run(args: Args) -> Outcome {
+    let prepared = match prepare(&args) {
+        Ok(p) => p,
+        Err(f) => return not_started(f, &args, None),
     };
-    let mut execution = match remote.run(&request, CancellationToken::new()).await {
+    // In stream format the template's output goes through a sink that keeps the full output
+    // in a file; in json and markdown it is applied to the result.
+    let sink = match &prepared.template {
+        Some(t) if args.output_format == OutputFormat::Stream => {
+            match TemplateSink::create(t.clone(), &std::env::temp_dir()) {
+                Ok(s) => Some(s),
+                Err(f) => return not_started(f, &args, Some(&prepared.request)),
+            }
+        }
+        _ => None,
+    };
+    let execution = match prepared
+        .remote
+        .run(&prepared.request, CancellationToken::new())
+        .await
+    {
         Ok(e) => e,
         Err(e) => {
-            if args.output_format != OutputFormat::Stream {
-                let r = crate::result::StructuredResult::not_started("run-remote", &request, &e);
-                print_result(&r, args.output_format);
-            }
-            eprintln!("run-remote: {} ({})", e.message, e.code);
-            return rejection_code(e.code);
+            let f = rejection(&e, &prepared.server);
+            return not_started(f, &args, Some(&prepared.request));
         }
     };
-    if args.output_format != OutputFormat::Stream {
-        let collected =
-            crate::result::collect(execution, args.max_output_bytes.max(1024), |_, _| {}).await;
-        let mut r = crate::result::StructuredResult::from_run("run-remote", &request, &collected);
-        if let Some(t) = &template {
-            crate::templates::apply_to_result(&mut r, t);
-        }
-        if !print_result(&r, args.output_format) {
-            return code::IO_ERROR;
-        }
-        return match (&collected.exit, &collected.error) {
-            (Some(info), _) => mirror_exit(info),
-            (None, Some(e)) if e.code == ErrorCode::ProtocolError => code::PROTOCOL,
-            (None, Some(_)) => code::REMOTE_ERROR,
-            (None, None) => code::PROTOCOL,
-        };
+    match args.output_format {
+        OutputFormat::Stream => stream(execution, sink).await,
+        format => structured(execution, &prepared, &args, format).await,
     }
+}
+
+/// The gateway's refusal, with a hint when the URL is not its `/raw` endpoint.
+fn rejection(e: &ErrorBody, server: &str) -> Failure {
+    let mut f = Failure::gateway(e);
+    if matches!(e.code, ErrorCode::NotFound | ErrorCode::MethodNotAllowed) {
+        f.message.push_str(&format!(
+            " at {server}: the URL must be the gateway's /raw endpoint, e.g. http://127.0.0.1:8080/raw"
+        ));
+    }
+    f
+}
+
+/// A failure before the command ran; in json and markdown it is also the result printed.
+fn not_started(f: Failure, args: &Args, request: Option<&RunRequest>) -> Outcome {
+    if args.output_format == OutputFormat::Stream {
+        return f.into();
+    }
+    let from_args;
+    let request = match request {
+        Some(r) => r,
+        None => {
+            let mut argv = args.command.iter().cloned();
+            from_args = RunRequest {
+                executable: argv.next().unwrap_or_default(),
+                args: argv.collect(),
+                ..Default::default()
+            };
+            &from_args
+        }
+    };
+    let r = StructuredResult::did_not_run("run-remote", request, f.reason.as_str(), &f.message);
+    match print_result(&r, args.output_format) {
+        Ok(()) => f.into(),
+        Err(e) => outcome::write_failed(&e, "the result"),
+    }
+}
+
+/// Streams the output to our stdout and stderr as it arrives (or into the template's sink)
+/// and mirrors the exit.
+async fn stream(mut execution: Execution, mut sink: Option<TemplateSink>) -> Outcome {
     // Unbuffered handles on our stdout and stderr: std's stdout is line-buffered, which
     // would copy and split binary output.
     let (mut stdout, mut stderr) = match (
@@ -291,67 +380,75 @@ async fn run(args: Args) -> i32 {
     ) {
         (Ok(o), Ok(e)) => (o, e),
         (Err(e), _) | (_, Err(e)) => {
-            eprintln!("run-remote: cannot use stdout/stderr: {e}");
-            return code::IO_ERROR;
+            return Failure::output(format!("cannot use stdout/stderr: {e}")).into();
         }
     };
-    while let Some(event) = execution.next().await {
+    let end = loop {
+        let Some(event) = execution.next().await else {
+            break Err(Failure::gateway(&ErrorBody::new(
+                ErrorCode::ProtocolError,
+                "the stream ended before the command's exit was reported",
+            )));
+        };
         let written = match (&event, sink.as_mut()) {
             (Event::Stdout { data }, None) => stdout.write_all(data),
             (Event::Stderr { data }, None) => stderr.write_all(data),
             (Event::Stdout { data }, Some(s)) => s.stdout(data).map_err(raw_file_error),
             (Event::Stderr { data }, Some(s)) => s.stderr(data).map_err(raw_file_error),
-            (Event::Exit(info), _) => {
-                if let Some(s) = sink.take()
-                    && let Some(c) = finish(s, info.code, &mut stdout, &mut stderr)
-                {
-                    return c;
-                }
-                if info.timed_out {
-                    eprintln!("run-remote: the command timed out and was killed");
-                }
-                return mirror_exit(info);
-            }
-            (Event::Error { code: c, message }, _) => {
-                if let Some(s) = sink.take()
-                    && let Some(c) = finish(s, None, &mut stdout, &mut stderr)
-                {
-                    return c;
-                }
-                eprintln!("run-remote: {message} ({c})");
-                return if *c == ErrorCode::ProtocolError {
-                    code::PROTOCOL
-                } else {
-                    code::REMOTE_ERROR
-                };
+            (Event::Exit(info), _) => break Ok(*info),
+            (Event::Error { code, message }, _) => {
+                break Err(Failure::gateway(&ErrorBody::new(*code, message.clone())));
             }
             _ => Ok(()),
         };
         if let Err(e) = written {
             // Dropping the execution closes the connection; the gateway kills the command.
-            if e.kind() == std::io::ErrorKind::BrokenPipe {
-                return code::BROKEN_PIPE;
-            }
-            let _ = writeln!(stderr, "run-remote: cannot write the output: {e}");
-            return code::IO_ERROR;
+            return outcome::write_failed(&e, "the output");
+        }
+    };
+    if let Some(s) = sink {
+        let code = end.as_ref().ok().and_then(|info| info.code);
+        if let Err(e) = s.finish(code, &mut stdout, &mut stderr) {
+            return outcome::write_failed(&e, "the output");
         }
     }
-    if let Some(s) = sink.take()
-        && let Some(c) = finish(s, None, &mut stdout, &mut stderr)
-    {
-        return c;
+    match end {
+        Ok(info) => Outcome::Exited(info),
+        Err(f) => f.into(),
     }
-    code::PROTOCOL
+}
+
+/// Collects the run and prints it as one result, then mirrors the exit.
+async fn structured(
+    execution: Execution,
+    prepared: &Prepared,
+    args: &Args,
+    format: OutputFormat,
+) -> Outcome {
+    let collected =
+        crate::result::collect(execution, args.max_output_bytes.max(1024), |_, _| {}).await;
+    let mut r = StructuredResult::from_run("run-remote", &prepared.request, &collected);
+    if let Some(t) = &prepared.template {
+        crate::result::apply_to_result(&mut r, t);
+    }
+    if let Err(e) = print_result(&r, format) {
+        return outcome::write_failed(&e, "the result");
+    }
+    match (collected.exit, &collected.error) {
+        (Some(info), _) => Outcome::Exited(info),
+        (None, Some(e)) => Failure::gateway(e).into(),
+        (None, None) => Failure::gateway(&ErrorBody::new(
+            ErrorCode::ProtocolError,
+            "the stream ended before the command's exit was reported",
+        ))
+        .into(),
+    }
 }
 
 /// Resolves `--template` in the current directory.
 fn resolve_template(name: &str) -> Result<crate::templates::Template, Failure> {
-    let dir = std::env::current_dir().map_err(|e| {
-        fail(
-            code::CONFIG,
-            format!("cannot read the current directory: {e}"),
-        )
-    })?;
+    let dir = std::env::current_dir()
+        .map_err(|e| Failure::config(format!("cannot read the current directory: {e}")))?;
     tpl::resolve(name, &dir)
 }
 
@@ -360,33 +457,15 @@ fn raw_file_error(e: std::io::Error) -> std::io::Error {
     std::io::Error::other(format!("the full-output file: {e}"))
 }
 
-/// Prints the filtered output; `Some(code)` when that failed.
-fn finish(
-    sink: TemplateSink,
-    exit_code: Option<i32>,
-    stdout: &mut std::fs::File,
-    stderr: &mut std::fs::File,
-) -> Option<i32> {
-    match sink.finish(exit_code, stdout, stderr) {
-        Ok(()) => None,
-        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Some(code::BROKEN_PIPE),
-        Err(e) => {
-            let _ = writeln!(stderr, "run-remote: cannot write the output: {e}");
-            Some(code::IO_ERROR)
-        }
-    }
-}
-
-/// Prints a structured result on stdout; false when stdout is gone.
-fn print_result(r: &crate::result::StructuredResult, format: OutputFormat) -> bool {
+/// Prints a structured result on stdout.
+fn print_result(r: &StructuredResult, format: OutputFormat) -> std::io::Result<()> {
     let text = match format {
         OutputFormat::Json => r.to_json() + "\n",
         _ => r.to_markdown(),
     };
-    std::io::stdout()
-        .write_all(text.as_bytes())
-        .and_then(|()| std::io::stdout().flush())
-        .is_ok()
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes())?;
+    out.flush()
 }
 
 /// A `File` on a duplicate of a standard stream's descriptor: writes go straight to it.
@@ -397,6 +476,7 @@ fn raw_handle(fd: std::os::fd::BorrowedFd<'_>) -> std::io::Result<std::fs::File>
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cli::outcome::Reason;
 
     fn args(v: &[&str]) -> Result<Args, clap::Error> {
         Args::try_parse_from(std::iter::once("run-remote").chain(v.iter().copied()))
@@ -430,24 +510,73 @@ mod tests {
             _ => None,
         };
         let f = build_request(&a, env, Ok("/tmp".into())).unwrap_err();
-        assert_eq!(f.code, code::CONFIG);
+        assert_eq!(f.reason, Reason::Config);
         assert!(f.message.contains("A, C"), "{}", f.message);
     }
 
     #[test]
-    fn server_must_be_set_and_a_url() {
+    fn server_must_be_set_and_a_url_named_by_where_it_came_from() {
         let a = args(&["--", "true"]).unwrap();
         assert_eq!(
             build_request(&a, |_| None, Ok("/".into()))
                 .unwrap_err()
-                .code,
-            code::CONFIG
+                .reason,
+            Reason::Config
         );
         let bad = |_: &str| Some("localhost:8080".to_owned());
-        assert_eq!(
-            build_request(&a, bad, Ok("/".into())).unwrap_err().code,
-            code::CONFIG
+        let f = build_request(&a, bad, Ok("/".into())).unwrap_err();
+        assert_eq!(f.reason, Reason::Config);
+        assert!(
+            f.message.starts_with("RUN_REMOTE_SERVER: "),
+            "{}",
+            f.message
         );
+        let a = args(&["--server", "localhost:8080", "--", "true"]).unwrap();
+        let good = |_: &str| Some("http://127.0.0.1:1/raw".to_owned());
+        let f = build_request(&a, good, Ok("/".into())).unwrap_err();
+        assert!(f.message.starts_with("--server: "), "{}", f.message);
+    }
+
+    #[test]
+    fn usage_errors_are_one_line_with_the_synopsis() {
+        let argv = |v: &[&str]| -> Vec<std::ffi::OsString> {
+            std::iter::once("run-remote")
+                .chain(v.iter().copied())
+                .map(Into::into)
+                .collect()
+        };
+        let Err(Outcome::Failed(f)) = parse(&argv(&["echo", "hi"])) else {
+            panic!("a command without -- is a usage error")
+        };
+        assert_eq!(f.reason, Reason::Usage);
+        assert!(
+            f.message.contains("'echo'")
+                && f.message.contains(SYNOPSIS)
+                && !f.message.contains('\n'),
+            "{}",
+            f.message
+        );
+        assert!(matches!(
+            parse(&argv(&["templates"])),
+            Ok(Invocation::Templates(v)) if v.is_empty()
+        ));
+        assert!(matches!(
+            parse(&argv(&["completions", "zsh"])),
+            Ok(Invocation::Completions(v)) if v == ["zsh"]
+        ));
+        assert!(matches!(
+            parse(&argv(&["--", "templates"])),
+            Ok(Invocation::Run(a)) if a.command == ["templates"]
+        ));
+    }
+
+    #[test]
+    fn a_url_that_is_not_raw_gets_a_hint() {
+        let e = ErrorBody::new(ErrorCode::NotFound, "no such endpoint");
+        let f = rejection(&e, "http://127.0.0.1:8080/");
+        assert!(f.message.contains("/raw endpoint"), "{}", f.message);
+        let e = ErrorBody::new(ErrorCode::PolicyViolation, "no");
+        assert_eq!(rejection(&e, "http://h/raw").message, "no");
     }
 
     #[test]
@@ -479,33 +608,5 @@ mod tests {
         assert_eq!(r.env.len(), 1);
         assert_eq!(r.args, ["a b"]);
         assert_eq!(r.timeout_secs, Some(5));
-    }
-
-    #[test]
-    fn exit_mirroring() {
-        assert_eq!(
-            mirror_exit(&ExitInfo {
-                code: Some(3),
-                ..Default::default()
-            }),
-            3
-        );
-        assert_eq!(
-            mirror_exit(&ExitInfo {
-                code: None,
-                signal: Some(15),
-                ..Default::default()
-            }),
-            143
-        );
-        assert_eq!(
-            mirror_exit(&ExitInfo {
-                code: None,
-                signal: Some(9),
-                timed_out: true,
-                ..Default::default()
-            }),
-            code::TIMED_OUT
-        );
     }
 }

@@ -5,24 +5,19 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use super::exit_codes as code;
-use super::run_remote::Failure;
+use super::outcome::{self, Failure, Outcome};
 use crate::templates::{Catalog, Template};
 
 /// The template `name` as configured for `dir` (built-ins plus the nearest
 /// `.mcp-run/config.yaml`); an invalid configuration or an unknown name is a configuration
 /// error.
 pub fn resolve(name: &str, dir: &Path) -> Result<Template, Failure> {
-    let catalog = Catalog::load(dir).map_err(|e| Failure {
-        code: code::CONFIG,
-        message: e.to_string(),
-    })?;
-    catalog.get(name).cloned().ok_or_else(|| Failure {
-        code: code::CONFIG,
-        message: format!(
+    let catalog = Catalog::load(dir).map_err(|e| Failure::config(e.to_string()))?;
+    catalog.get(name).cloned().ok_or_else(|| {
+        Failure::config(format!(
             "unknown template {name:?}; available: {} (see `run-remote templates`)",
             catalog.names().join(", ")
-        ),
+        ))
     })
 }
 
@@ -52,12 +47,11 @@ impl TemplateSink {
             .write(true)
             .create_new(true)
             .open(&raw_path)
-            .map_err(|e| Failure {
-                code: code::IO_ERROR,
-                message: format!(
+            .map_err(|e| {
+                Failure::output(format!(
                     "cannot create {} for the full output: {e}",
                     raw_path.display()
-                ),
+                ))
             })?;
         Ok(TemplateSink {
             template,
@@ -108,43 +102,36 @@ impl TemplateSink {
 }
 
 /// `run-remote templates`: lists the templates available in the current directory.
-pub fn list_main(args: &[String]) -> i32 {
+pub fn list(args: &[String]) -> Outcome {
+    let mut stdout = std::io::stdout().lock();
     if let Some(a) = args.first() {
         if a == "-h" || a == "--help" {
-            println!(
-                "List the output templates available here: the built-ins and those of the nearest\n\
-                 .mcp-run/config.yaml at or above the current directory.\n\n\
-                 Usage: run-remote templates"
-            );
-            return 0;
+            return match stdout.write_all(LIST_HELP.as_bytes()) {
+                Ok(()) => Outcome::Done,
+                Err(e) => outcome::write_failed(&e, "the help"),
+            };
         }
-        eprintln!("run-remote: templates takes no argument, got {a:?}");
-        return code::USAGE;
+        return Failure::usage(format!(
+            "templates takes no argument, got {a:?}; usage: run-remote templates"
+        ))
+        .into();
     }
-    let dir = match std::env::current_dir() {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("run-remote: cannot read the current directory: {e}");
-            return code::CONFIG;
-        }
-    };
-    let catalog = match Catalog::load(&dir) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("run-remote: {e}");
-            return code::CONFIG;
-        }
-    };
-    let mut stdout = std::io::stdout().lock();
-    match write_list(&catalog, &mut stdout) {
-        Ok(()) => 0,
-        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => code::BROKEN_PIPE,
-        Err(e) => {
-            eprintln!("run-remote: cannot write the list: {e}");
-            code::IO_ERROR
-        }
+    let catalog = std::env::current_dir()
+        .map_err(|e| Failure::config(format!("cannot read the current directory: {e}")))
+        .and_then(|dir| Catalog::load(&dir).map_err(|e| Failure::config(e.to_string())));
+    match catalog.map(|c| write_list(&c, &mut stdout)) {
+        Ok(Ok(())) => Outcome::Done,
+        Ok(Err(e)) => outcome::write_failed(&e, "the list"),
+        Err(f) => f.into(),
     }
 }
+
+const LIST_HELP: &str = "\
+List the output templates available here: the built-ins and those of the nearest
+.mcp-run/config.yaml at or above the current directory.
+
+Usage: run-remote templates
+";
 
 /// One line per template: name, origin, description, in aligned columns.
 pub fn write_list(catalog: &Catalog, out: &mut impl Write) -> std::io::Result<()> {
@@ -164,12 +151,13 @@ pub fn write_list(catalog: &Catalog, out: &mut impl Write) -> std::io::Result<()
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cli::outcome::Reason;
 
     #[test]
     fn unknown_template_and_bad_config_are_configuration_errors() {
         let dir = tempfile::tempdir().unwrap();
         let f = resolve("nope", dir.path()).unwrap_err();
-        assert_eq!(f.code, code::CONFIG);
+        assert_eq!(f.reason, Reason::Config);
         assert!(f.message.contains("cargo-test"), "{}", f.message);
         std::fs::create_dir_all(dir.path().join(".mcp-run")).unwrap();
         std::fs::write(
@@ -178,7 +166,7 @@ mod tests {
         )
         .unwrap();
         let f = resolve("cargo-test", dir.path()).unwrap_err();
-        assert_eq!(f.code, code::CONFIG);
+        assert_eq!(f.reason, Reason::Config);
         assert!(f.message.contains("config.yaml"), "{}", f.message);
     }
 

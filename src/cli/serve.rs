@@ -12,17 +12,28 @@ use clap::{Parser, Subcommand};
 use crate::capabilities::Capabilities;
 use crate::config::{BackendKind, Config};
 use crate::exec::Executor;
-use crate::exec::kube::KubeExecutor;
+use crate::exec::kube::{KubeExecutor, KubeSetupError};
 use crate::exec::local::LocalExecutor;
 use crate::exec::remote::RemoteExecutor;
 use crate::mcp::McpService;
 use crate::runner::Runner;
 use crate::server::{self, AppState, McpSettings};
 
-/// Kubernetes-native remote runner: runs each command in its own ephemeral pod (or as a
-/// local process) and streams stdout, stderr and the exit code back.
+const AFTER_HELP: &str = "\
+Examples:
+  mcp-run serve                                  # local processes, on 127.0.0.1:8080
+  mcp-run serve --backend kube --image busybox:1.36
+  mcp-run serve --config gateway.yaml --log-format json
+  mcp-run stdio                                  # MCP on stdin/stdout, for Claude Desktop/Code
+  mcp-run completions zsh > ~/.zfunc/_mcp-run
+
+Then, in another terminal: RUN_REMOTE_SERVER=http://127.0.0.1:8080/raw run-remote -- uname -a
+Docs: README.md and docs/ (configuration.md, mcp.md, protocol.md).";
+
+/// The mcp-run gateway: runs each command in its own ephemeral Kubernetes pod (or as a local
+/// process) and streams stdout, stderr and the exit code back, over HTTP (/raw) and MCP.
 #[derive(Debug, Parser)]
-#[command(name = "mcp-run", version, about, long_about = None)]
+#[command(name = "mcp-run", version, after_help = AFTER_HELP)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -36,6 +47,11 @@ pub enum Command {
     /// Serve MCP on stdin/stdout (logs on stderr), for agents that start their MCP servers
     /// as child processes.
     Stdio(StdioArgs),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell) on stdout.
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
 }
 
 #[derive(Debug, clap::Args)]
@@ -52,6 +68,9 @@ pub struct ServeArgs {
 
 #[derive(Debug, clap::Args)]
 pub struct StdioArgs {
+    /// Log format on stderr (stdout carries the protocol).
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
     #[command(flatten)]
     pub backend: BackendArgs,
 }
@@ -85,10 +104,22 @@ impl BackendArgs {
         if let Some(server) = &self.server
             && config.server.backend == BackendKind::Remote
         {
+            // Checked here so that the message names where the URL came from.
+            crate::exec::remote::parse_server_url(server)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", server_source()))?;
             config.remote.server = Some(server.clone());
         }
         self.kube.apply(&mut config)?;
         Ok(config)
+    }
+}
+
+/// Which of `--server` and `RUN_REMOTE_SERVER` gave the remote backend's URL (the flag wins).
+fn server_source() -> &'static str {
+    if std::env::args().any(|a| a == "--server" || a.starts_with("--server=")) {
+        "--server"
+    } else {
+        "RUN_REMOTE_SERVER"
     }
 }
 
@@ -149,25 +180,54 @@ pub enum LogFormat {
 
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
+    let json_logs;
     let result = match cli.command {
         Command::Serve(args) => {
-            super::init_logging("info", args.log_format == LogFormat::Json);
+            json_logs = args.log_format == LogFormat::Json;
+            super::init_logging("info", json_logs);
             run_serve(args)
         }
         Command::Stdio(args) => {
             // stdout carries the protocol: logs go to stderr, quietly by default.
-            super::init_logging("warn", false);
+            json_logs = args.log_format == LogFormat::Json;
+            super::init_logging("warn", json_logs);
             run_stdio(args)
+        }
+        Command::Completions { shell } => {
+            use clap::CommandFactory as _;
+            return match super::write_completions(shell, Cli::command()) {
+                super::outcome::Outcome::Done => ExitCode::SUCCESS,
+                _ => ExitCode::FAILURE,
+            };
         }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            tracing::error!("{e:#}");
-            eprintln!("mcp-run: {e:#}");
+            // Once: a JSON log line for log collectors, else one line for a person.
+            if json_logs {
+                tracing::error!("{}", startup_error(&e));
+            } else {
+                eprintln!("mcp-run: {}", startup_error(&e));
+            }
             ExitCode::FAILURE
         }
     }
+}
+
+/// A start-up error as one line: the causes in order, each said once (kube's configuration
+/// errors repeat their cause at every level of the chain).
+pub fn startup_error(e: &anyhow::Error) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        // A level that only repeats what the previous one said adds nothing.
+        if parts.last().is_some_and(|p| p.contains(&text)) {
+            continue;
+        }
+        parts.push(text);
+    }
+    parts.join(": ")
 }
 
 /// Loads the configuration with the command line's overrides applied.
@@ -180,7 +240,10 @@ pub fn load_config(path: Option<&std::path::Path>) -> anyhow::Result<Config> {
 
 /// Builds the configured backend; the Kubernetes backend also checks its permissions and
 /// deletes what a previous run left behind.
-pub async fn build_executor(config: &Config) -> anyhow::Result<Arc<dyn Executor>> {
+pub async fn build_executor(
+    config: &Config,
+    metrics: &crate::metrics::Metrics,
+) -> anyhow::Result<Arc<dyn Executor>> {
     Ok(match config.server.backend {
         BackendKind::Local => Arc::new(
             LocalExecutor::new(&config.local.inherit_env)
@@ -198,14 +261,32 @@ pub async fn build_executor(config: &Config) -> anyhow::Result<Arc<dyn Executor>
         BackendKind::Kube => {
             let mut profiles = config.profiles.clone();
             profiles.entry("default".into()).or_default();
-            let kube = KubeExecutor::connect(config.kubernetes.clone(), profiles)
+            let kube = KubeExecutor::connect(config.kubernetes.clone(), profiles, metrics.clone())
                 .await
-                .context("Kubernetes backend")?;
+                .map_err(kube_setup_error)?;
             kube.prepare(Duration::from_secs(config.limits.max_timeout_secs))
                 .await;
             Arc::new(kube)
         }
     })
+}
+
+/// The Kubernetes backend's set-up error, short and with the fix. kube's "cannot infer a
+/// configuration" names both sources it tried (in-cluster, kubeconfig) and repeats them in
+/// its source chain; the kubeconfig's reason is the one a person can act on.
+fn kube_setup_error(e: KubeSetupError) -> anyhow::Error {
+    match &e {
+        KubeSetupError::Infer(infer) => {
+            let kubeconfig = std::error::Error::source(infer)
+                .map(|s| s.to_string())
+                .unwrap_or_else(|| infer.to_string());
+            anyhow::anyhow!(
+                "--backend kube: no Kubernetes credentials (not in a cluster, and {kubeconfig}): \
+                 pass --kubeconfig PATH or set KUBECONFIG, or use --backend local"
+            )
+        }
+        _ => anyhow::Error::new(e).context("--backend kube"),
+    }
 }
 
 fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
@@ -225,26 +306,35 @@ fn block_on(fut: impl std::future::Future<Output = anyhow::Result<()>>) -> anyho
         .block_on(fut)
 }
 
-/// Runs the gateway until SIGTERM or SIGINT.
-pub async fn serve(config: Config) -> anyhow::Result<()> {
+/// The gateway's HTTP application and what serving it needs besides.
+pub struct App {
+    pub router: axum::Router,
+    pub runner: Arc<Runner>,
+    /// Fired once running commands were drained at shutdown: ends the MCP sessions.
+    pub drained: tokio_util::sync::CancellationToken,
+}
+
+/// Builds the whole gateway from its configuration: backend, runner, auth, router. `serve`
+/// binds it to a listener; tests drive the router in-process.
+pub async fn app(config: &Config) -> anyhow::Result<App> {
     let Prepared {
         runner,
         templates,
         capabilities,
-    } = prepare(&config, false).await?;
+    } = prepare(config, false).await?;
     let drained = tokio_util::sync::CancellationToken::new();
     let state = AppState {
         runner: runner.clone(),
         keepalive: config.keepalive(),
         capabilities,
         mcp: McpSettings {
-            max_output_bytes: config.mcp.max_output_bytes,
+            config: config.mcp.clone(),
             allowed_hosts: config.mcp.allowed_hosts.clone(),
             stop: drained.clone(),
             tools: Arc::new(config.tools.clone()),
             templates,
         },
-        auth: crate::access::Auth::load(&config.auth, |k| std::env::var(k).ok())
+        auth: crate::auth::Auth::load(&config.auth, |k| std::env::var(k).ok())
             .map_err(anyhow::Error::msg)?
             .map(Arc::new),
     };
@@ -255,7 +345,20 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
             "bearer-token auth on for every path but /healthz, /readyz and /metrics"
         );
     }
-    let app = server::router(state, config.server.max_body_bytes);
+    Ok(App {
+        router: server::router(state, config.server.max_body_bytes),
+        runner,
+        drained,
+    })
+}
+
+/// Runs the gateway until SIGTERM or SIGINT.
+pub async fn serve(config: Config) -> anyhow::Result<()> {
+    let App {
+        router,
+        runner,
+        drained,
+    } = app(&config).await?;
     let listener = tokio::net::TcpListener::bind(config.server.listen)
         .await
         .with_context(|| format!("cannot listen on {}", config.server.listen))?;
@@ -263,7 +366,7 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
     tracing::info!(%addr, backend = runner.executor().name(), version = env!("CARGO_PKG_VERSION"), "mcp-run gateway listening");
     server::serve(
         listener,
-        app,
+        router,
         runner,
         shutdown_signal(),
         config.shutdown_grace(),
@@ -275,11 +378,16 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
 }
 
 /// The runner every front end uses, with the configured policy and limits.
-pub fn build_runner(config: &Config, executor: Arc<dyn Executor>) -> anyhow::Result<Runner> {
+pub fn build_runner(
+    config: &Config,
+    executor: Arc<dyn Executor>,
+    metrics: crate::metrics::Metrics,
+) -> anyhow::Result<Runner> {
     let redactor =
         crate::redact::Redactor::from_config(&config.redaction, |k| std::env::var(k).ok())
             .map_err(|e| anyhow::anyhow!("invalid configuration: {e}"))?;
     Ok(Runner::new(executor, config.limits.clone())
+        .with_metrics(metrics)
         .with_policy(crate::policy::Policy::new(
             config.policy.clone(),
             config.limits.clone(),
@@ -297,8 +405,10 @@ struct Prepared {
 /// Builds the backend, the runner, the template store (`discover`: also the repository's
 /// `.mcp-run/config.yaml`, for `stdio`) and the capabilities document.
 async fn prepare(config: &Config, discover: bool) -> anyhow::Result<Prepared> {
-    let executor = build_executor(config).await?;
-    let runner = Arc::new(build_runner(config, executor)?);
+    // One registry per gateway, handed to whoever records (served on /metrics).
+    let metrics = crate::metrics::Metrics::new();
+    let executor = build_executor(config, &metrics).await?;
+    let runner = Arc::new(build_runner(config, executor, metrics)?);
     let templates = template_store(config, discover)?;
     let mut capabilities = capabilities(config, &runner).await;
     capabilities.templates = templates.names(&working_dir());
@@ -374,7 +484,7 @@ pub async fn stdio(config: Config) -> anyhow::Result<()> {
         templates,
         capabilities,
     } = prepare(&config, true).await?;
-    let service = McpService::new(runner.clone(), capabilities, config.mcp.max_output_bytes)
+    let service = McpService::new(runner.clone(), capabilities, &config.mcp)
         .with_tools(Arc::new(config.tools.clone()))
         .with_templates(templates, working_dir());
     let running = service

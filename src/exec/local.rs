@@ -22,6 +22,37 @@ use tokio_util::sync::CancellationToken;
 use super::{EVENT_BUFFER, ExecSpec, Execution, Executor, StartOptions, forward, read_opt};
 use crate::contract::{ErrorBody, ErrorCode, Event, ExitInfo, RunContext};
 
+/// The local backend's section of the configuration (`local:`).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LocalConfig {
+    /// Variables of the gateway's environment that every command inherits.
+    pub inherit_env: Vec<String>,
+}
+
+impl Default for LocalConfig {
+    fn default() -> Self {
+        Self {
+            inherit_env: DEFAULT_INHERIT_ENV.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+}
+
+impl LocalConfig {
+    /// `(field, message)` on failure.
+    pub fn validate(&self) -> Result<(), (String, String)> {
+        for name in &self.inherit_env {
+            if !crate::contract::is_valid_env_name(name) {
+                return Err((
+                    "local.inherit_env".into(),
+                    format!("contains an invalid variable name {name:?}"),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Variables of the gateway's own environment that commands inherit by default. Nothing
 /// else leaks from the gateway (which may hold credentials) into commands.
 pub const DEFAULT_INHERIT_ENV: &[&str] =

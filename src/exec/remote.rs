@@ -13,6 +13,24 @@ use tokio_util::sync::CancellationToken;
 use super::{EVENT_BUFFER, ExecSpec, Execution, Executor, StartOptions};
 use crate::contract::{ErrorBody, ErrorCode, ErrorResponse, Event, ExitInfo, RunRequest};
 
+/// The remote backend's section of the configuration (`remote:`).
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RemoteConfig {
+    /// The gateway's `/raw` URL [default: `RUN_REMOTE_SERVER`].
+    pub server: Option<String>,
+}
+
+impl RemoteConfig {
+    /// `(field, message)` on failure.
+    pub fn validate(&self) -> Result<(), (String, String)> {
+        if let Some(server) = &self.server {
+            parse_server_url(server).map_err(|m| ("remote.server".to_owned(), m))?;
+        }
+        Ok(())
+    }
+}
+
 /// The longest NDJSON line accepted from a gateway (a 64 KiB chunk is about 90 KB).
 const MAX_LINE: usize = 16 * 1024 * 1024;
 

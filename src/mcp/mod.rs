@@ -1,46 +1,61 @@
-//! The MCP server: tool `run_network_tool` and resource `mcp-run://capabilities`, over
-//! streamable HTTP at `/mcp` (nested in the gateway's router) and over stdio
-//! (`mcp-run stdio`). Every call goes through [`Runner::start`], the same entry point as
-//! `/raw`, so limits, timeouts and backends behave the same.
+//! The MCP server: tool `run_network_tool`, the operator's declared CLI tools
+//! ([`tools`]), the resource `mcp-run://capabilities` and the kept outputs of runs
+//! (`mcp-run://runs/{id}/{stream}`, [`resources`]), over streamable HTTP at `/mcp` (nested
+//! in the gateway's router) and over stdio (`mcp-run stdio`).
+//!
+//! Every call goes through [`execute::execute`] and so through [`Runner::start_with`], the
+//! same entry point as `/raw`, so limits, timeouts and backends behave the same; every
+//! result is shaped by [`reply`] within the call's character budget.
 
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+pub mod config;
+pub mod execute;
+pub mod reply;
+pub mod resources;
+pub mod schema;
+pub mod store;
+pub mod tools;
+
+use std::sync::Arc;
+use std::time::Duration;
 
 use rmcp::ErrorData as McpError;
 use rmcp::model::{
-    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, ListResourcesResult,
-    ListToolsResult, PaginatedRequestParams, ProgressNotificationParam, ReadResourceRequestParams,
-    ReadResourceResponse, ReadResourceResult, Resource, ResourceContents, ServerCapabilities,
-    ServerConfig, Tool, ToolAnnotations,
+    CallToolRequestParams, CallToolResponse, CallToolResult, ListResourceTemplatesResult,
+    ListResourcesResult, ListToolsResult, PaginatedRequestParams, ReadResourceRequestParams,
+    ReadResourceResponse, ReadResourceResult, Resource, ResourceContents, ResourceTemplate,
+    ServerCapabilities, ServerConfig, Tool, ToolAnnotations,
 };
 use rmcp::service::RequestContext;
 use rmcp::{RoleServer, ServerHandler};
-use serde_json::{Value, json};
+use serde_json::{Map, Value};
 
 use crate::capabilities::{Capabilities, EXPERIMENTAL_KEY, RESOURCE_URI};
 use crate::contract::{ErrorBody, ErrorCode, RunRequest};
-use crate::result::{Stream, StructuredResult, collect};
+use crate::result::StructuredResult;
 use crate::runner::Runner;
+
+pub use config::McpConfig;
+use execute::{Call, Stopped, execute};
+use reply::error_result;
+use store::{Missing, OutputStore, StoreLimits};
 
 /// The one built-in tool.
 pub const TOOL: &str = "run_network_tool";
 
 /// The tool's output schema: derived once, not on every tools/list and tools/call.
-static OUTPUT_SCHEMA: std::sync::LazyLock<Value> = std::sync::LazyLock::new(|| {
-    serde_json::to_value(schemars::schema_for!(StructuredResult)).unwrap_or_default()
-});
+static OUTPUT_SCHEMA: std::sync::LazyLock<Map<String, Value>> =
+    std::sync::LazyLock::new(schema::run_output);
 
-/// How often progress notifications are sent at most.
-const PROGRESS_EVERY: Duration = Duration::from_secs(1);
-
-/// What an MCP session needs; cheap to clone (one per session).
+/// What an MCP session needs; cheap to clone (one per session, all sharing one store).
 #[derive(Clone)]
 pub struct McpService {
     runner: Arc<Runner>,
     capabilities: Arc<Capabilities>,
-    max_output_bytes: usize,
+    config: Arc<McpConfig>,
+    /// Full outputs of runs; `None` when the directory could not be made (results say so).
+    store: Option<Arc<OutputStore>>,
     /// Operator-declared CLI tools (config `tools:`).
-    tools: Arc<Vec<crate::tools::ToolConfig>>,
+    tools: Arc<Vec<tools::ToolConfig>>,
     /// Output templates: the built-ins plus the nearest `.mcp-run/config.yaml` at or above
     /// `template_dir`, reloaded after a TTL.
     templates: Arc<crate::templates::TemplateStore>,
@@ -48,15 +63,24 @@ pub struct McpService {
 }
 
 impl McpService {
-    pub fn new(
-        runner: Arc<Runner>,
-        capabilities: Arc<Capabilities>,
-        max_output_bytes: usize,
-    ) -> Self {
+    pub fn new(runner: Arc<Runner>, capabilities: Arc<Capabilities>, config: &McpConfig) -> Self {
+        let limits = StoreLimits {
+            max_bytes: config.output_store.max_bytes,
+            max_age: Duration::from_secs(config.output_store.max_age_secs),
+            max_stream_bytes: config.max_output_bytes as u64,
+        };
+        let store = match OutputStore::new(config.output_store.dir.as_deref(), limits) {
+            Ok(s) => Some(Arc::new(s)),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot make a directory for MCP outputs: results will not name the full output");
+                None
+            }
+        };
         Self {
             runner,
             capabilities,
-            max_output_bytes,
+            config: Arc::new(config.clone()),
+            store,
             tools: Arc::new(Vec::new()),
             templates: Arc::new(crate::templates::TemplateStore::default()),
             template_dir: std::env::current_dir().unwrap_or_else(|_| "/".into()),
@@ -76,13 +100,13 @@ impl McpService {
     }
 
     /// Serves these operator-declared CLI tools too, each as its own MCP tool.
-    pub fn with_tools(mut self, tools: Arc<Vec<crate::tools::ToolConfig>>) -> Self {
+    pub fn with_tools(mut self, tools: Arc<Vec<tools::ToolConfig>>) -> Self {
         self.tools = tools;
         self
     }
 
     /// The MCP definition of a declared CLI tool.
-    fn cli_tool(&self, t: &crate::tools::ToolConfig) -> Tool {
+    fn cli_tool(&self, t: &tools::ToolConfig) -> Tool {
         let mut description = format!("{} Runs `{}`", t.description.trim_end(), t.usage());
         if let Some(a) = &t.args {
             description.push_str(&format!("; positional arguments: {}", a.description));
@@ -92,14 +116,8 @@ impl McpService {
             self.capabilities.where_line()
         ));
         let mut tool = Tool::new(t.name.clone(), description, t.input_schema());
-        tool.output_schema = Some(Arc::new(crate::tools::output_schema()));
-        tool.annotations = Some(
-            ToolAnnotations::with_title(t.name.clone())
-                .read_only(false)
-                .destructive(true)
-                .idempotent(false)
-                .open_world(true),
-        );
+        tool.output_schema = Some(Arc::new(tools::output_schema()));
+        tool.annotations = Some(annotations(&t.name));
         tool
     }
 
@@ -108,8 +126,8 @@ impl McpService {
     /// `isError` when the exit code is not 0 (a command error).
     async fn run_cli_tool(
         &self,
-        t: &crate::tools::ToolConfig,
-        arguments: Option<serde_json::Map<String, Value>>,
+        t: &tools::ToolConfig,
+        arguments: Option<Map<String, Value>>,
         context: RequestContext<RoleServer>,
     ) -> CallToolResult {
         // The template is resolved first: an unknown name runs nothing.
@@ -131,118 +149,53 @@ impl McpService {
                 ));
             }
         };
-        let caller = crate::access::mcp_caller(&context.extensions)
-            .unwrap_or_else(|| crate::access::Caller::local("stdio"));
-        let started = tokio::select! {
-            s = self.runner.start_as(req, &caller) => s,
-            _ = context.ct.cancelled() => Err(ErrorBody::new(ErrorCode::InvalidRequest, "cancelled by the client")),
+        let call = Call {
+            template,
+            stdin: None,
+            capture_bytes: capture_bytes(self.config.result_chars),
         };
-        let execution = match started {
-            Ok(e) => e,
-            Err(e) => return error_result(&e),
-        };
-        let collected = tokio::select! {
-            c = collect(execution, self.max_output_bytes, |_, _| {}) => c,
-            _ = context.ct.cancelled() => {
-                return error_result(&ErrorBody::new(
-                    ErrorCode::InvalidRequest,
-                    "cancelled by the client: the command was killed",
-                ));
-            }
-        };
-        if let Some(e) = &collected.error {
-            return error_result(e);
+        match execute(&self.runner, self.store.as_deref(), req, call, &context).await {
+            Ok(ran) => reply::cli_result(&ran, self.config.result_chars),
+            Err(stopped) => error_result(&stopped.error()),
         }
-        let exit_code = collected
-            .exit
-            .map(|e| if e.timed_out { 124 } else { e.shell_status() })
-            .unwrap_or(255);
-        let (mut stdout, mut stderr) = (collected.stdout.text().0, collected.stderr.text().0);
-        if let Some(tpl) = &template {
-            for s in [&mut stdout, &mut stderr] {
-                let f = tpl.apply(s.as_bytes(), Some(exit_code));
-                *s = String::from_utf8_lossy(&f.output).into_owned();
-            }
-        }
-        let output = json!({
-            "stdout": stdout,
-            "stderr": stderr,
-            "exitCode": exit_code,
-        });
-        let content = vec![ContentBlock::text(
-            serde_json::to_string_pretty(&output).unwrap_or_default(),
-        )];
-        let mut result = if exit_code == 0 {
-            CallToolResult::success(content)
-        } else {
-            CallToolResult::error(content)
-        };
-        result.structured_content = Some(output);
-        result
     }
 
-    /// The tool's definition: input schema with the profiles as an enum, the
-    /// StructuredResult schema as output schema, annotations saying what it does.
+    /// The tool's definition: the input schema derived from [`RunRequest`] with the
+    /// server's bounds, the StructuredResult schema as output schema, annotations saying
+    /// what it does.
     pub fn tool(&self) -> Tool {
         let caps = &self.capabilities;
-        let profiles: Vec<String> = caps
-            .backend
-            .profiles
-            .iter()
-            .map(|p| p.name.clone())
-            .collect();
-        let input = json!({
-            "type": "object",
-            "additionalProperties": false,
-            "required": ["executable"],
-            "properties": {
-                "executable": {
-                    "type": "string", "minLength": 1,
-                    "description": "The program to run, looked up in the runner's PATH (or an absolute path). Not a shell command line: pass arguments in `args`, and use executable `sh` with args [\"-c\", \"...\"] when you need a shell."
-                },
-                "args": {"type": "array", "items": {"type": "string"}, "description": "Arguments, passed unchanged as argv."},
-                "cwd": {"type": "string", "description": "Working directory on the runner."},
-                "env": {"type": "object", "additionalProperties": {"type": "string"}, "description": "Environment variables for the command (names: letters, digits, underscore)."},
-                "timeout_secs": {
-                    "type": "integer", "minimum": 1, "maximum": caps.limits.max_timeout_secs,
-                    "description": format!("Kill the command after this many seconds (default {}).", caps.limits.default_timeout_secs)
-                },
-                "profile": {
-                    "type": "string", "enum": profiles,
-                    "description": "The runner profile (image, resources) to run in; default `default`."
-                }
-            }
-        });
         let catalog = self.templates.catalog(&self.template_dir);
         let listing: Vec<String> = catalog
             .entries()
             .map(|(t, _)| format!("`{}`: {}", t.name, t.description))
             .collect();
-        let mut input = input;
-        input["properties"]["template"] = json!({
-            "type": "string", "enum": catalog.names(),
-            "description": format!(
-                "Filter stdout and stderr down to errors and summary after the command ends (default: the raw output). On a failure, error lines and their locations are always kept. {}",
-                listing.join("; ")
-            )
+        let input = schema::run_input(&schema::InputExtras {
+            profiles: caps
+                .backend
+                .profiles
+                .iter()
+                .map(|p| p.name.clone())
+                .collect(),
+            default_timeout_secs: caps.limits.default_timeout_secs,
+            max_timeout_secs: caps.limits.max_timeout_secs,
+            templates: catalog.names(),
+            template_listing: listing.join("; "),
+            default_result_chars: self.config.result_chars,
+            max_result_chars: self.config.max_result_chars,
+            max_stdin_bytes: self.config.max_stdin_bytes,
         });
-        let output = OUTPUT_SCHEMA.clone();
         let description = format!(
-            "Run a command and get its stdout, stderr and exit code. {} Limits: timeout up to {} s (default {} s); no stdin, no TTY; each stream is capped at {} KiB in the result (head and tail kept).",
+            "Run a command and get its stdout, stderr and exit code. {} Limits: timeout up to {} s (default {} s); no TTY; the result carries up to {} characters of output (head and tail kept, each cut marked), and the full output stays readable as a resource (mcp-run://runs/{{id}}/stdout, with ?lines=, ?bytes= or ?grep=) for {} s.",
             caps.where_line(),
             caps.limits.max_timeout_secs,
             caps.limits.default_timeout_secs,
-            self.max_output_bytes / 1024,
+            self.config.result_chars,
+            self.config.output_store.max_age_secs,
         );
-        let mut tool = Tool::new(TOOL, description, as_object(input));
-        tool.output_schema = Some(Arc::new(as_object(output)));
-        tool.annotations = Some(
-            ToolAnnotations::with_title("Run a command on mcp-run")
-                .read_only(false)
-                .destructive(true)
-                .idempotent(false)
-                .open_world(true),
-        );
+        let mut tool = Tool::new(TOOL, description, input);
+        tool.output_schema = Some(Arc::new(OUTPUT_SCHEMA.clone()));
+        tool.annotations = Some(annotations("Run a command on mcp-run"));
         tool
     }
 
@@ -259,28 +212,64 @@ impl McpService {
         })
     }
 
+    /// MCP's own arguments of `run_network_tool`, taken out of `arguments` (what is left is
+    /// the run request): the call and its budget.
+    fn call_arguments(
+        &self,
+        arguments: &mut Map<String, Value>,
+    ) -> Result<(Call, usize), ErrorBody> {
+        let invalid = |m: String| {
+            ErrorBody::new(ErrorCode::InvalidRequest, format!("invalid arguments: {m}"))
+        };
+        let template = match arguments.remove("template") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(name)) => Some(self.template(&name, "unknown template")?),
+            Some(other) => return Err(invalid(format!("template must be a string, not {other}"))),
+        };
+        let stdin = match arguments.remove("stdin") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) if s.len() <= self.config.max_stdin_bytes => Some(s),
+            Some(Value::String(s)) => {
+                return Err(invalid(format!(
+                    "stdin is {} bytes, more than the {} this server accepts (mcp.max_stdin_bytes)",
+                    s.len(),
+                    self.config.max_stdin_bytes
+                )));
+            }
+            Some(other) => return Err(invalid(format!("stdin must be a string, not {other}"))),
+        };
+        let budget = match arguments.remove("result_chars") {
+            None | Some(Value::Null) => self.config.result_chars,
+            Some(v) => match v.as_u64() {
+                Some(n) if (1000..=self.config.max_result_chars as u64).contains(&n) => n as usize,
+                _ => {
+                    return Err(invalid(format!(
+                        "result_chars must be an integer from 1000 to {}, not {v}",
+                        self.config.max_result_chars
+                    )));
+                }
+            },
+        };
+        let call = Call {
+            template,
+            stdin,
+            capture_bytes: capture_bytes(budget),
+        };
+        Ok((call, budget))
+    }
+
     async fn run(
         &self,
-        arguments: Option<serde_json::Map<String, Value>>,
+        arguments: Option<Map<String, Value>>,
         context: RequestContext<RoleServer>,
     ) -> CallToolResult {
         let mut arguments = arguments.unwrap_or_default();
-        // `template` is ours, not the runner's: resolve it before anything runs.
-        let template = match arguments.remove("template") {
-            None | Some(Value::Null) => None,
-            Some(Value::String(name)) => match self.template(&name, "unknown template") {
-                Ok(t) => Some(t),
-                Err(e) => return error_result(&e),
-            },
-            Some(other) => {
-                return error_result(&ErrorBody::new(
-                    ErrorCode::InvalidRequest,
-                    format!("invalid arguments: template must be a string, not {other}"),
-                ));
-            }
+        // Resolved before anything runs: a bad template or budget runs nothing.
+        let (call, budget) = match self.call_arguments(&mut arguments) {
+            Ok(c) => c,
+            Err(e) => return error_result(&e),
         };
-        let args = Value::Object(arguments);
-        let req: RunRequest = match serde_json::from_value(args) {
+        let req: RunRequest = match serde_json::from_value(Value::Object(arguments)) {
             Ok(r) => r,
             Err(e) => {
                 return error_result(&ErrorBody::new(
@@ -289,114 +278,76 @@ impl McpService {
                 ));
             }
         };
-        // Over HTTP the gateway's middleware identified the caller; over stdio it is local.
-        let caller = crate::access::mcp_caller(&context.extensions)
-            .unwrap_or_else(|| crate::access::Caller::local("stdio"));
-        let started = tokio::select! {
-            s = self.runner.start_as(req.clone(), &caller) => s,
-            _ = context.ct.cancelled() => Err(ErrorBody::new(ErrorCode::InvalidRequest, "cancelled by the client")),
-        };
-        let execution = match started {
-            Ok(e) => e,
-            Err(e) => {
-                let r = StructuredResult::not_started(TOOL, &self.runner.redact_request(&req), &e);
-                return finish(r);
+        let shown = self.runner.redact_request(&req);
+        match execute(&self.runner, self.store.as_deref(), req, call, &context).await {
+            Ok(ran) => reply::run_result(TOOL, &shown, &ran, budget),
+            Err(Stopped::NotStarted(e)) => {
+                reply::finish(StructuredResult::not_started(TOOL, &shown, &e))
             }
-        };
-        // Progress: the latest output line, at most once a second, when asked for.
-        let latest = Arc::new(Mutex::new(String::new()));
-        let progress = context.meta.get_progress_token().map(|token| {
-            let peer = context.peer.clone();
-            let latest = latest.clone();
-            let begun = Instant::now();
-            tokio::spawn(async move {
-                let mut tick = tokio::time::interval(PROGRESS_EVERY);
-                tick.tick().await;
-                loop {
-                    tick.tick().await;
-                    let line = latest.lock().map(|l| l.clone()).unwrap_or_default();
-                    let elapsed = begun.elapsed().as_secs_f64();
-                    let mut p = ProgressNotificationParam::new(token.clone(), elapsed.floor());
-                    p = p.with_message(if line.is_empty() {
-                        format!("running for {elapsed:.0} s")
-                    } else {
-                        format!("running for {elapsed:.0} s: {line}")
-                    });
-                    if peer.notify_progress(p).await.is_err() {
-                        return;
-                    }
-                }
-            })
-        });
-        let on_output = |_: Stream, data: &[u8]| {
-            if let Some(line) = last_line(data)
-                && let Ok(mut l) = latest.lock()
-            {
-                *l = line;
-            }
-        };
-        let cap = self.max_output_bytes;
-        let collected = tokio::select! {
-            c = collect(execution, cap, on_output) => Some(c),
-            // Dropping the execution kills the command (and deletes its pod).
-            _ = context.ct.cancelled() => None,
-        };
-        if let Some(p) = progress {
-            p.abort();
-        }
-        match collected {
-            Some(c) => {
-                let mut r = StructuredResult::from_run(TOOL, &self.runner.redact_request(&req), &c);
-                if let Some(t) = &template {
-                    crate::templates::apply_to_result(&mut r, t);
-                }
-                finish(r)
-            }
-            None => error_result(&ErrorBody::new(
-                ErrorCode::InvalidRequest,
-                "cancelled by the client: the command was killed",
-            )),
+            Err(stopped) => error_result(&stopped.error()),
         }
     }
 
     fn capabilities_json(&self) -> Value {
         serde_json::to_value(self.capabilities.as_ref()).unwrap_or_default()
     }
-}
 
-/// The last non-empty line of a chunk, shortened for a progress message.
-fn last_line(data: &[u8]) -> Option<String> {
-    let text = String::from_utf8_lossy(data);
-    let line = text.lines().rev().find(|l| !l.trim().is_empty())?.trim();
-    Some(line.chars().take(200).collect())
-}
-
-fn as_object(v: Value) -> serde_json::Map<String, Value> {
-    match v {
-        Value::Object(m) => m,
-        _ => serde_json::Map::new(),
+    /// `resources/read` of a kept output.
+    fn read_output(
+        &self,
+        uri: &str,
+        context: &RequestContext<RoleServer>,
+    ) -> Result<ReadResourceResult, McpError> {
+        let parsed =
+            resources::OutputUri::parse(uri).map_err(|m| McpError::invalid_params(m, None))?;
+        let caller = crate::auth::mcp_caller(&context.extensions)
+            .unwrap_or_else(|| crate::auth::Caller::local("stdio"));
+        let Some(store) = &self.store else {
+            return Err(McpError::resource_not_found(
+                "this server keeps no outputs (its output directory could not be made)",
+                None,
+            ));
+        };
+        let run = store.get(&parsed.id, &caller).map_err(|m| {
+            let limits = store.limits();
+            let message = match m {
+                Missing::Expired => format!(
+                    "run {} has expired: outputs are kept for {} s and {} bytes in all; run the command again",
+                    parsed.id,
+                    limits.max_age.as_secs(),
+                    limits.max_bytes
+                ),
+                Missing::Unknown => format!("no run {} on this server", parsed.id),
+            };
+            McpError::resource_not_found(message, None)
+        })?;
+        let page = resources::read(&run, &parsed, self.config.result_chars)
+            .map_err(|m| McpError::invalid_params(m, None))?;
+        Ok(ReadResourceResult::new(vec![ResourceContents::text(
+            page.text, uri,
+        )]))
     }
 }
 
-/// A tool result: markdown content, the StructuredResult as structured content, `isError`
-/// unless the command exited 0.
-fn finish(r: StructuredResult) -> CallToolResult {
-    let content = vec![ContentBlock::text(r.to_markdown())];
-    let mut result = if r.success {
-        CallToolResult::success(content)
-    } else {
-        CallToolResult::error(content)
-    };
-    result.structured_content = serde_json::to_value(&r).ok();
-    result
+/// Bytes held in memory per stream for a budget of `chars` characters (at most four bytes
+/// each).
+fn capture_bytes(chars: usize) -> usize {
+    chars.saturating_mul(4).max(4096)
 }
 
-/// A call that never reached a command (bad arguments, cancelled).
-fn error_result(e: &ErrorBody) -> CallToolResult {
-    CallToolResult::error(vec![ContentBlock::text(format!(
-        "{}: {}",
-        e.code, e.message
-    ))])
+fn annotations(title: &str) -> ToolAnnotations {
+    ToolAnnotations::with_title(title)
+        .read_only(false)
+        .destructive(true)
+        .idempotent(false)
+        .open_world(true)
+}
+
+fn as_object(v: Value) -> Map<String, Value> {
+    match v {
+        Value::Object(m) => m,
+        _ => Map::new(),
+    }
 }
 
 impl ServerHandler for McpService {
@@ -464,21 +415,60 @@ impl ServerHandler for McpService {
     async fn list_resources(
         &self,
         _request: Option<PaginatedRequestParams>,
-        _context: RequestContext<RoleServer>,
+        context: RequestContext<RoleServer>,
     ) -> Result<ListResourcesResult, McpError> {
-        Ok(ListResourcesResult::with_all_items(vec![
+        let mut list = vec![
             Resource::new(RESOURCE_URI, "capabilities")
                 .with_title("mcp-run runtime capabilities")
                 .with_description("Where commands run (backend, namespace, profiles, images), the limits, the policy and the templates on offer.")
                 .with_mime_type("application/json"),
+        ];
+        // The caller's most recent kept outputs.
+        if let Some(store) = &self.store {
+            let caller = crate::auth::mcp_caller(&context.extensions)
+                .unwrap_or_else(|| crate::auth::Caller::local("stdio"));
+            for run in store.list(&caller, 20) {
+                for s in [crate::result::Stream::Stdout, crate::result::Stream::Stderr] {
+                    let name = store::stream_name(s);
+                    list.push(
+                        Resource::new(run.uri(s), format!("run {} {name}", run.id))
+                            .with_description(format!(
+                                "The full {name} of an MCP run; {}.",
+                                reply::HOW_TO_READ
+                            ))
+                            .with_mime_type("text/plain")
+                            .with_size(run.kept(s)),
+                    );
+                }
+            }
+        }
+        Ok(ListResourcesResult::with_all_items(list))
+    }
+
+    async fn list_resource_templates(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListResourceTemplatesResult, McpError> {
+        Ok(ListResourceTemplatesResult::with_all_items(vec![
+            ResourceTemplate::new(resources::TEMPLATE, "run output")
+                .with_title("Output of an MCP run")
+                .with_description(format!(
+                    "The full stdout or stderr of a run whose result names it (`id` from the result, `stream` stdout or stderr). Without parameters: the stream from its start. `bytes=A-B`: bytes A (from 0) to B (exclusive, `A-` to the end). `lines=A-B`: lines A to B (from 1, inclusive). `grep=REGEX`: the matching lines as `N:line` (with `lines`, within that range). Every read returns at most {} characters and names the next page's URI.",
+                    self.config.result_chars
+                ))
+                .with_mime_type("text/plain"),
         ]))
     }
 
     async fn read_resource(
         &self,
         request: ReadResourceRequestParams,
-        _context: RequestContext<RoleServer>,
+        context: RequestContext<RoleServer>,
     ) -> Result<ReadResourceResponse, McpError> {
+        if resources::is_output_uri(&request.uri) {
+            return self.read_output(&request.uri, &context).map(Into::into);
+        }
         if request.uri != RESOURCE_URI {
             return Err(McpError::resource_not_found(
                 format!("no resource {:?}", request.uri),
@@ -489,3 +479,6 @@ impl ServerHandler for McpService {
         Ok(ReadResourceResult::new(vec![ResourceContents::text(text, RESOURCE_URI)]).into())
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -70,19 +70,24 @@ impl Filtered {
     }
 }
 
-/// The input's lines, each with its terminator (the last one may have none).
-fn split_lines(output: &[u8]) -> Vec<&[u8]> {
-    let mut lines = Vec::with_capacity(output.len() / 40 + 1);
-    let mut start = 0;
-    for nl in memchr::memchr_iter(b'\n', output) {
-        lines.push(&output[start..=nl]);
-        start = nl + 1;
-    }
-    if start < output.len() {
-        lines.push(&output[start..]);
-    }
-    lines
-}
+/// The longest line the filter holds: longer ones are split, so that a stream without
+/// newlines cannot grow the filter's memory.
+pub const MAX_LINE: usize = 64 * 1024;
+
+/// The most bytes of kept lines held (half for the first, half for the last); beyond it the
+/// middle of the kept lines is dropped and counted.
+pub const MAX_KEPT: usize = 8 * 1024 * 1024;
+
+/// The most bytes of the trailing paragraphs held.
+pub const MAX_TAIL: usize = 256 * 1024;
+
+/// The most lines of the trailing paragraphs kept: a summary is short, and a last
+/// "paragraph" of thousands of progress lines is noise (its failure lines are kept anyway).
+pub const MAX_TAIL_LINES: usize = 50;
+
+/// How many lines of a diagnostic block (an error line followed by its code frame, up to
+/// the next blank line) are kept at most.
+const BLOCK_LINES: usize = 60;
 
 /// The line without its `\n` or `\r\n`, as patterns see it.
 fn content(line: &[u8]) -> &[u8] {
@@ -95,119 +100,339 @@ fn is_blank(line: &[u8]) -> bool {
     line.iter().all(|b| b.is_ascii_whitespace())
 }
 
-/// Index of the first line of the last `n` paragraphs (`lines.len()` when `n` is 0 or there
-/// is no paragraph).
-fn tail_start(lines: &[&[u8]], n: usize) -> usize {
-    if n == 0 {
-        return lines.len();
-    }
-    let mut found = 0;
-    let mut i = lines.len();
-    // Walk back: skip blank lines, then one paragraph, n times.
-    while i > 0 {
-        while i > 0 && is_blank(lines[i - 1]) {
-            i -= 1;
-        }
-        if i == 0 {
-            break;
-        }
-        while i > 0 && !is_blank(lines[i - 1]) {
-            i -= 1;
-        }
-        found += 1;
-        if found == n {
-            return i;
-        }
-    }
-    // Fewer paragraphs than asked: all of them.
-    lines
-        .iter()
-        .position(|l| !is_blank(l))
-        .unwrap_or(lines.len())
+/// A line of a code frame under a diagnostic: `  |`, `12 |`, `-->`, `= note:`, `...`.
+static FRAME: LazyLock<Regex> = LazyLock::new(|| {
+    Regex::new(r"^\s*(\d+\s*)?\||^\s*-->\s|^\s*= \w|^\s*\.\.\.\s*$|^\s*(help|note)(\[\w+\])?:")
+        .unwrap_or_else(|e| unreachable!("built-in regex: {e}"))
+});
+
+/// A stack frame inside a library or the runtime (`at ... (node_modules/...)`,
+/// `at java.base/...`): not one of the project's, so not kept as a failure's location.
+static LIBRARY_FRAME: LazyLock<Regex> = LazyLock::new(|| {
+    Regex::new(concat!(
+        r"^\s*at .*(node_modules/|node:internal|\(<anonymous>\)|java\.base/|jdk\.internal\.",
+        r"|org\.junit\.|junit\.framework\.|org\.apache\.maven\.|sun\.reflect\.|org\.gradle\.)",
+    ))
+    .unwrap_or_else(|e| unreachable!("built-in regex: {e}"))
+});
+
+/// A caret line under a source line in a code frame (`   |     ^^^`, `  ~~~~`): it and the
+/// line it marks are kept on a failure, the frame's other context lines are not.
+static CARET: LazyLock<Regex> = LazyLock::new(|| {
+    Regex::new(r"^\s*(\d+\s*)?\|?\s*[\^~]+\s*$")
+        .unwrap_or_else(|e| unreachable!("built-in regex: {e}"))
+});
+
+/// Kept lines shorter than this (trimmed) are kept however often they repeat (code-frame
+/// rules like `  |`); longer ones are kept once (a runner that prints every failure twice).
+const DEDUPE_MIN: usize = 12;
+
+/// Why a line is a candidate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Why {
+    /// The template's pattern: kept unless the run passed and the template shows only the
+    /// summary then.
+    Include,
+    /// A failure line, its location or its block: kept when the run failed.
+    Failure,
 }
 
-/// Applies `template` to one stream. `exit_code` is the command's (`None` when a signal
-/// ended it, which counts as a failure).
-pub fn apply(template: &Template, output: &[u8], exit_code: Option<i32>) -> Filtered {
-    let lines = split_lines(output);
-    let failed = exit_code != Some(0);
-    let mut keep = vec![false; lines.len()];
+/// A template applied to one stream as it arrives, in bounded memory: lines are judged one
+/// by one, and only candidates (and the trailing paragraphs) are held until the exit code
+/// decides what stays.
+pub struct StreamFilter {
+    template: Template,
+    partial: Vec<u8>,
+    lines: usize,
+    /// The first lines, for a failing stream short enough to keep whole.
+    first: Vec<Vec<u8>>,
+    head: Vec<(usize, Why, Vec<u8>)>,
+    head_bytes: usize,
+    tail: std::collections::VecDeque<(usize, Why, Vec<u8>)>,
+    tail_bytes: usize,
+    /// Candidates dropped between `head` and `tail` (bounded memory).
+    dropped: usize,
+    /// The last paragraphs: (first line number, lines) per paragraph, trailing blanks included.
+    paragraphs: std::collections::VecDeque<(usize, Vec<Vec<u8>>)>,
+    paragraph_bytes: usize,
+    previous_blank: bool,
+    /// Lines after a failure line still searched for its locations.
+    window: usize,
+    /// Keep the next non-blank line (a panic's or a test header's message).
+    want_message: bool,
+    /// Lines left in the diagnostic block being kept (0: none).
+    block: usize,
+    /// The line before was a kept location: an indented source line under it is kept.
+    after_location: bool,
+    /// The line before was a failure line (a block starts when a frame line follows).
+    after_failure: bool,
+    /// Hashes of the candidate lines kept so far (each long line is kept once).
+    seen: std::collections::HashSet<u64>,
+    /// The previous line, unless it is a candidate already (the line a caret marks).
+    previous: Option<(usize, Vec<u8>)>,
+}
 
-    let tail = tail_start(&lines, template.tail_paragraphs);
-    keep[tail..].iter_mut().for_each(|k| *k = true);
-
-    if failed && lines.len() <= SHORT_STREAM_LINES {
-        keep.iter_mut().for_each(|k| *k = true);
+impl StreamFilter {
+    pub fn new(template: &Template) -> StreamFilter {
+        StreamFilter {
+            template: template.clone(),
+            partial: Vec::new(),
+            lines: 0,
+            first: Vec::new(),
+            head: Vec::new(),
+            head_bytes: 0,
+            tail: std::collections::VecDeque::new(),
+            tail_bytes: 0,
+            dropped: 0,
+            paragraphs: std::collections::VecDeque::new(),
+            paragraph_bytes: 0,
+            previous_blank: true,
+            window: 0,
+            want_message: false,
+            block: 0,
+            after_location: false,
+            after_failure: false,
+            seen: std::collections::HashSet::new(),
+            previous: None,
+        }
     }
-    let summary_only = template.suppress_on_success && !failed;
-    if !summary_only {
-        for (i, line) in lines[..tail].iter().enumerate() {
-            if !keep[i] && template.include.is_match(content(line)) {
-                keep[i] = true;
+
+    /// Feeds the next bytes of the stream.
+    pub fn push(&mut self, mut data: &[u8]) {
+        while !data.is_empty() {
+            let room = MAX_LINE - self.partial.len();
+            let (n, complete) = match memchr::memchr(b'\n', &data[..data.len().min(room)]) {
+                Some(i) => (i + 1, true),
+                None if data.len() >= room => (room, true),
+                None => (data.len(), false),
+            };
+            self.partial.extend_from_slice(&data[..n]);
+            data = &data[n..];
+            if complete {
+                let line = std::mem::take(&mut self.partial);
+                self.line(line);
             }
         }
     }
-    if failed {
-        keep_errors(output, &lines, &mut keep);
+
+    fn candidate(&mut self, no: usize, why: Why, line: &[u8]) {
+        let text = content(line).trim_ascii();
+        if text.len() >= DEDUPE_MIN {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            text.hash(&mut h);
+            if !self.seen.insert(h.finish()) {
+                return;
+            }
+        }
+        let entry = (no, why, line.to_vec());
+        if self.head_bytes + line.len() <= MAX_KEPT / 2 {
+            self.head_bytes += line.len();
+            self.head.push(entry);
+            return;
+        }
+        self.tail_bytes += line.len();
+        self.tail.push_back(entry);
+        while self.tail_bytes > MAX_KEPT / 2 {
+            match self.tail.pop_front() {
+                Some((_, _, l)) => {
+                    self.tail_bytes -= l.len();
+                    self.dropped += 1;
+                }
+                None => break,
+            }
+        }
     }
 
-    let kept_lines = keep.iter().filter(|k| **k).count();
-    let omitted = lines.len() - kept_lines;
-    let mut out = Vec::new();
-    if omitted > 0 {
-        out.extend_from_slice(
-            format!(
-                "[template {}: {omitted} of {} lines left out]\n",
-                template.name,
-                lines.len()
-            )
-            .as_bytes(),
-        );
+    fn line(&mut self, raw: Vec<u8>) {
+        let no = self.lines;
+        self.lines += 1;
+        // Agents and patterns see the text without colour.
+        let line = super::ansi::strip(&raw).into_owned();
+        let text = content(&line);
+        let blank = is_blank(&line);
+        if self.first.len() <= SHORT_STREAM_LINES {
+            self.first.push(line.clone());
+        }
+        self.paragraph(no, &line, blank);
+
+        let mut why = None;
+        if self.template.include.is_match(text) {
+            why = Some(Why::Include);
+        }
+        let failure = ERROR_SHAPED.is_match(text);
+        let location = !failure && LOCATION.is_match(text);
+        let mut keep_failure = failure;
+        if self.block > 0 {
+            if blank {
+                self.block = 0;
+            } else {
+                self.block -= 1;
+                keep_failure = true;
+            }
+        } else if self.after_failure && !blank && FRAME.is_match(text) {
+            // An error line followed by its code frame: the block up to the next blank line
+            // is one diagnostic (rustc's labels under the source excerpt).
+            self.block = BLOCK_LINES;
+            keep_failure = true;
+        }
+        if self.want_message && !blank {
+            keep_failure = true;
+            self.want_message = false;
+        }
+        if self.window > 0 {
+            self.window -= 1;
+            if location {
+                keep_failure = true;
+            }
+        }
+        if self.after_location && !blank && text.first().is_some_and(|b| *b == b' ' || *b == b'\t')
+        {
+            // The source line under a location (`test_x.py:1: in <module>` / `    import x`).
+            keep_failure = true;
+        }
+        self.after_location = location && keep_failure;
+        // Only a header (not indented, not itself a frame line) opens a diagnostic block.
+        self.after_failure = failure && text.first().is_some_and(|b| !b.is_ascii_whitespace());
+        if failure {
+            self.window = LOCATION_WINDOW;
+            // A header whose message is on the next line: `panicked at f.rs:1:2:`, a test
+            // header `● suite › test`.
+            if text.ends_with(b":") || memchr::memmem::find(text, "●".as_bytes()).is_some() {
+                self.want_message = true;
+            }
+        }
+        if CARET.is_match(text) {
+            keep_failure = true;
+            if let Some((p, l)) = self.previous.take() {
+                self.candidate(p, Why::Failure, &l);
+            }
+        }
+        if keep_failure && !failure && LIBRARY_FRAME.is_match(text) {
+            keep_failure = false;
+        }
+        if keep_failure && why.is_none() {
+            why = Some(Why::Failure);
+        }
+        if let Some(why) = why {
+            self.candidate(no, why, &line);
+            self.previous = None;
+        } else {
+            self.previous = Some((no, line));
+        }
     }
-    for (line, k) in lines.iter().zip(&keep) {
-        if *k {
+
+    fn paragraph(&mut self, no: usize, line: &[u8], blank: bool) {
+        let n = self.template.tail_paragraphs;
+        if n == 0 {
+            return;
+        }
+        if !blank && self.previous_blank {
+            self.paragraphs.push_back((no, Vec::new()));
+            if self.paragraphs.len() > n
+                && let Some((_, p)) = self.paragraphs.pop_front()
+            {
+                self.paragraph_bytes -= p.iter().map(Vec::len).sum::<usize>();
+            }
+        }
+        self.previous_blank = blank;
+        if let Some((_, p)) = self.paragraphs.back_mut() {
+            p.push(line.to_vec());
+            self.paragraph_bytes += line.len();
+        }
+        // Bounded: a last paragraph of megabytes keeps its end.
+        while self.paragraph_bytes > MAX_TAIL || self.paragraph_lines() > MAX_TAIL_LINES {
+            let Some((start, p)) = self.paragraphs.front_mut() else {
+                break;
+            };
+            if p.is_empty() {
+                self.paragraphs.pop_front();
+                continue;
+            }
+            let l = p.remove(0);
+            *start += 1;
+            self.paragraph_bytes -= l.len();
+        }
+    }
+
+    fn paragraph_lines(&self) -> usize {
+        self.paragraphs.iter().map(|(_, p)| p.len()).sum()
+    }
+
+    /// Ends the stream. `exit_code` is the command's (`None`: it did not exit normally, a
+    /// failure). `full` names where the full output is, for the note.
+    pub fn finish(mut self, exit_code: Option<i32>, full: Option<&str>) -> Filtered {
+        if !self.partial.is_empty() {
+            let line = std::mem::take(&mut self.partial);
+            self.line(line);
+        }
+        let failed = exit_code != Some(0);
+        let total = self.lines;
+        let mut kept: Vec<(usize, &[u8])> = Vec::new();
+        if failed && total <= SHORT_STREAM_LINES {
+            kept = self
+                .first
+                .iter()
+                .enumerate()
+                .map(|(i, l)| (i, l.as_slice()))
+                .collect();
+        } else {
+            let summary_only = self.template.suppress_on_success && !failed;
+            let wanted = |why: Why| match why {
+                Why::Include => !summary_only,
+                Why::Failure => failed,
+            };
+            let mut tail_lines: Vec<(usize, &[u8])> = Vec::new();
+            for (start, p) in &self.paragraphs {
+                tail_lines.extend(p.iter().enumerate().map(|(i, l)| (start + i, l.as_slice())));
+            }
+            let tail_from = tail_lines.first().map_or(total, |(i, _)| *i);
+            let candidates = self
+                .head
+                .iter()
+                .chain(&self.tail)
+                .filter(|(no, why, _)| *no < tail_from && wanted(*why))
+                .map(|(no, _, l)| (*no, l.as_slice()));
+            kept.extend(candidates);
+            kept.extend(tail_lines);
+        }
+        let kept_lines = kept.len();
+        let omitted = total - kept_lines;
+        let mut out = Vec::new();
+        if omitted > 0 {
+            let mut note = format!(
+                "[template {}: {omitted} of {total} lines left out",
+                self.template.name
+            );
+            if self.dropped > 0 {
+                note.push_str(&format!(
+                    " ({} matching lines among them, over the filter's memory bound)",
+                    self.dropped
+                ));
+            }
+            if let Some(full) = full {
+                note.push_str(&format!("; full output: {full}"));
+            }
+            note.push_str("]\n");
+            out.extend_from_slice(note.as_bytes());
+        }
+        for (_, line) in kept {
             out.extend_from_slice(line);
         }
-    }
-    Filtered {
-        output: out,
-        total_lines: lines.len(),
-        kept_lines,
+        Filtered {
+            output: out,
+            total_lines: total,
+            kept_lines,
+        }
     }
 }
 
-/// Marks error-shaped lines and the location lines that follow them.
-fn keep_errors(output: &[u8], lines: &[&[u8]], keep: &mut [bool]) {
-    let base = output.as_ptr() as usize;
-    let starts: Vec<usize> = lines.iter().map(|l| l.as_ptr() as usize - base).collect();
-    let mut error_lines: Vec<usize> = Vec::new();
-    for m in ERROR_SHAPED.find_iter(output) {
-        let i = starts.partition_point(|&s| s <= m.start()) - 1;
-        if error_lines.last() != Some(&i) {
-            error_lines.push(i);
-        }
-    }
-    // Lines below this one were already searched for locations.
-    let mut searched = 0;
-    for &i in &error_lines {
-        keep[i] = true;
-        let text = content(lines[i]);
-        let mut from = i + 1;
-        if text.ends_with(b":") && memchr::memmem::find(text, b"panicked at").is_some() {
-            // Rust prints the panic message on the line after `panicked at path:l:c:`.
-            if let Some(k) = (i + 1..lines.len()).find(|&k| !is_blank(lines[k])) {
-                keep[k] = true;
-                from = k + 1;
-            }
-        }
-        let end = (from + LOCATION_WINDOW).min(lines.len());
-        for k in from.max(searched)..end {
-            if !keep[k] && LOCATION.is_match(content(lines[k])) {
-                keep[k] = true;
-            }
-        }
-        searched = searched.max(end);
-    }
+/// Applies `template` to one stream held whole (see [`StreamFilter`]). `exit_code` is the
+/// command's (`None` when a signal ended it, which counts as a failure).
+pub fn apply(template: &Template, output: &[u8], exit_code: Option<i32>) -> Filtered {
+    let mut f = StreamFilter::new(template);
+    f.push(output);
+    f.finish(exit_code, None)
 }
 
 #[cfg(test)]

@@ -9,8 +9,8 @@
 //! [`TemplateStore`], which caches per directory with a TTL and keeps the last good
 //! configuration when the file turns invalid.
 
+pub mod ansi;
 pub mod filter;
-pub mod result;
 pub mod store;
 
 use std::collections::BTreeMap;
@@ -18,8 +18,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-pub use filter::{Filtered, apply};
-pub use result::apply_to_result;
+pub use filter::{Filtered, StreamFilter, apply};
 pub use store::TemplateStore;
 
 /// The configuration file, relative to a directory on the way up from the working directory.

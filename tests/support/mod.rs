@@ -45,7 +45,15 @@ impl Gateway {
 
     /// Like [`Gateway::start`], with extra environment variables for the gateway process.
     pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Gateway {
+        Self::start_in(None, args, env)
+    }
+
+    /// Like [`Gateway::start_with_env`], in the working directory `dir` (when given).
+    pub fn start_in(dir: Option<&std::path::Path>, args: &[&str], env: &[(&str, &str)]) -> Gateway {
         let mut cmd = Command::new(gateway_bin());
+        if let Some(dir) = dir {
+            cmd.current_dir(dir);
+        }
         cmd.arg("serve")
             .arg("--listen")
             .arg("127.0.0.1:0")

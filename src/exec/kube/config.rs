@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use k8s_openapi::api::core::v1::{ResourceRequirements, Toleration, Volume, VolumeMount};
 use serde::{Deserialize, Serialize};
 
-use crate::config::Limits;
+use crate::limits::Limits;
 
 /// The image of the `default` profile when neither the file nor `--image` names one.
 pub const DEFAULT_IMAGE: &str = "busybox:1.36";

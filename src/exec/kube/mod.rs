@@ -75,6 +75,8 @@ struct Shared {
     live: Mutex<HashSet<String>>,
     /// Pending deletions, awaited at shutdown.
     deletions: TaskTracker,
+    /// Pod start and warm pool figures.
+    metrics: crate::metrics::Metrics,
 }
 
 impl Executor for KubeExecutor {

@@ -162,7 +162,9 @@ impl WarmPool {
                 .await
             {
                 Ok(_) => {
-                    crate::metrics::warm_pool_claim(&self.profile_name, true);
+                    self.shared
+                        .metrics
+                        .warm_pool_claim(&self.profile_name, true);
                     self.wake.notify_one();
                     return Some((name, node));
                 }
@@ -180,7 +182,9 @@ impl WarmPool {
                 }
             }
         }
-        crate::metrics::warm_pool_claim(&self.profile_name, false);
+        self.shared
+            .metrics
+            .warm_pool_claim(&self.profile_name, false);
         self.wake.notify_one();
         None
     }
@@ -258,7 +262,9 @@ impl WarmPool {
                             .creation_timestamp()
                             .and_then(|t| Duration::try_from(now.duration_since(t.0)).ok())
                     {
-                        crate::metrics::warm_pool_refill(&self.profile_name, age);
+                        self.shared
+                            .metrics
+                            .warm_pool_refill(&self.profile_name, age);
                     }
                 }
                 PodState::Waiting(_) => healthy += 1,

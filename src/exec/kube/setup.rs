@@ -36,6 +36,7 @@ impl KubeExecutor {
     pub async fn connect(
         config: KubernetesConfig,
         profiles: BTreeMap<String, Profile>,
+        metrics: crate::metrics::Metrics,
     ) -> Result<Self, KubeSetupError> {
         // Whichever TLS user comes first installs the process's crypto provider.
         let _ = rustls::crypto::ring::default_provider().install_default();
@@ -96,6 +97,7 @@ impl KubeExecutor {
                 identity,
                 live: Mutex::new(HashSet::new()),
                 deletions: TaskTracker::new(),
+                metrics,
             }),
             client,
             permits: Arc::new(Semaphore::new(config.max_concurrent_pods)),

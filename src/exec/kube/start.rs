@@ -99,7 +99,7 @@ impl KubeExecutor {
             r = self.wait_running(created, budget_end, start_timeout, &mut timings, &opts.progress) => r?,
             _ = opts.cancel.cancelled() => return Err(shutting_down()),
         };
-        crate::metrics::observe_pod_start(timings.since_start());
+        self.shared.metrics.observe_pod_start(timings.since_start());
         self.exec_in(spec, opts, guard, timings, node, &profile_name, &profile)
             .await
     }

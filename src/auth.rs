@@ -1,13 +1,10 @@
-//! Who may call the gateway and how often: optional bearer-token auth (config `auth:`,
-//! tokens from `MCP_RUN_AUTH_TOKENS_FILE` or `MCP_RUN_AUTH_TOKENS`), the caller's identity
-//! for audit and rate limiting, and the per-client token bucket (config `limits.rate_limit`).
-//! `docs/policy.md` describes the behaviour.
+//! Who calls the gateway: optional bearer-token auth (config `auth:`, tokens from
+//! `MCP_RUN_AUTH_TOKENS_FILE` or `MCP_RUN_AUTH_TOKENS`) and the caller's identity for audit
+//! and rate limiting ([`crate::rate_limit`]). `docs/policy.md` describes the behaviour.
 
-use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
 
 use axum::extract::{ConnectInfo, Request, State};
 use axum::http::{HeaderMap, header};
@@ -91,16 +88,6 @@ impl Default for AuthConfig {
             reload_secs: 10,
         }
     }
-}
-
-/// `limits.rate_limit`: a token bucket per client.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct RateLimitConfig {
-    /// Executions a client may start per minute, on average.
-    pub per_minute: u32,
-    /// Executions a client may start at once after being idle (the bucket size).
-    pub burst: u32,
 }
 
 /// One configured token, kept as its SHA-256 digest.
@@ -344,79 +331,18 @@ impl Auth {
     }
 }
 
-/// A token bucket per client key.
-pub struct RateLimiter {
-    per_sec: f64,
-    burst: f64,
-    buckets: Mutex<HashMap<String, Bucket>>,
-}
-
-#[derive(Clone, Copy)]
-struct Bucket {
-    tokens: f64,
-    at: Instant,
-}
-
-/// Above this many tracked clients, full (idle) buckets are forgotten.
-const PRUNE_ABOVE: usize = 4096;
-
-impl RateLimiter {
-    pub fn new(config: &RateLimitConfig) -> Self {
-        Self {
-            per_sec: f64::from(config.per_minute) / 60.0,
-            burst: f64::from(config.burst.max(1)),
-            buckets: Mutex::new(HashMap::new()),
-        }
-    }
-
-    /// Takes one token for `key` at `now`; `Err(secs)` is how long until one is there.
-    pub fn take_at(&self, key: &str, now: Instant) -> Result<(), u64> {
-        let mut buckets = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
-        if buckets.len() > PRUNE_ABOVE {
-            let (rate, burst) = (self.per_sec, self.burst);
-            buckets.retain(|_, b| {
-                b.tokens + now.saturating_duration_since(b.at).as_secs_f64() * rate < burst
-            });
-        }
-        let b = buckets.entry(key.to_owned()).or_insert(Bucket {
-            tokens: self.burst,
-            at: now,
-        });
-        let elapsed = now.saturating_duration_since(b.at).as_secs_f64();
-        b.tokens = (b.tokens + elapsed * self.per_sec).min(self.burst);
-        b.at = now;
-        if b.tokens >= 1.0 {
-            b.tokens -= 1.0;
-            Ok(())
-        } else if self.per_sec <= 0.0 {
-            Err(60)
-        } else {
-            Err(((1.0 - b.tokens) / self.per_sec).ceil().max(1.0) as u64)
-        }
-    }
-
-    /// Takes one token for `caller`, or a 429 with `Retry-After`.
-    pub fn take(&self, caller: &Caller) -> Result<(), ErrorBody> {
-        self.take_at(&caller.key(), Instant::now()).map_err(|secs| {
-            ErrorBody::new(
-                ErrorCode::TooManyRequests,
-                format!(
-                    "rate limit: {} is over limits.rate_limit ({} per minute, burst {}); retry in {secs} s",
-                    caller.describe(),
-                    (self.per_sec * 60.0).round(),
-                    self.burst
-                ),
-            )
-            .retry_after(secs)
-        })
-    }
+/// What the HTTP middleware needs: the tokens (`None`: auth off) and where to count refusals.
+#[derive(Clone)]
+pub struct Gate {
+    pub auth: Option<Arc<Auth>>,
+    pub metrics: crate::metrics::Metrics,
 }
 
 /// The HTTP middleware: finds the caller's address and, when auth is on, checks the bearer
 /// token of every path but the open ones. The [`Caller`] goes into the request's extensions
 /// for the handlers (and, through rmcp, the MCP tools).
 pub async fn middleware(
-    State(auth): State<Option<Arc<Auth>>>,
+    State(Gate { auth, metrics }): State<Gate>,
     mut req: Request,
     next: Next,
 ) -> Response {
@@ -435,7 +361,7 @@ pub async fn middleware(
             Ok(name) => caller.identity = Some(name),
             Err(e) => {
                 tracing::info!(target: "mcp_run::audit", path = %req.uri().path(), client = %caller.describe(), outcome = "unauthorized", "{}", e.message);
-                crate::metrics::rejected(e.code);
+                metrics.rejected(e.code);
                 return e.into_response();
             }
         }
@@ -454,7 +380,6 @@ pub fn mcp_caller(extensions: &rmcp::model::Extensions) -> Option<Caller> {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
 
     use super::*;
 
@@ -567,29 +492,6 @@ mod tests {
         std::fs::write(&file, "# emptied\n").unwrap();
         assert_eq!(auth.reload(), Ok(true));
         assert_eq!(auth.len(), 1);
-    }
-
-    #[test]
-    fn token_bucket() {
-        let rl = RateLimiter::new(&RateLimitConfig {
-            per_minute: 60,
-            burst: 2,
-        });
-        let t0 = Instant::now();
-        assert!(rl.take_at("a", t0).is_ok());
-        assert!(rl.take_at("a", t0).is_ok());
-        assert_eq!(rl.take_at("a", t0), Err(1));
-        // Another client has its own bucket.
-        assert!(rl.take_at("b", t0).is_ok());
-        // One token per second comes back.
-        assert!(rl.take_at("a", t0 + Duration::from_millis(1000)).is_ok());
-        assert!(rl.take_at("a", t0 + Duration::from_millis(1500)).is_err());
-        let slow = RateLimiter::new(&RateLimitConfig {
-            per_minute: 2,
-            burst: 1,
-        });
-        assert!(slow.take_at("a", t0).is_ok());
-        assert_eq!(slow.take_at("a", t0), Err(30));
     }
 
     #[test]

@@ -114,7 +114,7 @@ async fn auth_on_protects_raw_mcp_and_capabilities_but_not_probes() {
         client.cancel().await.ok();
     }
 
-    // run-remote sends RUN_REMOTE_TOKEN; without it, it fails with 65 and says why.
+    // run-remote sends RUN_REMOTE_TOKEN; without it, it fails with 125 and says why.
     let out = gw
         .run_remote()
         .env("RUN_REMOTE_TOKEN", TOKEN_CI)
@@ -129,7 +129,7 @@ async fn auth_on_protects_raw_mcp_and_capabilities_but_not_probes() {
     );
     assert_eq!(out.stdout, b"remote\n");
     let out = gw.run_remote().args(["--", "echo", "x"]).output().unwrap();
-    assert_eq!(out.status.code(), Some(65));
+    assert_eq!(out.status.code(), Some(125));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         err.contains("unauthorized") && err.contains("RUN_REMOTE_TOKEN"),

@@ -336,7 +336,7 @@ impl ToolConfig {
                 FlagType::String => json!({"type": "string"}),
                 FlagType::Number => json!({"type": "number"}),
                 FlagType::Array => {
-                    json!({"type": "array", "items": {"type": ["string", "number"]}})
+                    json!({"type": "array", "items": {"anyOf": [{"type": "string"}, {"type": "number"}]}})
                 }
             };
             if !spec.description.is_empty() {

@@ -17,7 +17,14 @@ use serde::{Deserialize, Serialize};
 use crate::contract::{ErrorBody, Event, ExitInfo, RunContext, RunRequest};
 use crate::exec::Execution;
 
-/// The default cap per stream in MCP results: 1 MiB.
+mod budget;
+mod template;
+
+pub use budget::{cost, excerpt, fit_head, fit_tail};
+pub use template::apply_to_result;
+
+/// The default cap per stream of `run-remote --output-format json|markdown`: 1 MiB. (MCP
+/// results are sized by a character budget instead, see [`Capture::excerpt`].)
 pub const DEFAULT_MAX_OUTPUT_BYTES: usize = 1024 * 1024;
 
 /// Where and how a command ran.
@@ -64,6 +71,21 @@ pub struct CommandOutput {
     /// Whether the gateway's timeout killed it.
     #[serde(default)]
     pub timed_out: bool,
+    /// Where the whole output can be read, when this result leaves part of it out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub full_output: Option<FullOutput>,
+}
+
+/// The kept full output of a run (MCP resources, `resources/read`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct FullOutput {
+    /// The URI of stdout (`mcp-run://runs/{id}/stdout`).
+    pub stdout_uri: String,
+    pub stdout_bytes: u64,
+    pub stderr_uri: String,
+    pub stderr_bytes: u64,
+    /// How to read parts of it.
+    pub how: String,
 }
 
 /// The whole result.
@@ -148,6 +170,14 @@ impl Capture {
     pub fn total(&self) -> u64 {
         self.total
     }
+
+    /// The captured stream cut to `budget` (see [`excerpt`]); `marker` gets stream offsets.
+    pub fn excerpt(&self, budget: usize, marker: impl Fn(u64, u64) -> String) -> (String, bool) {
+        let mut bytes = self.head.clone();
+        let split = bytes.len();
+        bytes.extend(self.tail.iter());
+        excerpt(&bytes, Some((split, self.omitted())), budget, marker)
+    }
 }
 
 /// A run as collected from its events.
@@ -207,30 +237,12 @@ pub async fn collect(
     }
 }
 
-/// An argv as a reader would type it: plain words as they are, others single-quoted.
-pub fn command_line(executable: &str, args: &[String]) -> String {
-    std::iter::once(executable)
-        .chain(args.iter().map(String::as_str))
-        .map(|a| {
-            let plain = !a.is_empty()
-                && a.bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b"-_./=:,+@%^".contains(&b));
-            if plain {
-                a.to_string()
-            } else {
-                format!("'{}'", a.replace('\'', "'\\''"))
-            }
-        })
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
 impl StructuredResult {
     fn context_for(tool: &str, req: &RunRequest, ctx: Option<&RunContext>) -> ExecutionContext {
         let ctx = ctx.cloned().unwrap_or_default();
         ExecutionContext {
             tool: tool.into(),
-            command_line: command_line(&req.executable, &req.args),
+            command_line: req.command_line(),
             backend: ctx.backend,
             namespace: ctx.namespace,
             pod: ctx.pod,
@@ -262,6 +274,7 @@ impl StructuredResult {
             started_at: run.started_at.clone(),
             truncated: t1 || t2,
             timed_out: exit.timed_out,
+            full_output: None,
         };
         let success =
             run.error.is_none() && run.exit.is_some_and(|e| e.code == Some(0) && !e.timed_out);
@@ -299,17 +312,22 @@ impl StructuredResult {
 
     /// The result of a request that was refused or could not start.
     pub fn not_started(tool: &str, req: &RunRequest, error: &ErrorBody) -> Self {
+        Self::did_not_run(tool, req, error.code.as_str(), &error.message)
+    }
+
+    /// A command that did not run, for `reason` (an error code, or a client's own reason).
+    pub fn did_not_run(tool: &str, req: &RunRequest, reason: &str, message: &str) -> Self {
         let context = Self::context_for(tool, req, None);
         Self {
             summary: format!(
-                "`{}` did not run: {} ({})",
-                context.command_line, error.message, error.code
+                "`{}` did not run: {message} ({reason})",
+                context.command_line
             ),
             context,
             outputs: Vec::new(),
             success: false,
             total_duration_ms: 0,
-            error: Some(format!("{}: {}", error.code, error.message)),
+            error: Some(format!("{reason}: {message}")),
         }
     }
 
@@ -357,6 +375,12 @@ impl StructuredResult {
                 (Some(c), _) if c != 0 => md.push_str(&format!("**Exit Code:** {c}\n\n")),
                 (None, Some(s)) => md.push_str(&format!("**Signal:** {s}\n\n")),
                 _ => {}
+            }
+            if let Some(f) = &o.full_output {
+                md.push_str(&format!(
+                    "**Full output:** `{}` ({} bytes), `{}` ({} bytes): {}.\n\n",
+                    f.stdout_uri, f.stdout_bytes, f.stderr_uri, f.stderr_bytes, f.how
+                ));
             }
         }
         md
@@ -429,11 +453,12 @@ mod tests {
 
     #[test]
     fn command_lines_are_quoted_for_reading() {
-        let args = vec!["-c".to_string(), "echo 'hi' $HOME".into(), "".into()];
-        assert_eq!(
-            command_line("sh", &args),
-            r#"sh -c 'echo '\''hi'\'' $HOME' ''"#
-        );
+        let req = RunRequest {
+            executable: "sh".into(),
+            args: vec!["-c".to_string(), "echo 'hi' $HOME".into(), "".into()],
+            ..Default::default()
+        };
+        assert_eq!(req.command_line(), r#"sh -c 'echo '\''hi'\'' $HOME' ''"#);
     }
 
     fn req() -> RunRequest {

@@ -1,8 +1,7 @@
-//! A template applied to a [`StructuredResult`] (MCP, `run-remote --output-format json`).
+//! A template applied to a [`StructuredResult`] (`run-remote --output-format json|markdown`).
 
-use crate::result::StructuredResult;
-
-use super::Template;
+use super::StructuredResult;
+use crate::templates::Template;
 
 /// Filters every output's stdout and stderr and says so in the summary: which template, how
 /// many lines it removed, and how to get the full output. Returns the lines removed.
@@ -25,7 +24,7 @@ pub fn apply_to_result(result: &mut StructuredResult, template: &Template) -> us
 }
 
 #[cfg(test)]
-mod tests {
+mod template_tests {
     use super::*;
     use crate::result::{CommandOutput, ExecutionContext};
     use crate::templates::Catalog;
@@ -47,6 +46,7 @@ mod tests {
                 started_at: String::new(),
                 truncated: false,
                 timed_out: false,
+                full_output: None,
             }],
             success: false,
             total_duration_ms: 1,

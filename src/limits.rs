@@ -1,0 +1,76 @@
+//! Limits applied to every execution, whatever the front end or backend: a leaf module that
+//! the policy, the runner, the backends and the configuration all read, and that imports
+//! none of them.
+
+use serde::{Deserialize, Serialize};
+
+/// Limits applied to every execution (`limits:` in the configuration file).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    /// The timeout of a request that does not set `timeout_secs`.
+    pub default_timeout_secs: u64,
+    /// The largest `timeout_secs` a request may ask for.
+    pub max_timeout_secs: u64,
+    /// Executions at once over every front end; more get 429. Absent: no limit.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_concurrent_executions: Option<usize>,
+    /// Executions a client (auth identity, else address) may start: a token bucket.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rate_limit: Option<RateLimitConfig>,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            default_timeout_secs: 600,
+            max_timeout_secs: 3600,
+            max_concurrent_executions: None,
+            rate_limit: None,
+        }
+    }
+}
+
+/// `limits.rate_limit`: a token bucket per client.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RateLimitConfig {
+    /// Executions a client may start per minute, on average.
+    pub per_minute: u32,
+    /// Executions a client may start at once after being idle (the bucket size).
+    pub burst: u32,
+}
+
+impl Limits {
+    /// Checks the rules that types alone do not express: `(field, message)` on failure.
+    pub fn validate(&self) -> Result<(), (String, String)> {
+        let invalid = |f: &str, m: String| Err((f.to_owned(), m));
+        if self.max_timeout_secs == 0 {
+            return invalid("limits.max_timeout_secs", "must be at least 1".into());
+        }
+        if self.default_timeout_secs == 0 || self.default_timeout_secs > self.max_timeout_secs {
+            return invalid(
+                "limits.default_timeout_secs",
+                format!(
+                    "must be between 1 and limits.max_timeout_secs ({})",
+                    self.max_timeout_secs
+                ),
+            );
+        }
+        if self.max_concurrent_executions == Some(0) {
+            return invalid(
+                "limits.max_concurrent_executions",
+                "must be at least 1".into(),
+            );
+        }
+        if let Some(r) = &self.rate_limit {
+            if r.per_minute == 0 {
+                return invalid("limits.rate_limit.per_minute", "must be at least 1".into());
+            }
+            if r.burst == 0 {
+                return invalid("limits.rate_limit.burst", "must be at least 1".into());
+            }
+        }
+        Ok(())
+    }
+}
