@@ -8,6 +8,7 @@ mod kube_double;
 
 mod exec;
 mod exec_errors;
+mod faults;
 mod lifecycle;
 mod rest;
 mod watch;

@@ -616,6 +616,12 @@ async fn read_client(
             Some(Ok(Message::Binary(b))) if !proto.base64() && !b.is_empty() => {
                 (b[0], b.slice(1..))
             }
+            // A text frame on a binary protocol is read like a binary one, as the API
+            // server's wsstream reader does.
+            Some(Ok(Message::Text(t))) if !proto.base64() && !t.is_empty() => {
+                let b = Bytes::copy_from_slice(t.as_bytes());
+                (b[0], b.slice(1..))
+            }
             Some(Ok(Message::Text(t))) if proto.base64() && !t.is_empty() => {
                 let s = t.as_str();
                 let ch = s.as_bytes()[0].wrapping_sub(b'0');

@@ -139,6 +139,7 @@ impl KubeExecutor {
                     name,
                     p,
                     longest_request + Duration::from_secs(self.config.pod_start_timeout_secs),
+                    Duration::from_secs(self.config.pod_start_timeout_secs),
                     self.reaper.child_token(),
                 );
                 tracing::info!(profile = name, size = pool.size(), "warm pool started");
