@@ -1,0 +1,35 @@
+//! Serves the API-server test double on its own, for tools outside the test suite
+//! (bench/kube_double_bench.py): `cargo test --test kube_double_serve -- --ignored
+//! --nocapture`. Prints `KUBECONFIG=<path>` and serves until its stdin closes.
+//! `KUBE_DOUBLE_STEP_MS` sets the delay of each simulated lifecycle step (default 20 ms).
+
+mod kube_double;
+
+use std::io::{BufRead as _, Write as _};
+use std::time::Duration;
+
+use kube_double::{DoubleOptions, KubeDouble};
+
+#[test]
+#[ignore = "a server for bench scripts, not a test"]
+fn serve() {
+    let step = std::env::var("KUBE_DOUBLE_STEP_MS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(20);
+    let double = KubeDouble::start_with(DoubleOptions {
+        step_delay: Duration::from_millis(step),
+        ..Default::default()
+    });
+    println!("KUBECONFIG={}", double.kubeconfig().display());
+    println!("TOKEN={}", double.options().token);
+    println!("URL={}", double.url());
+    let _ = std::io::stdout().flush();
+    // Serve until whoever started us closes our stdin.
+    for line in std::io::stdin().lock().lines() {
+        if line.is_err() {
+            break;
+        }
+    }
+    drop(double);
+}
