@@ -2,22 +2,29 @@
 """Benchmarks of the /raw path on the local backend, each figure against a baseline measured
 in the same run (these machines are noisy; absolute numbers mean little).
 
-    cargo build --release --bins && python3 bench/raw_bench.py [--size-mb 512] [--runs 300]
+    cargo build --release --bins && python3 bench/raw_bench.py [--size-mb 300] [--pairs 7]
 
 Measures:
-  throughput  run-remote -- cat BIGFILE > /dev/null   vs  cat BIGFILE | cat > /dev/null
-              (and ssh localhost cat BIGFILE when an sshd can be started on loopback)
+  stdout      run-remote -- cat F > /dev/null        vs  cat F | cat > /dev/null
+  stdin       run-remote -i -- wc -c < F > /dev/null vs  the same pipe
+              (and ssh localhost cat F when an sshd can be started on loopback)
+              Each figure is the median over --pairs pairs (baseline and candidate run back to
+              back, in alternating order), with the spread (min-max) of the per-pair ratios,
+              and the CPU time the gateway and the client spent per GB of payload.
   latency     run-remote -- true  vs  spawning true directly (p50, p99)
   memory      gateway RSS idle, and with 100 concurrent streaming requests of two output
-              sizes (bounded memory means the two peaks are about equal)
+              sizes (bounded memory means the two peaks are about equal); with stdin, the
+              gateway's peak while 300 MB go through `run-remote -i -- wc -c`
 
-Prints a markdown table for docs/performance.md.
+Prints the machine's load and a markdown table for docs/performance.md.
 """
 
 import argparse
 import concurrent.futures
 import os
 import re
+import resource
+import statistics
 import shutil
 import signal
 import socket
@@ -56,8 +63,39 @@ def timed(cmd, **kw):
     return time.perf_counter() - t
 
 
-def best_of(n, fn):
-    return min(fn() for _ in range(n))
+def cpu_secs(pid):
+    """utime + stime of a process (not of its children), in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu():
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def pairs(n, baseline, candidate, gw_pid=None):
+    """Runs baseline and candidate back to back n times (alternating which goes first).
+    Returns per-pair ratios (baseline time / candidate time), the candidate's times, and the
+    gateway's and the client's CPU seconds spent in the candidate runs."""
+    ratios, times, gw_cpu, client_cpu = [], [], 0.0, 0.0
+    for i in range(n):
+        if i % 2:
+            b = baseline()
+        g0, c0 = (cpu_secs(gw_pid) if gw_pid else 0.0), children_cpu()
+        c = candidate()
+        gw_cpu += (cpu_secs(gw_pid) - g0) if gw_pid else 0.0
+        client_cpu += children_cpu() - c0
+        if not i % 2:
+            b = baseline()
+        ratios.append(b / c)
+        times.append(c)
+    return ratios, times, gw_cpu, client_cpu
+
+
+def ratio_cells(ratios):
+    return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
 def pct(values, p):
@@ -108,9 +146,9 @@ def start_sshd(tmp):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--size-mb", type=int, default=512)
+    ap.add_argument("--size-mb", type=int, default=300)
     ap.add_argument("--runs", type=int, default=300)
-    ap.add_argument("--repeat", type=int, default=3, help="best of N for throughput")
+    ap.add_argument("--pairs", type=int, default=7, help="baseline/candidate pairs per throughput figure")
     ap.add_argument("--redaction", action="store_true",
                     help="also measure throughput through a gateway with redaction configured")
     args = ap.parse_args()
@@ -134,8 +172,38 @@ def main():
         subprocess.run(["cat", big], stdout=null, check=True)
         subprocess.run([CLIENT, "--", "true"], env=env, check=True)
 
-        pipe = best_of(args.repeat, lambda: timed(["sh", "-c", f"cat '{big}' | cat > /dev/null"]))
-        remote = best_of(args.repeat, lambda: timed([CLIENT, "--", "cat", big], stdout=null, env=env))
+        mb = size / 1e6
+        gb = size / 1e9
+        load_before = os.getloadavg()
+        pipe_cmd = f"cat '{big}' | cat > /dev/null"
+
+        def pipe():
+            return timed(["sh", "-c", pipe_cmd])
+
+        def stdout_run():
+            return timed([CLIENT, "--", "cat", big], stdout=null, env=env)
+
+        def stdin_run():
+            with open(big, "rb") as f:
+                return timed([CLIENT, "-i", "--", "wc", "-c"], stdin=f, stdout=null, env=env)
+
+        pipe_times = []
+
+        def pipe_timed():
+            t = pipe()
+            pipe_times.append(t)
+            return t
+
+        out_r, out_t, out_gw, out_cl = pairs(args.pairs, pipe_timed, stdout_run, gw.pid)
+        in_r, in_t, in_gw, in_cl = pairs(args.pairs, pipe_timed, stdin_run, gw.pid)
+        rows.append(("throughput", "`cat F | cat` (baseline)",
+                     f"{mb / statistics.median(pipe_times):.0f} MB/s", "1.00", "-", "-"))
+        rows.append(("throughput", "`run-remote -- cat F` (stdout)",
+                     f"{mb / statistics.median(out_t):.0f} MB/s", ratio_cells(out_r),
+                     f"{out_gw / (gb * args.pairs):.2f}", f"{out_cl / (gb * args.pairs):.2f}"))
+        rows.append(("throughput", "`run-remote -i -- wc -c < F` (stdin)",
+                     f"{mb / statistics.median(in_t):.0f} MB/s", ratio_cells(in_r),
+                     f"{in_gw / (gb * args.pairs):.2f}", f"{in_cl / (gb * args.pairs):.2f}"))
         if args.redaction:
             # A literal and a 40-byte token pattern: the stream redactor copies and scans
             # every chunk and holds back 39 bytes per stream (docs/policy.md).
@@ -146,37 +214,38 @@ def main():
             rgw, raddr = start_gateway(conf)
             renv = {**os.environ, "RUN_REMOTE_SERVER": f"http://{raddr}/raw"}
             try:
-                red = best_of(args.repeat, lambda: timed([CLIENT, "--", "cat", big], stdout=null, env=renv))
+                red_r, red_t, red_gw, red_cl = pairs(
+                    args.pairs, pipe,
+                    lambda: timed([CLIENT, "--", "cat", big], stdout=null, env=renv), rgw.pid)
             finally:
                 rgw.send_signal(signal.SIGTERM)
                 rgw.wait(timeout=30)
-        mb = size / 1e6
-        rows.append(("throughput", "`cat F | cat` (baseline)", f"{mb / pipe:.0f} MB/s", "1.00"))
-        rows.append(("throughput", "`run-remote -- cat F`", f"{mb / remote:.0f} MB/s", f"{pipe / remote:.2f}"))
-        if args.redaction:
-            rows.append(("throughput", "`run-remote -- cat F`, redaction on", f"{mb / red:.0f} MB/s",
-                         f"{pipe / red:.2f}"))
+            rows.append(("throughput", "`run-remote -- cat F`, redaction on",
+                         f"{mb / statistics.median(red_t):.0f} MB/s", ratio_cells(red_r),
+                         f"{red_gw / (gb * args.pairs):.2f}", f"{red_cl / (gb * args.pairs):.2f}"))
         sshd = start_sshd(tmp)
         if sshd:
             proc, ssh = sshd
             try:
-                s = best_of(args.repeat, lambda: timed(ssh + ["cat", big], stdout=null))
-                rows.append(("throughput", "`ssh localhost cat F`", f"{mb / s:.0f} MB/s", f"{pipe / s:.2f}"))
+                s_r, s_t, _, _ = pairs(args.pairs, pipe, lambda: timed(ssh + ["cat", big], stdout=null))
+                rows.append(("throughput", "`ssh localhost cat F`",
+                             f"{mb / statistics.median(s_t):.0f} MB/s", ratio_cells(s_r), "-", "-"))
             finally:
                 proc.kill()
         else:
-            rows.append(("throughput", "`ssh localhost cat F`", "no sshd here", "-"))
+            rows.append(("throughput", "`ssh localhost cat F`", "no sshd here", "-", "-", "-"))
+        load_after = os.getloadavg()
 
         direct = [timed(["true"]) for _ in range(args.runs)]
         via = [timed([CLIENT, "--", "true"], env=env) for _ in range(args.runs)]
         for p in (50, 99):
             d, v = pct(direct, p) * 1e3, pct(via, p) * 1e3
-            rows.append(("latency", f"p{p} `true` direct (baseline)", f"{d:.2f} ms", "1.00"))
-            rows.append(("latency", f"p{p} `run-remote -- true`", f"{v:.2f} ms", f"{v / d:.1f}x"))
-            rows.append(("latency", f"p{p} gateway + client overhead", f"{v - d:.2f} ms", "-"))
+            rows.append(("latency", f"p{p} `true` direct (baseline)", f"{d:.2f} ms", "1.00", "-", "-"))
+            rows.append(("latency", f"p{p} `run-remote -- true`", f"{v:.2f} ms", f"{v / d:.1f}x", "-", "-"))
+            rows.append(("latency", f"p{p} gateway + client overhead", f"{v - d:.2f} ms", "-", "-", "-"))
 
         idle = rss_kib(gw.pid)
-        rows.append(("memory", "gateway RSS idle (baseline)", f"{idle / 1024:.1f} MiB", "1.00"))
+        rows.append(("memory", "gateway RSS idle (baseline)", f"{idle / 1024:.1f} MiB", "1.00", "-", "-"))
         for out_mb in (8, 64):
             peak = idle
             stop = threading.Event()
@@ -195,15 +264,37 @@ def main():
             stop.set()
             t.join()
             rows.append(("memory", f"gateway peak RSS, 100 concurrent x {out_mb} MiB",
-                         f"{peak / 1024:.1f} MiB", f"{peak / idle:.1f}x"))
+                         f"{peak / 1024:.1f} MiB", f"{peak / idle:.1f}x", "-", "-"))
+        # stdin: the gateway's peak while the whole file goes through it.
+        peak = rss_kib(gw.pid)
+        stop = threading.Event()
+
+        def sample_in():
+            nonlocal peak
+            while not stop.is_set():
+                peak = max(peak, rss_kib(gw.pid))
+                time.sleep(0.01)
+
+        t = threading.Thread(target=sample_in)
+        t.start()
+        with open(big, "rb") as f:
+            subprocess.run([CLIENT, "-i", "--", "wc", "-c"], stdin=f, stdout=null, env=env, check=True)
+        stop.set()
+        t.join()
+        rows.append(("memory", f"gateway peak RSS, {size >> 20} MiB of stdin",
+                     f"{peak / 1024:.1f} MiB", f"{peak / idle:.1f}x", "-", "-"))
     finally:
         gw.send_signal(signal.SIGTERM)
         gw.wait(timeout=30)
         shutil.rmtree(tmp, ignore_errors=True)
 
-    print(f"File size {size >> 20} MiB, {args.runs} latency runs, {os.cpu_count()} cores.\n")
-    print("| what | measurement | value | ratio to baseline |")
-    print("|---|---|---|---|")
+    print(f"Command: python3 bench/{os.path.basename(__file__)} " + " ".join(sys.argv[1:]))
+    print(f"File size {size >> 20} MiB, {args.pairs} pairs per throughput figure, "
+          f"{args.runs} latency runs, {os.cpu_count()} cores, load average "
+          f"{load_before[0]:.2f} before and {load_after[0]:.2f} after the throughput runs.\n")
+    print("| what | measurement | value (median) | ratio to baseline: median (min-max) "
+          "| gateway CPU s/GB | client CPU s/GB |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         print("| " + " | ".join(r) + " |")
 

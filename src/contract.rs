@@ -7,10 +7,19 @@
 
 use std::collections::BTreeMap;
 
-use base64::Engine as _;
-use base64::engine::general_purpose::STANDARD as BASE64;
-use bytes::Bytes;
+use base64_simd::STANDARD as BASE64;
+use bytes::{Bytes, BytesMut};
 use serde::{Deserialize, Serialize};
+
+/// `Content-Type` of a `/raw` request that carries the command's stdin: the request JSON on
+/// the first line, then the stdin bytes verbatim until the end of the body (its end is the
+/// command's end of input). `application/json` bodies carry no stdin.
+pub const STDIN_CONTENT_TYPE: &str = "application/vnd.mcp-run.stdin";
+
+/// Request header (`Mcp-Run-Progress: 1`) asking `/raw` for `phase` events while the command
+/// is being prepared. With it, a start that fails after a phase was sent ends the stream with
+/// an `error` event instead of an HTTP error status.
+pub const PROGRESS_HEADER: &str = "mcp-run-progress";
 
 /// The body of `POST /raw` and the arguments of the MCP tool `run_network_tool`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
@@ -238,19 +247,13 @@ impl Event {
 
     /// The event as one NDJSON line, newline included.
     pub fn to_line(&self) -> Bytes {
-        // Output chunks are nearly all of the traffic: write them directly (base64 needs no
-        // JSON escaping) instead of through an intermediate String.
+        // Output chunks are nearly all of the traffic: written directly (base64 needs no JSON
+        // escaping) with SIMD base64, into one allocation, instead of through serde.
         if let Event::Stdout { data } | Event::Stderr { data } = self {
             let prefix = self.output_prefix();
-            let mut v = Vec::with_capacity(prefix.len() + data.len().div_ceil(3) * 4 + 3);
+            let mut v = Vec::with_capacity(prefix.len() + BASE64.encoded_length(data.len()) + 3);
             v.extend_from_slice(prefix);
-            let start = v.len();
-            v.resize(
-                start + base64::encoded_len(data.len(), true).unwrap_or(0),
-                0,
-            );
-            let n = BASE64.encode_slice(data, &mut v[start..]).unwrap_or(0);
-            v.truncate(start + n);
+            BASE64.encode_append(data, &mut v);
             v.extend_from_slice(b"\"}\n");
             return Bytes::from(v);
         }
@@ -270,40 +273,54 @@ impl Event {
     /// Parses one NDJSON line (without its newline). Output events in the exact form this
     /// crate writes are decoded without a JSON pass; anything else goes through serde.
     pub fn from_line(line: &[u8]) -> Result<Event, serde_json::Error> {
+        Self::from_line_mut(BytesMut::from(line))
+    }
+
+    /// [`Event::from_line`] on a line the caller owns: output data is decoded in place, so
+    /// the event's bytes share the line's buffer (no allocation, no copy).
+    pub fn from_line_mut(mut line: BytesMut) -> Result<Event, serde_json::Error> {
         for (prefix, stdout) in [(STDOUT_PREFIX, true), (STDERR_PREFIX, false)] {
-            if let Some(rest) = line
-                .strip_prefix(prefix)
-                .and_then(|r| r.strip_suffix(b"\"}"))
-                && let Ok(data) = BASE64.decode(rest)
+            // A backslash means JSON escapes (`\/`): only serde reads those.
+            if line.starts_with(prefix)
+                && line.ends_with(b"\"}")
+                && memchr::memchr(b'\\', &line).is_none()
             {
-                let data = Bytes::from(data);
-                return Ok(if stdout {
-                    Event::Stdout { data }
-                } else {
-                    Event::Stderr { data }
-                });
+                let end = line.len() - 2;
+                let decoded = BASE64
+                    .decode_inplace(&mut line[prefix.len()..end])
+                    .map(|d| d.len());
+                if let Ok(n) = decoded {
+                    let data = line.freeze().slice(prefix.len()..prefix.len() + n);
+                    return Ok(if stdout {
+                        Event::Stdout { data }
+                    } else {
+                        Event::Stderr { data }
+                    });
+                }
+                // serde would refuse it too, with the same decoder.
+                return Err(serde::de::Error::custom(
+                    "invalid base64 in an output event",
+                ));
             }
         }
-        serde_json::from_slice(line)
+        serde_json::from_slice(&line)
     }
 }
 
 const STDOUT_PREFIX: &[u8] = b"{\"type\":\"stdout\",\"data\":\"";
 const STDERR_PREFIX: &[u8] = b"{\"type\":\"stderr\",\"data\":\"";
 
-impl Event {}
-
 mod b64 {
     use super::*;
 
     pub fn serialize<S: serde::Serializer>(data: &Bytes, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&BASE64.encode(data))
+        s.serialize_str(&BASE64.encode_to_string(data))
     }
 
     pub fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Bytes, D::Error> {
         let s = <std::borrow::Cow<'de, str>>::deserialize(d)?;
         BASE64
-            .decode(s.as_bytes())
+            .decode_to_vec(s.as_bytes())
             .map(Bytes::from)
             .map_err(serde::de::Error::custom)
     }
@@ -325,6 +342,9 @@ pub enum ErrorCode {
     Unauthorized,
     /// The execution policy forbids the request (403).
     PolicyViolation,
+    /// The `Host` or `Origin` header names a host the gateway does not serve (403): DNS
+    /// rebinding protection (`server.allowed_hosts`).
+    ForbiddenHost,
     /// Too many executions at once, or rate limited (429).
     TooManyRequests,
     /// Not found (404).
@@ -371,6 +391,7 @@ impl ErrorCode {
             ErrorCode::UnsupportedMediaType => "unsupported_media_type",
             ErrorCode::Unauthorized => "unauthorized",
             ErrorCode::PolicyViolation => "policy_violation",
+            ErrorCode::ForbiddenHost => "forbidden_host",
             ErrorCode::TooManyRequests => "too_many_requests",
             ErrorCode::NotFound => "not_found",
             ErrorCode::MethodNotAllowed => "method_not_allowed",
@@ -395,7 +416,7 @@ impl ErrorCode {
         match self {
             ErrorCode::InvalidRequest | ErrorCode::UnknownProfile => 400,
             ErrorCode::Unauthorized => 401,
-            ErrorCode::PolicyViolation => 403,
+            ErrorCode::PolicyViolation | ErrorCode::ForbiddenHost => 403,
             ErrorCode::NotFound => 404,
             ErrorCode::MethodNotAllowed => 405,
             ErrorCode::PayloadTooLarge => 413,
@@ -494,6 +515,37 @@ mod tests {
                 message: "m".into()
             }
         );
+    }
+
+    #[test]
+    fn output_lines_decode_in_place_and_escapes_still_parse() {
+        let data: Vec<u8> = (0..=255u8).cycle().take(300_001).collect();
+        for event in [
+            Event::Stdout {
+                data: Bytes::from(data.clone()),
+            },
+            Event::Stderr { data: Bytes::new() },
+        ] {
+            let line = event.to_line();
+            let back = Event::from_line(&line[..line.len() - 1]).unwrap();
+            assert_eq!(back, event);
+        }
+        // Valid JSON that is not in the fast path's exact form.
+        let escaped = br#"{"type":"stdout","data":"aGkK\/w=="}"#;
+        assert_eq!(
+            Event::from_line(escaped).unwrap(),
+            Event::Stdout {
+                data: Bytes::from_static(b"hi\n\xff")
+            }
+        );
+        let spaced = br#"{"type": "stderr", "data": "aGkK/w=="}"#;
+        assert_eq!(
+            Event::from_line(spaced).unwrap(),
+            Event::Stderr {
+                data: Bytes::from_static(b"hi\n\xff")
+            }
+        );
+        assert!(Event::from_line(br#"{"type":"stdout","data":"a*=="}"#).is_err());
     }
 
     #[test]

@@ -4,6 +4,9 @@
 
 use serde::{Deserialize, Serialize};
 
+/// The default of `limits.max_concurrent_executions`.
+pub const DEFAULT_MAX_CONCURRENT_EXECUTIONS: usize = 64;
+
 /// Limits applied to every execution (`limits:` in the configuration file).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -12,12 +15,18 @@ pub struct Limits {
     pub default_timeout_secs: u64,
     /// The largest `timeout_secs` a request may ask for.
     pub max_timeout_secs: u64,
-    /// Executions at once over every front end; more get 429. Absent: no limit.
+    /// Executions at once over every front end; more get 429. Default 64; `null`: no limit.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_concurrent_executions: Option<usize>,
     /// Executions a client (auth identity, else address) may start: a token bucket.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rate_limit: Option<RateLimitConfig>,
+    /// Whether requests may send the command a standard input (`run-remote -i`); when false
+    /// such requests get 403 `policy_violation`.
+    pub allow_stdin: bool,
+    /// The most stdin one execution may receive, in bytes; more ends the run with a
+    /// `payload_too_large` error (413 before the start when the body's length says so).
+    pub max_stdin_bytes: u64,
 }
 
 impl Default for Limits {
@@ -25,8 +34,12 @@ impl Default for Limits {
         Self {
             default_timeout_secs: 600,
             max_timeout_secs: 3600,
-            max_concurrent_executions: None,
+            // Sized for the chart's 256 MiB: a stalled stream holds about 1 MiB
+            // (docs/policy.md#memory-per-stream).
+            max_concurrent_executions: Some(DEFAULT_MAX_CONCURRENT_EXECUTIONS),
             rate_limit: None,
+            allow_stdin: true,
+            max_stdin_bytes: 1 << 30,
         }
     }
 }

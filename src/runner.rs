@@ -188,7 +188,12 @@ impl Runner {
             profile: req.profile.clone(),
             ..RunRequest::default()
         };
-        let started = self.start_inner(req, caller, io).await;
+        let mut started = self.start_inner(req, caller, io).await;
+        // A refusal may quote the request (a policy rule, a profile name, an env name): it
+        // leaves the gateway, so it is redacted like the output.
+        if let (Err(e), Some(r)) = (&mut started, &self.redactor) {
+            e.message = r.redact_str(&e.message);
+        }
         if let Err(e) = &started {
             self.metrics.rejected(e.code);
             self.audit_rejected(&audit, caller, e);
@@ -213,6 +218,12 @@ impl Runner {
             rate.take(caller)?;
         }
         let spec = self.spec(req)?;
+        if io.stdin.is_some() && !self.limits.allow_stdin {
+            return Err(ErrorBody::new(
+                ErrorCode::PolicyViolation,
+                "this gateway does not accept stdin for commands (limits.allow_stdin is false)",
+            ));
+        }
         // Taken before the backend starts anything, released when the execution is dropped.
         let slot = match &self.slots {
             Some(s) => Some(s.clone().try_acquire_owned().map_err(|_| {
@@ -256,7 +267,7 @@ impl Runner {
             .with_timeout(timeout)
             .tracked(self.tracker.token())
             .observed(self.metrics.execution_started(self.executor.name()))
-            .hold(slot))
+            .hold_while_running(slot))
     }
 
     /// How many executions are running.

@@ -3,24 +3,23 @@
 //! unauthenticated, like the probes).
 //! Every error is a JSON body `{"error":{"code","message"}}` with a matching status.
 
-use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use futures_util::StreamExt;
-use futures_util::stream::{self, Stream};
 use tokio::net::TcpListener;
 
-use crate::contract::{ErrorBody, ErrorCode, ErrorResponse, Event, RunRequest};
-use crate::exec::Execution;
+use crate::contract::{ErrorBody, ErrorCode, ErrorResponse, RunRequest};
 use crate::runner::Runner;
+
+mod raw;
+pub use raw::HeadLimit;
 
 /// Shared state of the HTTP handlers.
 #[derive(Clone)]
@@ -31,15 +30,15 @@ pub struct AppState {
     pub mcp: McpSettings,
     /// Bearer tokens for every path but the probes and metrics; `None`: auth off.
     pub auth: Option<Arc<crate::auth::Auth>>,
+    /// Host/Origin and declared-length checks in front of everything.
+    pub guard: Arc<crate::guard::Guard>,
 }
 
 /// How `/mcp` is served.
 #[derive(Clone)]
 pub struct McpSettings {
-    /// The `mcp:` section (result budget, output store, ...).
+    /// The `mcp:` section (result budget, output store, session limits, ...).
     pub config: crate::mcp::McpConfig,
-    /// Accepted `Host` headers (DNS-rebinding protection); empty accepts any.
-    pub allowed_hosts: Vec<String>,
     /// Ends every MCP session (at shutdown, once running commands were drained).
     pub stop: tokio_util::sync::CancellationToken,
     /// Operator-declared CLI tools served next to `run_network_tool`.
@@ -86,21 +85,33 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         )
         .with_tools(state.mcp.tools.clone())
         .with_templates(state.mcp.templates.clone(), "/".into());
-        let mut config = StreamableHttpServerConfig::default()
-            .with_allowed_hosts(state.mcp.allowed_hosts.clone());
-        if state.mcp.allowed_hosts.is_empty() {
-            config = config.disable_allowed_hosts();
-        }
+        // Host and Origin are checked for every endpoint by `guard`, with JSON errors.
+        let mut config = StreamableHttpServerConfig::default().disable_allowed_hosts();
         config.cancellation_token = state.mcp.stop.clone();
         config.max_request_body_bytes = max_body_bytes;
-        StreamableHttpService::new(
-            move || Ok(service.clone()),
-            Arc::new(LocalSessionManager::default()),
-            config,
-        )
+        let mut sessions = LocalSessionManager::default();
+        sessions.session_config.keep_alive =
+            Some(Duration::from_secs(state.mcp.config.session_idle_secs));
+        let sessions = Arc::new(sessions);
+        let guard = Arc::new(crate::mcp_http::McpGuard::new(
+            sessions.clone(),
+            state.mcp.config.max_sessions,
+            state.mcp.config.max_sessions_per_client,
+            max_body_bytes,
+        ));
+        tower::ServiceBuilder::new()
+            .layer(axum::middleware::from_fn_with_state(
+                guard,
+                crate::mcp_http::middleware,
+            ))
+            .service(StreamableHttpService::new(
+                move || Ok(service.clone()),
+                sessions,
+                config,
+            ))
     };
     Router::new()
-        .route("/raw", post(raw))
+        .route("/raw", post(raw::raw))
         .route("/capabilities", get(capabilities))
         .nest_service("/mcp", mcp)
         .route("/healthz", get(healthz))
@@ -114,6 +125,12 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
             )
         })
         .layer(DefaultBodyLimit::max(max_body_bytes))
+        .layer(axum::Extension(HeadLimit(max_body_bytes)))
+        // Inside auth: a request that gets here frees its connection from the cap on
+        // unauthenticated connections.
+        .layer(axum::middleware::from_fn(
+            crate::connections::mark_authenticated,
+        ))
         .layer(axum::middleware::from_fn_with_state(
             crate::auth::Gate {
                 auth: state.auth.clone(),
@@ -121,38 +138,37 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
             },
             crate::auth::middleware,
         ))
+        // Outermost: a request for a foreign host or with an oversized body goes no further.
+        .layer(axum::middleware::from_fn_with_state(
+            state.guard.clone(),
+            crate::guard::middleware,
+        ))
         .with_state(state)
 }
 
-/// Serves `router` on `listener` until `shutdown` fires, then drains: new connections are
-/// refused, running commands get `grace` to finish, then they are killed.
+/// Serves `router` on `listener` until `shutdown` fires, then drains: the listener stays
+/// open (new executions get `503 shutting_down`), running commands get `grace` to finish,
+/// then they are killed, and connections are closed (see [`crate::connections`]).
+#[allow(clippy::too_many_arguments)] // each is a distinct piece of the start-up; no bundle reads better
 pub async fn serve(
     listener: TcpListener,
     router: Router,
     runner: Arc<Runner>,
+    limits: crate::connections::ConnectionLimits,
+    auth_on: bool,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     grace: Duration,
     drained: tokio_util::sync::CancellationToken,
 ) -> std::io::Result<()> {
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    // The client address is the rate-limit key of callers without a token.
-    let app = router.into_make_service_with_connect_info::<std::net::SocketAddr>();
-    let server = axum::serve(listener, app).with_graceful_shutdown(async move {
-        shutdown.await;
-        let _ = tx.send(());
-    });
+    let metrics = runner.metrics().clone();
     let drain = async move {
-        if rx.await.is_ok() {
-            tracing::info!(running = runner.in_flight(), "shutting down");
-            runner.shutdown(grace).await;
-        }
+        shutdown.await;
+        tracing::info!(running = runner.in_flight(), "shutting down");
+        runner.shutdown(grace).await;
         // Long-lived connections (MCP sessions) end now, so that the server can stop.
         drained.cancel();
     };
-    // The server future ends when every connection has closed, which is after the runner
-    // ended the streams; both must finish.
-    let (served, ()) = tokio::join!(server.into_future(), drain);
-    served
+    crate::connections::run(listener, router, limits, auth_on, metrics, drain).await
 }
 
 async fn capabilities(State(state): State<AppState>) -> Response {
@@ -199,7 +215,7 @@ pub fn parse_request(
     if !is_json {
         return Err(ErrorBody::new(
             ErrorCode::UnsupportedMediaType,
-            "the request body must be JSON with `Content-Type: application/json`",
+            "the request body must be JSON with `Content-Type: application/json` (or, with stdin, `Content-Type: application/vnd.mcp-run.stdin`)",
         ));
     }
     let body = body.map_err(|rejection| {
@@ -215,69 +231,14 @@ pub fn parse_request(
             )
         }
     })?;
+    // serde would also take an array for a struct (`["echo",["x"]]`): only the documented
+    // object is a request.
+    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(ErrorBody::new(
+            ErrorCode::InvalidRequest,
+            "the request body must be a JSON object such as {\"executable\": \"echo\", \"args\": [\"hi\"]}",
+        ));
+    }
     serde_json::from_slice::<RunRequest>(&body)
         .map_err(|e| ErrorBody::new(ErrorCode::InvalidRequest, format!("invalid request: {e}")))
-}
-
-async fn raw(
-    State(state): State<AppState>,
-    caller: Option<axum::Extension<crate::auth::Caller>>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    let req = match parse_request(&headers, body) {
-        Ok(r) => r,
-        Err(e) => {
-            state.runner.metrics().rejected(e.code);
-            return e.into_response();
-        }
-    };
-    // Logged below: secrets in the command line are redacted like the output.
-    let command = match state.runner.redactor() {
-        Some(r) => r.redact_str(&req.command_line()),
-        None => req.command_line(),
-    };
-    let caller = caller.map(|c| c.0).unwrap_or_default();
-    match state.runner.start_as(req, &caller).await {
-        Ok(execution) => {
-            tracing::debug!(%command, context = ?execution.context(), "started");
-            let mut resp = Response::new(Body::from_stream(ndjson(execution, state.keepalive)));
-            let h = resp.headers_mut();
-            h.insert(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("application/x-ndjson"),
-            );
-            h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-            // Tells nginx-style proxies not to buffer the stream.
-            h.insert("x-accel-buffering", HeaderValue::from_static("no"));
-            resp
-        }
-        Err(e) => {
-            tracing::info!(%command, code = %e.code, message = %e.message, "rejected");
-            e.into_response()
-        }
-    }
-}
-
-/// The NDJSON body of a run: `started`, output, keep-alives while silent, one terminal
-/// event. The execution lives inside the stream, so a client that goes away drops it, and
-/// dropping it kills the command.
-pub fn ndjson(
-    execution: Execution,
-    keepalive: Duration,
-) -> impl Stream<Item = Result<Bytes, Infallible>> + Send {
-    let first = Event::Started {
-        context: execution.context().clone(),
-    }
-    .to_line();
-    let rest = stream::unfold(Some(execution), move |state| async move {
-        let mut execution = state?;
-        let event = match tokio::time::timeout(keepalive, execution.next()).await {
-            Ok(Some(event)) => event,
-            Ok(None) => return None,
-            Err(_) => Event::Keepalive,
-        };
-        Some((Ok(event.to_line()), Some(execution)))
-    });
-    stream::once(async move { Ok(first) }).chain(rest)
 }

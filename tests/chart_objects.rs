@@ -387,7 +387,10 @@ fn default_manifests_parse_strictly_and_are_hardened() {
     assert_eq!(i.namespaces.len(), 2);
     let gw_ns = i.deployments[0].metadata.namespace.clone().unwrap();
     let runner_ns = i.roles[0].metadata.namespace.clone().unwrap();
-    assert_ne!(gw_ns, runner_ns, "no permission in the gateway's own namespace");
+    assert_ne!(
+        gw_ns, runner_ns,
+        "no permission in the gateway's own namespace"
+    );
     assert_eq!(runner_ns, format!("{gw_ns}-runners"));
     for ns in [&gw_ns, &runner_ns] {
         let n = i

@@ -12,6 +12,7 @@ use clap::Parser;
 use tokio_util::sync::CancellationToken;
 
 use super::outcome::{self, Failure, Outcome};
+use super::run_remote_io as io;
 use super::run_remote_templates::{self as tpl, TemplateSink};
 use crate::contract::{ErrorBody, ErrorCode, Event, RunRequest};
 use crate::exec::Execution;
@@ -56,6 +57,14 @@ summary), and names the file that keeps the full output. `run-remote templates` 
     after_help = AFTER_HELP
 )]
 pub struct Args {
+    /// Send our stdin to the command, byte for byte, its end as the command's end of input.
+    /// Without it the command's stdin is empty.
+    #[arg(short = 'i', long = "stdin", visible_alias = "interactive")]
+    pub stdin: bool,
+    /// Show on stderr the phases while the gateway prepares the command (shown anyway when
+    /// stderr is a terminal) and where the command runs once it started.
+    #[arg(short = 'v', long)]
+    pub verbose: bool,
     /// Send this variable of the local environment with the command (repeatable). Fails
     /// before sending when any of them is unset.
     #[arg(long = "keep-env", value_name = "NAME")]
@@ -284,6 +293,22 @@ struct Prepared {
     remote: RemoteExecutor,
 }
 
+/// Runs the command; data piped in without -i is not sent, and says so once, as early as it
+/// can be seen (a pipe's writer may not have written yet at the start, so it is checked
+/// again at the end).
+async fn run(args: Args) -> Outcome {
+    let forwarding = args.stdin;
+    let hinted = !forwarding && io::stdin_has_data();
+    if hinted {
+        eprintln!("{}", io::STDIN_HINT);
+    }
+    let outcome = run_command(args).await;
+    if !forwarding && !hinted && io::stdin_has_data() {
+        eprintln!("{}", io::STDIN_HINT);
+    }
+    outcome
+}
+
 fn prepare(args: &Args) -> Result<Prepared, Failure> {
     let (server, request) =
         build_request(args, |k| std::env::var(k).ok(), std::env::current_dir())?;
@@ -300,7 +325,7 @@ fn prepare(args: &Args) -> Result<Prepared, Failure> {
     })
 }
 
-async fn run(args: Args) -> Outcome {
+async fn run_command(args: Args) -> Outcome {
     let prepared = match prepare(&args) {
         Ok(p) => p,
         Err(f) => return not_started(f, &args, None),
@@ -316,11 +341,26 @@ async fn run(args: Args) -> Outcome {
         }
         _ => None,
     };
-    let execution = match prepared
-        .remote
-        .run(&prepared.request, CancellationToken::new())
-        .await
-    {
+    let (progress, printer) = if io::show_progress(args.verbose) {
+        let (progress, phases) = crate::exec::Progress::channel();
+        (progress, Some(io::print_phases(phases)))
+    } else {
+        (crate::exec::Progress::default(), None)
+    };
+    let opts = crate::exec::StartOptions {
+        cancel: CancellationToken::new(),
+        progress,
+        stdin: args.stdin.then(io::forward_stdin),
+    };
+    let started = prepared.remote.run_with(&prepared.request, opts).await;
+    if let Some(printer) = printer {
+        // Every phase is printed before what follows.
+        let _ = printer.await;
+    }
+    if let (Ok(e), true) = (&started, args.verbose) {
+        eprintln!("{}", io::started_line(e.context()));
+    }
+    let execution = match started {
         Ok(e) => e,
         Err(e) => {
             let f = rejection(&e, &prepared.server);

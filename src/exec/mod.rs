@@ -15,6 +15,7 @@
 
 pub mod kube;
 pub mod local;
+pub mod reaper;
 pub mod remote;
 
 use std::collections::BTreeMap;
@@ -31,12 +32,14 @@ use tokio_util::task::task_tracker::TaskTrackerToken;
 
 use crate::contract::{ErrorBody, ErrorCode, Event, ExitInfo, RunContext};
 
-/// How many events a backend may queue ahead of the consumer. With 64 KiB reads this bounds
-/// the memory of one execution to about half a MiB whatever the output size.
-pub const EVENT_BUFFER: usize = 8;
+/// How many events a backend may queue ahead of the consumer. With 256 KiB reads this bounds
+/// the memory of one execution to about a MiB whatever the output size.
+pub const EVENT_BUFFER: usize = 4;
 
-/// The size of one read from a command's output.
-pub const READ_CHUNK: usize = 64 * 1024;
+/// The size of one read from a command's output. Large reads (with pipes enlarged to match,
+/// see `local`) mean fewer events, syscalls and wake-ups per byte: the per-chunk costs, not
+/// the copies, dominated the throughput with 64 KiB.
+pub const READ_CHUNK: usize = 256 * 1024;
 
 /// What to run, after the gateway resolved defaults and checked limits.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -87,6 +90,12 @@ impl Progress {
     pub fn channel() -> (Self, mpsc::Receiver<Event>) {
         let (tx, rx) = mpsc::channel(PROGRESS_BUFFER);
         (Self(Some(tx)), rx)
+    }
+
+    /// Whether anybody listens (a front end that shows phases); backends that must ask for
+    /// phases (a remote gateway) ask only then.
+    pub fn is_active(&self) -> bool {
+        self.0.as_ref().is_some_and(|tx| !tx.is_closed())
     }
 
     /// Reports a phase, with an optional detail (the scheduler's or kubelet's message).
@@ -153,7 +162,9 @@ pub struct Execution {
     events: mpsc::Receiver<Event>,
     cancel: CancellationToken,
     _cancel_on_drop: DropGuard,
-    deadline: Option<Pin<Box<Sleep>>>,
+    /// Fired by the timeout's watchdog task, which kills the command whether or not anyone
+    /// polls this execution (a client that stopped reading must not stop the timeout).
+    timeout_fired: Option<CancellationToken>,
     /// After the timeout fired, how long to wait for the backend's `exit` before giving up.
     kill_grace: Option<Pin<Box<Sleep>>>,
     timed_out: bool,
@@ -197,7 +208,7 @@ impl Execution {
             events,
             _cancel_on_drop: cancel.clone().drop_guard(),
             cancel,
-            deadline: None,
+            timeout_fired: None,
             kill_grace: None,
             timed_out: false,
             finished: false,
@@ -229,8 +240,35 @@ impl Execution {
     }
 
     /// Kills the command after `timeout`; its `exit` event then says `timed_out: true`.
+    /// A task watches the clock, so the kill happens even while nobody reads the events.
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
-        self.deadline = Some(Box::pin(tokio::time::sleep(timeout)));
+        let fired = CancellationToken::new();
+        let cancel = self.cancel.clone();
+        let watchdog = fired.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = tokio::time::sleep(timeout) => {
+                    tracing::debug!("timeout reached, killing the command");
+                    watchdog.cancel();
+                    cancel.cancel();
+                }
+                // Ended, dropped or killed otherwise: nothing left to time.
+                _ = cancel.cancelled() => {}
+            }
+        });
+        self.timeout_fired = Some(fired);
+        self
+    }
+
+    /// Keeps `guard` until the command is killed (timeout, shutdown, client gone) or the
+    /// execution is dropped, whichever comes first: a concurrency slot is given back when the
+    /// command is gone even if a stalled client still holds the stream.
+    pub fn hold_while_running(self, guard: impl Send + 'static) -> Self {
+        let cancel = self.cancel.clone();
+        tokio::spawn(async move {
+            cancel.cancelled().await;
+            drop(guard);
+        });
         self
     }
 
@@ -310,7 +348,9 @@ impl Execution {
                 ev = self.events.recv() => {
                     let ev = match ev {
                         Some(Event::Exit(mut info)) => {
-                            info.timed_out |= self.timed_out;
+                            // The watchdog marks the timeout before it kills.
+                            info.timed_out |= self.timed_out
+                                || self.timeout_fired.as_ref().is_some_and(|t| t.is_cancelled());
                             Event::Exit(info)
                         }
                         Some(ev) => ev,
@@ -322,8 +362,7 @@ impl Execution {
                     self.finished = ev.is_terminal();
                     return Some(ev);
                 }
-                _ = sleep_opt(&mut self.deadline), if !self.timed_out => {
-                    tracing::debug!("timeout reached, killing the command");
+                _ = fired_opt(&self.timeout_fired), if !self.timed_out => {
                     self.timed_out = true;
                     self.kill_grace = Some(Box::pin(tokio::time::sleep(KILL_GRACE)));
                     self.cancel.cancel();
@@ -350,6 +389,14 @@ async fn sleep_opt(timer: &mut Option<Pin<Box<Sleep>>>) {
     }
 }
 
+/// Waits for an optional token; an absent token never fires.
+async fn fired_opt(token: &Option<CancellationToken>) {
+    match token {
+        Some(t) => t.cancelled().await,
+        None => std::future::pending().await,
+    }
+}
+
 /// Reads one chunk from a pipe, or waits forever when the pipe is closed already.
 pub(crate) async fn read_opt<R: AsyncRead + Unpin>(
     pipe: &mut Option<R>,
@@ -361,24 +408,6 @@ pub(crate) async fn read_opt<R: AsyncRead + Unpin>(
             p.read_buf(buf).await
         }
         None => std::future::pending().await,
-    }
-}
-
-/// Sends what was read; closes the pipe at EOF or on error. Returns false when the
-/// consumer is gone.
-pub(crate) async fn forward<R>(
-    n: std::io::Result<usize>,
-    pipe: &mut Option<R>,
-    buf: &mut BytesMut,
-    tx: &mpsc::Sender<Event>,
-    make: impl FnOnce(bytes::Bytes) -> Event,
-) -> bool {
-    match n {
-        Ok(0) | Err(_) => {
-            *pipe = None;
-            true
-        }
-        Ok(_) => tx.send(make(buf.split().freeze())).await.is_ok(),
     }
 }
 

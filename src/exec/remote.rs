@@ -11,7 +11,10 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::{EVENT_BUFFER, ExecSpec, Execution, Executor, StartOptions};
-use crate::contract::{ErrorBody, ErrorCode, ErrorResponse, Event, ExitInfo, RunRequest};
+use crate::contract::{
+    ErrorBody, ErrorCode, ErrorResponse, Event, ExitInfo, PROGRESS_HEADER, RunRequest,
+    STDIN_CONTENT_TYPE,
+};
 
 /// The remote backend's section of the configuration (`remote:`).
 #[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
@@ -31,7 +34,7 @@ impl RemoteConfig {
     }
 }
 
-/// The longest NDJSON line accepted from a gateway (a 64 KiB chunk is about 90 KB).
+/// The longest NDJSON line accepted from a gateway (a 256 KiB chunk is about 350 KB).
 const MAX_LINE: usize = 16 * 1024 * 1024;
 
 /// How much longer than the request's timeout to wait for the gateway's own timeout.
@@ -91,7 +94,22 @@ impl RemoteExecutor {
         req: &RunRequest,
         cancel: CancellationToken,
     ) -> Result<Execution, ErrorBody> {
-        let body = serde_json::to_vec(req).map_err(|e| {
+        self.run_with(req, StartOptions::new(cancel)).await
+    }
+
+    /// [`RemoteExecutor::run`] with stdin (streamed in the request body as it comes) and the
+    /// gateway's start-up phases, asked for when `opts.progress` has a listener.
+    pub async fn run_with(
+        &self,
+        req: &RunRequest,
+        opts: StartOptions,
+    ) -> Result<Execution, ErrorBody> {
+        let StartOptions {
+            cancel,
+            progress,
+            stdin,
+        } = opts;
+        let mut head = serde_json::to_vec(req).map_err(|e| {
             ErrorBody::new(
                 ErrorCode::InvalidRequest,
                 format!("cannot encode the request: {e}"),
@@ -100,9 +118,29 @@ impl RemoteExecutor {
         let mut builder = self
             .client
             .post(self.url.clone())
-            .header(reqwest::header::CONTENT_TYPE, "application/json")
-            .header(reqwest::header::ACCEPT, "application/x-ndjson")
-            .body(body);
+            .header(reqwest::header::ACCEPT, "application/x-ndjson");
+        builder = match stdin {
+            None => builder
+                .header(reqwest::header::CONTENT_TYPE, "application/json")
+                .body(head),
+            Some(input) => {
+                // The request line, then stdin verbatim: the body ends when `input` does.
+                head.push(b'\n');
+                let first = futures_util::stream::once(async move {
+                    Ok::<_, std::convert::Infallible>(Bytes::from(head))
+                });
+                let rest = futures_util::stream::unfold(input, |mut input| async move {
+                    let chunk = input.recv().await?;
+                    Some((Ok(chunk), input))
+                });
+                builder
+                    .header(reqwest::header::CONTENT_TYPE, STDIN_CONTENT_TYPE)
+                    .body(reqwest::Body::wrap_stream(first.chain(rest)))
+            }
+        };
+        if progress.is_active() {
+            builder = builder.header(PROGRESS_HEADER, "1");
+        }
         if let Some(token) = &self.token {
             builder = builder.bearer_auth(token);
         }
@@ -132,16 +170,29 @@ impl RemoteExecutor {
             buf: BytesMut::new(),
             scanned: 0,
         };
-        let context = match lines.next().await {
-            Ok(Some(Event::Started { context })) => context,
-            Ok(Some(Event::Error { code, message })) => return Err(ErrorBody::new(code, message)),
-            Ok(other) => {
-                return Err(ErrorBody::new(
-                    ErrorCode::ProtocolError,
-                    format!("the gateway's stream did not begin with `started` but with {other:?}"),
-                ));
+        // Phases (and keep-alives) may come first when they were asked for.
+        let context = loop {
+            let next = tokio::select! {
+                n = lines.next() => n,
+                _ = cancel.cancelled() => return Err(ErrorBody::new(ErrorCode::ShuttingDown, "cancelled")),
+            };
+            match next {
+                Ok(Some(Event::Started { context })) => break context,
+                Ok(Some(Event::Phase { phase, message })) => progress.report(phase, message),
+                Ok(Some(Event::Keepalive | Event::Unknown)) => {}
+                Ok(Some(Event::Error { code, message })) => {
+                    return Err(ErrorBody::new(code, message));
+                }
+                Ok(other) => {
+                    return Err(ErrorBody::new(
+                        ErrorCode::ProtocolError,
+                        format!(
+                            "the gateway's stream did not begin with `started` but with {other:?}"
+                        ),
+                    ));
+                }
+                Err(e) => return Err(e),
             }
-            Err(e) => return Err(e),
         };
         let (tx, rx) = mpsc::channel(EVENT_BUFFER);
         let own = cancel.child_token();
@@ -203,13 +254,13 @@ impl Lines {
             if let Some(pos) =
                 memchr::memchr(b'\n', &self.buf[self.scanned..]).map(|p| p + self.scanned)
             {
-                let line = self.buf.split_to(pos + 1);
+                let mut line = self.buf.split_to(pos + 1);
                 self.scanned = 0;
-                let line = &line[..pos];
+                line.truncate(pos);
                 if line.iter().all(u8::is_ascii_whitespace) {
                     continue;
                 }
-                return Event::from_line(line).map(Some).map_err(|e| {
+                return Event::from_line_mut(line).map(Some).map_err(|e| {
                     ErrorBody::new(
                         ErrorCode::ProtocolError,
                         format!("malformed event from the gateway: {e}"),
@@ -265,7 +316,6 @@ impl Executor for RemoteExecutor {
         spec: ExecSpec,
         opts: StartOptions,
     ) -> BoxFuture<'_, Result<Execution, ErrorBody>> {
-        let cancel = opts.cancel;
         Box::pin(async move {
             let req = RunRequest {
                 executable: spec.executable,
@@ -275,7 +325,7 @@ impl Executor for RemoteExecutor {
                 timeout_secs: Some(spec.timeout.as_secs().max(1)),
                 profile: spec.profile,
             };
-            self.run(&req, cancel).await
+            self.run_with(&req, opts).await
         })
     }
 

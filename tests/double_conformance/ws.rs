@@ -45,10 +45,9 @@ pub(super) async fn frames(ws: &mut Ws) -> (Vec<(u8, Vec<u8>)>, Option<u16>) {
             match m.expect("frame") {
                 Message::Binary(b) => out.push((b[0], b[1..].to_vec())),
                 Message::Text(t) => {
-                    use base64::Engine;
                     let ch = t.as_bytes()[0] - b'0';
-                    let data = base64::engine::general_purpose::STANDARD
-                        .decode(&t.as_bytes()[1..])
+                    let data = base64_simd::STANDARD
+                        .decode_to_vec(&t.as_bytes()[1..])
                         .expect("base64");
                     out.push((ch, data));
                 }

@@ -11,7 +11,6 @@ use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade, close_
 use axum::extract::{Path, RawQuery, State};
 use axum::http::{HeaderMap, HeaderValue, Method, header};
 use axum::response::{IntoResponse, Response};
-use base64::Engine;
 use futures_util::{SinkExt, StreamExt};
 use k8s_openapi::api::core::v1::Pod;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
@@ -312,7 +311,7 @@ fn frame(proto: Proto, ch: u8, data: &[u8]) -> Message {
     if proto.base64() {
         let mut s = String::with_capacity(1 + data.len() * 4 / 3 + 4);
         s.push((b'0' + ch) as char);
-        s.push_str(&base64::engine::general_purpose::STANDARD.encode(data));
+        s.push_str(&base64_simd::STANDARD.encode_to_string(data));
         Message::text(s)
     } else {
         let mut v = Vec::with_capacity(data.len() + 1);
@@ -625,7 +624,7 @@ async fn read_client(
             Some(Ok(Message::Text(t))) if proto.base64() && !t.is_empty() => {
                 let s = t.as_str();
                 let ch = s.as_bytes()[0].wrapping_sub(b'0');
-                match base64::engine::general_purpose::STANDARD.decode(&s[1..]) {
+                match base64_simd::STANDARD.decode_to_vec(&s.as_bytes()[1..]) {
                     Ok(d) => (ch, Bytes::from(d)),
                     Err(_) => continue,
                 }

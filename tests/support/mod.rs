@@ -5,6 +5,7 @@
 #![allow(dead_code)]
 
 pub mod suite;
+pub mod wire;
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
@@ -291,6 +292,41 @@ pub async fn raw_bytes(gw: &Gateway, body: Vec<u8>, content_type: &str) -> RawRu
         run.events.push(event);
     }
     run
+}
+
+/// POSTs a request with stdin (`Content-Type: application/vnd.mcp-run.stdin`: the request
+/// JSON on the first line, then the stdin bytes) and collects the answer.
+pub async fn raw_stdin(gw: &Gateway, body: serde_json::Value, stdin: &[u8]) -> RawRun {
+    let mut bytes = serde_json::to_vec(&body).unwrap();
+    bytes.push(b'\n');
+    bytes.extend_from_slice(stdin);
+    raw_bytes(gw, bytes, mcp_run::contract::STDIN_CONTENT_TYPE).await
+}
+
+/// Starts a stdin request whose body streams from `input` (chunked, ending when the sender is
+/// dropped); returns the response as soon as its headers arrive.
+pub async fn raw_stdin_streamed(
+    gw: &Gateway,
+    body: serde_json::Value,
+    input: tokio::sync::mpsc::Receiver<bytes::Bytes>,
+) -> reqwest::Response {
+    let mut head = serde_json::to_vec(&body).unwrap();
+    head.push(b'\n');
+    let first = futures_util::stream::once(async move {
+        Ok::<_, std::convert::Infallible>(bytes::Bytes::from(head))
+    });
+    let rest = futures_util::stream::unfold(input, |mut input| async move {
+        let chunk = input.recv().await?;
+        Some((Ok(chunk), input))
+    });
+    use futures_util::StreamExt;
+    http()
+        .post(gw.raw_url())
+        .header("content-type", mcp_run::contract::STDIN_CONTENT_TYPE)
+        .body(reqwest::Body::wrap_stream(first.chain(rest)))
+        .send()
+        .await
+        .expect("send")
 }
 
 /// Waits until `cond` holds, up to `limit`.

@@ -365,3 +365,33 @@ pub async fn concurrent_requests(gw: &Gateway, n: usize) {
     });
     futures_util::future::join_all(runs).await;
 }
+
+/// stdin reaches the command byte-exact and its end arrives as EOF; a command that does not
+/// read its stdin, or stops early, still ends normally.
+pub async fn stdin_round_trip(gw: &Gateway) {
+    use super::raw_stdin;
+    use sha2::Digest;
+    let data: Vec<u8> = (0..(1u64 << 20) + 3)
+        .map(|i| (i * 7919 % 251) as u8)
+        .collect();
+    let r = raw_stdin(gw, json!({"executable": "cat"}), &data).await;
+    assert_eq!((r.status, r.code()), (200, Some(0)), "{r:?}");
+    assert!(r.stdout == data, "cat returned {} bytes", r.stdout.len());
+    let r = raw_stdin(gw, json!({"executable": "sha256sum"}), &data).await;
+    let hex: String = sha2::Sha256::digest(&data)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    assert!(r.stdout_str().starts_with(&hex), "{}", r.stdout_str());
+    let r = raw_stdin(gw, json!({"executable": "wc", "args": ["-c"]}), b"").await;
+    assert_eq!(r.stdout_str().trim(), "0", "empty stdin is EOF at once");
+    let r = raw_stdin(gw, json!({"executable": "wc", "args": ["-c"]}), &data).await;
+    assert_eq!(r.stdout_str().trim(), data.len().to_string());
+    let big = vec![b'x'; 8 << 20];
+    let t = Instant::now();
+    let r = raw_stdin(gw, json!({"executable": "true"}), &big).await;
+    assert_eq!(r.code(), Some(0), "a command that ignores stdin: {r:?}");
+    let r = raw_stdin(gw, json!({"executable": "head", "args": ["-c", "5"]}), &big).await;
+    assert_eq!((r.stdout_str().as_str(), r.code()), ("xxxxx", Some(0)));
+    assert!(t.elapsed() < Duration::from_secs(30));
+}

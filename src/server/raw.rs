@@ -1,0 +1,612 @@
+//! `POST /raw`: one command, its events streamed back as NDJSON (docs/protocol.md).
+//!
+//! Two optional extensions, both backward compatible:
+//! - stdin: a body of type [`STDIN_CONTENT_TYPE`] is the request JSON on its first line, then
+//!   the command's stdin verbatim; it is read only as fast as the command consumes it (a
+//!   bounded channel between the body and the backend), so neither side buffers unbounded;
+//! - progress: with [`PROGRESS_HEADER`] the stream may begin before the command started, with
+//!   `phase` events; a start that fails after that ends the stream with an `error` event.
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use axum::body::{Body, BodyDataStream, Bytes};
+use axum::extract::{FromRequest, Request, State};
+use axum::http::{HeaderMap, HeaderValue, header};
+use axum::response::{IntoResponse, Response};
+use bytes::BytesMut;
+use futures_util::future::BoxFuture;
+use futures_util::stream::{self, Stream, StreamExt};
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::{CancellationToken, DropGuard};
+
+use super::AppState;
+use crate::auth::Caller;
+use crate::contract::{
+    ErrorBody, ErrorCode, Event, PROGRESS_HEADER, RunRequest, STDIN_CONTENT_TYPE,
+};
+use crate::exec::{Execution, Progress};
+use crate::runner::RunIo;
+
+/// Stdin chunks that may wait for the command before the gateway stops reading the request
+/// body (with the client's 256 KiB chunks, about 1 MiB per execution).
+const STDIN_BUFFER: usize = 4;
+
+/// After a run ended, how long and how much of an unread request body is still read and
+/// thrown away, so that closing the connection does not reset it while the client still
+/// reads the end of the response.
+const DRAIN_TIME: Duration = Duration::from_secs(2);
+const DRAIN_BYTES: u64 = 16 << 20;
+
+/// The largest request line of a stdin body (the JSON body limit, `server.max_body_bytes`).
+#[derive(Debug, Clone, Copy)]
+pub struct HeadLimit(pub usize);
+
+pub(super) async fn raw(
+    State(state): State<AppState>,
+    caller: Option<axum::Extension<Caller>>,
+    peer_closed: Option<axum::Extension<crate::connections::PeerClosed>>,
+    axum::Extension(HeadLimit(head_limit)): axum::Extension<HeadLimit>,
+    request: Request,
+) -> Response {
+    let headers = request.headers().clone();
+    let progress = wants_progress(&headers);
+    let caller = caller.map(|c| c.0).unwrap_or_default();
+    let parsed = if content_type_is(&headers, STDIN_CONTENT_TYPE) {
+        with_stdin(&state, &headers, request.into_body(), head_limit).await
+    } else {
+        let body = Bytes::from_request(request, &state).await;
+        super::parse_request(&headers, body).map(|r| (r, None))
+    };
+    let (req, stdin) = match parsed {
+        Ok(p) => p,
+        Err(mut e) => {
+            // serde's messages quote the offending value.
+            if let Some(r) = state.runner.redactor() {
+                e.message = r.redact_str(&e.message);
+            }
+            state.runner.metrics().rejected(e.code);
+            return e.into_response();
+        }
+    };
+    // Logged below: secrets in the command line are redacted like the output, and a huge
+    // command line is cut.
+    let command = crate::audit::argv_json(
+        &req.executable,
+        &req.args,
+        state.runner.redactor().map(|r| r.as_ref()),
+    );
+    // Dropped with the response (or here, when the start fails): ends the stdin pump.
+    let (stdin_rx, stdin_guard) = match stdin {
+        Some(s) => (Some(s.rx), Some(s.guard)),
+        None => (None, None),
+    };
+    let (sink, mut phases) = if progress {
+        Progress::channel()
+    } else {
+        // Nobody listens: phases are dropped.
+        (Progress::default(), mpsc::channel(1).1)
+    };
+    let runner = state.runner.clone();
+    let io = RunIo {
+        progress: sink,
+        stdin: stdin_rx,
+    };
+    let mut start: BoxFuture<'static, Result<Execution, ErrorBody>> =
+        Box::pin(async move { runner.start_with(req, &caller, io).await });
+    // Until the backend reports a phase, the answer is what it always was: an HTTP error if
+    // the start fails, the stream from `started` on if it succeeds.
+    let first = tokio::select! {
+        biased;
+        started = &mut start => Err(started),
+        Some(phase) = phases.recv() => Ok(phase),
+    };
+    let stage = match first {
+        Err(Ok(execution)) => {
+            tracing::debug!(%command, context = ?execution.context(), "started");
+            // Phases the backend reported on its way to a quick start go first.
+            Stage::Flush(phases, Box::new(Stage::Started(execution)))
+        }
+        Err(Err(e)) => {
+            tracing::info!(%command, code = %e.code, message = %e.message, "rejected");
+            return e.into_response();
+        }
+        Ok(phase) => {
+            tracing::debug!(%command, ?phase, "preparing");
+            Stage::Phase(phase, start, phases)
+        }
+    };
+    // Watched while the stream lives: the client's EOF starts probing (see `Run::step`).
+    let streaming = CancellationToken::new();
+    let peer = peer_closed
+        .and_then(|p| p.0.watch(streaming.clone()))
+        .unwrap_or_default();
+    let run = Run {
+        stage,
+        keepalive: state.keepalive,
+        stdin: stdin_guard,
+        command,
+        peer,
+        probing: false,
+        _watching: streaming.drop_guard(),
+    };
+    let mut resp = Response::new(Body::from_stream(events(run)));
+    let h = resp.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/x-ndjson"),
+    );
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    // Tells nginx-style proxies not to buffer the stream.
+    h.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    resp
+}
+
+fn wants_progress(headers: &HeaderMap) -> bool {
+    headers
+        .get(PROGRESS_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| matches!(v.trim(), "1" | "true"))
+}
+
+fn content_type_is(headers: &HeaderMap, mime: &str) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|m| m.trim().eq_ignore_ascii_case(mime))
+}
+
+/// The stdin of a run being read from the request body.
+struct Stdin {
+    rx: mpsc::Receiver<Bytes>,
+    /// Owned by the response: when it is dropped the pump stops reading.
+    guard: StdinGuard,
+}
+
+struct StdinGuard {
+    _done: DropGuard,
+    /// Why the pump gave up on the body (too large, broken): the run ends with this error.
+    abort: Option<oneshot::Receiver<ErrorBody>>,
+}
+
+/// Reads the request line of a stdin body and starts pumping the rest into a channel.
+async fn with_stdin(
+    state: &AppState,
+    headers: &HeaderMap,
+    body: Body,
+    head_limit: usize,
+) -> Result<(RunRequest, Option<Stdin>), ErrorBody> {
+    let limits = state.runner.limits();
+    let mut body = body.into_data_stream();
+    // A refused request's body is still read for a moment (see `drain`).
+    let refuse = |body: BodyDataStream, e: ErrorBody| {
+        tokio::spawn(drain(body));
+        Err(e)
+    };
+    if !limits.allow_stdin {
+        return refuse(
+            body,
+            ErrorBody::new(
+                ErrorCode::PolicyViolation,
+                "this gateway does not accept stdin for commands (limits.allow_stdin is false)",
+            ),
+        );
+    }
+    let (head, rest) = match read_head(&mut body, head_limit).await {
+        Ok(h) => h,
+        Err(e) => return refuse(body, e),
+    };
+    let req = match serde_json::from_slice::<RunRequest>(&head) {
+        Ok(r) => r,
+        Err(e) => {
+            let e = ErrorBody::new(ErrorCode::InvalidRequest, format!("invalid request: {e}"));
+            return refuse(body, e);
+        }
+    };
+    let max = limits.max_stdin_bytes;
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if let Some(len) = declared
+        && len.saturating_sub(head.len() as u64 + 1) > max
+    {
+        return refuse(body, too_large(max));
+    }
+    let (tx, rx) = mpsc::channel(STDIN_BUFFER);
+    let done = CancellationToken::new();
+    let (abort_tx, abort_rx) = oneshot::channel();
+    tokio::spawn(pump(body, rest, tx, max, done.clone(), abort_tx));
+    Ok((
+        req,
+        Some(Stdin {
+            rx,
+            guard: StdinGuard {
+                _done: done.drop_guard(),
+                abort: Some(abort_rx),
+            },
+        }),
+    ))
+}
+
+fn too_large(max: u64) -> ErrorBody {
+    ErrorBody::new(
+        ErrorCode::PayloadTooLarge,
+        format!("stdin is larger than the gateway accepts ({max} bytes, limits.max_stdin_bytes)"),
+    )
+}
+
+/// Splits the first line (the request JSON) off the body; what follows it is stdin. A body
+/// without a newline is all request, with empty stdin.
+async fn read_head(body: &mut BodyDataStream, limit: usize) -> Result<(Bytes, Bytes), ErrorBody> {
+    let mut buf = BytesMut::new();
+    let mut scanned = 0;
+    loop {
+        if let Some(pos) = memchr::memchr(b'\n', &buf[scanned..]).map(|p| p + scanned) {
+            let mut head = buf.split_to(pos + 1);
+            head.truncate(pos);
+            return Ok((head.freeze(), buf.freeze()));
+        }
+        scanned = buf.len();
+        if buf.len() > limit {
+            return Err(ErrorBody::new(
+                ErrorCode::PayloadTooLarge,
+                "the request line is larger than the server accepts",
+            ));
+        }
+        match body.next().await {
+            Some(Ok(chunk)) => buf.extend_from_slice(&chunk),
+            Some(Err(e)) => {
+                return Err(ErrorBody::new(
+                    ErrorCode::InvalidRequest,
+                    format!("cannot read the request body: {e}"),
+                ));
+            }
+            None => return Ok((buf.freeze(), Bytes::new())),
+        }
+    }
+}
+
+/// Moves the body into the command's stdin, awaiting the channel (that is the back-pressure
+/// on the client). End of body: the sender is dropped, the command reads EOF. A command that
+/// stopped reading (the backend dropped the receiver) gets nothing more; the rest is read and
+/// discarded, still counted against `max`. When the run ended, the body is drained briefly.
+async fn pump(
+    mut body: BodyDataStream,
+    first: Bytes,
+    tx: mpsc::Sender<Bytes>,
+    max: u64,
+    done: CancellationToken,
+    abort: oneshot::Sender<ErrorBody>,
+) {
+    let mut tx = Some(tx);
+    let mut total = 0u64;
+    let mut next = (!first.is_empty()).then_some(first);
+    let failure = loop {
+        let chunk = match next.take() {
+            Some(c) => c,
+            None => {
+                let frame = tokio::select! {
+                    biased;
+                    _ = done.cancelled() => break None,
+                    f = body.next() => f,
+                };
+                match frame {
+                    None => return,
+                    Some(Ok(c)) => c,
+                    Some(Err(e)) => {
+                        break Some(ErrorBody::new(
+                            ErrorCode::InvalidRequest,
+                            format!("the request body (stdin) broke off: {e}"),
+                        ));
+                    }
+                }
+            }
+        };
+        total += chunk.len() as u64;
+        if total > max {
+            break Some(too_large(max));
+        }
+        if let Some(sender) = &tx {
+            tokio::select! {
+                biased;
+                _ = done.cancelled() => break None,
+                sent = sender.send(chunk) => if sent.is_err() { tx = None },
+            }
+        }
+    };
+    drop(tx);
+    if let Some(e) = failure {
+        let _ = abort.send(e);
+    }
+    drain(body).await;
+}
+
+/// Reads what is left of a body and throws it away, for [`DRAIN_TIME`] or [`DRAIN_BYTES`] at
+/// most. Closing a connection with unread data resets it, and a reset can destroy the end of
+/// the response before the client read it (an error answer, the last events of a run).
+async fn drain(mut body: BodyDataStream) {
+    let deadline = tokio::time::sleep(DRAIN_TIME);
+    tokio::pin!(deadline);
+    let mut drained = 0u64;
+    while drained < DRAIN_BYTES {
+        tokio::select! {
+            _ = &mut deadline => return,
+            f = body.next() => match f {
+                Some(Ok(c)) => drained += c.len() as u64,
+                _ => return,
+            },
+        }
+    }
+}
+
+enum Stage {
+    /// A phase to send; the start is still under way.
+    Phase(
+        Event,
+        BoxFuture<'static, Result<Execution, ErrorBody>>,
+        mpsc::Receiver<Event>,
+    ),
+    Starting(
+        BoxFuture<'static, Result<Execution, ErrorBody>>,
+        mpsc::Receiver<Event>,
+    ),
+    /// Phases still queued, then the next stage.
+    Flush(mpsc::Receiver<Event>, Box<Stage>),
+    /// `started` to send.
+    Started(Execution),
+    /// A terminal event to send.
+    Failed(Event),
+    Running(Execution),
+    Done,
+}
+
+struct Run {
+    stage: Stage,
+    keepalive: Duration,
+    stdin: Option<StdinGuard>,
+    command: String,
+    /// Cancelled at the client's EOF (a half-close, or a client that is gone).
+    peer: CancellationToken,
+    /// After that EOF, short keep-alives find out which: writing to a gone client fails at once.
+    probing: bool,
+    /// Ends the EOF watcher with the stream.
+    _watching: DropGuard,
+}
+
+/// How often a stream whose client sent EOF is probed with a keep-alive.
+const CLOSED_PEER_PROBE: Duration = Duration::from_millis(200);
+
+/// The NDJSON body of a run: phases (with progress), `started`, output, keep-alives while
+/// silent, one terminal event. The execution lives inside the stream, so a client that goes
+/// away drops it, and dropping it kills the command.
+fn events(run: Run) -> impl Stream<Item = Result<Bytes, Infallible>> + Send {
+    stream::unfold(run, |mut run| async move {
+        let line = run.step().await?;
+        Some((Ok(line), run))
+    })
+}
+
+impl Run {
+    async fn step(&mut self) -> Option<Bytes> {
+        loop {
+            match std::mem::replace(&mut self.stage, Stage::Done) {
+                Stage::Done => return None,
+                Stage::Phase(phase, start, phases) => {
+                    self.stage = Stage::Starting(start, phases);
+                    return Some(phase.to_line());
+                }
+                Stage::Flush(mut phases, next) => match phases.try_recv() {
+                    Ok(phase) => {
+                        self.stage = Stage::Flush(phases, next);
+                        return Some(phase.to_line());
+                    }
+                    Err(_) => self.stage = *next,
+                },
+                Stage::Failed(event) => return Some(event.to_line()),
+                Stage::Started(execution) => {
+                    let line = Event::Started {
+                        context: execution.context().clone(),
+                    }
+                    .to_line();
+                    self.stage = Stage::Running(execution);
+                    return Some(line);
+                }
+                Stage::Starting(mut start, mut phases) => {
+                    let event = tokio::select! {
+                        biased;
+                        Some(phase) = phases.recv() => {
+                            self.stage = Stage::Starting(start, phases);
+                            phase
+                        }
+                        started = &mut start => {
+                            let next = match started {
+                                Ok(execution) => {
+                                    tracing::debug!(command = %self.command, context = ?execution.context(), "started");
+                                    Stage::Started(execution)
+                                }
+                                Err(e) => {
+                                    tracing::info!(command = %self.command, code = %e.code, message = %e.message, "failed to start");
+                                    Stage::Failed(Event::Error { code: e.code, message: e.message })
+                                }
+                            };
+                            self.stage = Stage::Flush(phases, Box::new(next));
+                            continue;
+                        }
+                        _ = tokio::time::sleep(self.keepalive) => {
+                            self.stage = Stage::Starting(start, phases);
+                            Event::Keepalive
+                        }
+                    };
+                    return Some(event.to_line());
+                }
+                Stage::Running(mut execution) => {
+                    let wait = if self.probing {
+                        CLOSED_PEER_PROBE
+                    } else {
+                        self.keepalive
+                    };
+                    let abort = self.stdin.as_mut().and_then(|s| s.abort.as_mut());
+                    let event = tokio::select! {
+                        biased;
+                        aborted = wait_abort(abort) => match aborted {
+                            Some(e) => {
+                                // Dropping the execution below kills the command.
+                                execution.kill();
+                                Event::Error { code: e.code, message: e.message }
+                            }
+                            None => {
+                                // The pump ended normally: nothing more to watch.
+                                if let Some(s) = self.stdin.as_mut() {
+                                    s.abort = None;
+                                }
+                                self.stage = Stage::Running(execution);
+                                continue;
+                            }
+                        },
+                        () = self.peer.cancelled(), if !self.probing => {
+                            self.probing = true;
+                            self.stage = Stage::Running(execution);
+                            Event::Keepalive
+                        }
+                        next = tokio::time::timeout(wait, execution.next()) => match next {
+                            Ok(Some(event)) => {
+                                if !event.is_terminal() {
+                                    self.stage = Stage::Running(execution);
+                                }
+                                event
+                            }
+                            Ok(None) => return None,
+                            Err(_) => {
+                                self.stage = Stage::Running(execution);
+                                Event::Keepalive
+                            }
+                        },
+                    };
+                    return Some(event.to_line());
+                }
+            }
+        }
+    }
+}
+
+/// The pump's failure, `None` when it ended without one; never resolves without a pump.
+async fn wait_abort(abort: Option<&mut oneshot::Receiver<ErrorBody>>) -> Option<ErrorBody> {
+    match abort {
+        Some(rx) => rx.await.ok(),
+        None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::contract::{ExitInfo, Phase, RunContext};
+
+    async fn collect(run: Run) -> Vec<Event> {
+        events(run)
+            .map(|line| {
+                let line = line.unwrap();
+                Event::from_line(&line[..line.len() - 1]).unwrap()
+            })
+            .collect()
+            .await
+    }
+
+    fn starting(
+        start: impl std::future::Future<Output = Result<Execution, ErrorBody>> + Send + 'static,
+        phases: mpsc::Receiver<Event>,
+    ) -> Run {
+        Run {
+            stage: Stage::Starting(Box::pin(start), phases),
+            keepalive: Duration::from_secs(60),
+            stdin: None,
+            command: "x".into(),
+            peer: CancellationToken::new(),
+            probing: false,
+            _watching: CancellationToken::new().drop_guard(),
+        }
+    }
+
+    #[tokio::test]
+    async fn phases_come_before_started_even_when_the_start_is_quick() {
+        let (progress, phases) = Progress::channel();
+        let run = starting(
+            async move {
+                progress.report(Phase::Scheduled, None);
+                tokio::task::yield_now().await;
+                progress.report(Phase::PullingImage, Some("busybox".into()));
+                Ok(Execution::finished(RunContext::default(), "e".into(), 3))
+            },
+            phases,
+        );
+        let seen = collect(run).await;
+        assert_eq!(
+            seen,
+            [
+                Event::Phase {
+                    phase: Phase::Scheduled,
+                    message: None
+                },
+                Event::Phase {
+                    phase: Phase::PullingImage,
+                    message: Some("busybox".into())
+                },
+                Event::Started {
+                    context: RunContext::default()
+                },
+                Event::Stderr {
+                    data: Bytes::from_static(b"e")
+                },
+                Event::Exit(ExitInfo {
+                    code: Some(3),
+                    ..Default::default()
+                }),
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_start_that_fails_after_a_phase_is_an_error_event_with_its_code() {
+        let (progress, phases) = Progress::channel();
+        let run = starting(
+            async move {
+                progress.report(Phase::PullingImage, None);
+                Err(ErrorBody::new(ErrorCode::ImagePullFailed, "no such image"))
+            },
+            phases,
+        );
+        let seen = collect(run).await;
+        assert_eq!(
+            seen.last(),
+            Some(&Event::Error {
+                code: ErrorCode::ImagePullFailed,
+                message: "no such image".into()
+            })
+        );
+        assert_eq!(seen.len(), 2, "{seen:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn keepalives_while_the_start_takes_long() {
+        let (_progress, phases) = Progress::channel();
+        let mut run = starting(
+            async {
+                tokio::time::sleep(Duration::from_secs(150)).await;
+                Err(ErrorBody::new(ErrorCode::PodStartTimeout, "slow"))
+            },
+            phases,
+        );
+        run.keepalive = Duration::from_secs(60);
+        let seen = collect(run).await;
+        assert_eq!(&seen[..2], [Event::Keepalive, Event::Keepalive]);
+        assert!(matches!(
+            seen[2],
+            Event::Error {
+                code: ErrorCode::PodStartTimeout,
+                ..
+            }
+        ));
+    }
+}
