@@ -493,3 +493,25 @@ async fn the_gateway_reports_admission_refusals() {
         err.message
     );
 }
+
+/// `/raw` with a stdin body on the kube backend: the shared stdin suite, and with `cwd` (the
+/// wrapper's header first, then the caller's bytes).
+#[tokio::test(flavor = "multi_thread")]
+async fn stdin_through_the_gateway() {
+    let double = KubeDouble::start();
+    let gw = Gateway::start(&[
+        "--backend",
+        "kube",
+        "--kubeconfig",
+        double.kubeconfig().to_str().unwrap(),
+    ]);
+    support::suite::stdin_round_trip(&gw).await;
+    let r = support::raw_stdin(
+        &gw,
+        json!({"executable": "sh", "args": ["-c", "pwd; cat"], "cwd": "/tmp"}),
+        b"line 1\nline 2",
+    )
+    .await;
+    assert_eq!(r.code(), Some(0), "{r:?}");
+    assert_eq!(r.stdout_str(), "/tmp\nline 1\nline 2");
+}
