@@ -9,7 +9,7 @@ through the double").
 Starts the double (tests/kube_double_serve.rs) with each simulated lifecycle step taking
 --step-ms, and a gateway on it (`mcp-run serve --backend kube`, no warm pool). Then, in
 alternating order per pair:
-  baseline   the double's own delay: create a pod over HTTP, watch it until Running, delete
+  baseline   the double's own delay: create a pod over HTTPS, watch it until Running, delete
              it (what any client waits for, without mcp-run)
   cold run   `run-remote -- true`: create, watch, exec, stream, delete, through the gateway
 Prints p50 and the spread (p10-p90) of each, and of the per-pair difference (the gateway's
@@ -20,6 +20,7 @@ import json
 import os
 import re
 import socket
+import ssl
 import statistics
 import subprocess
 import sys
@@ -44,7 +45,7 @@ def free_port():
     return port
 
 
-def baseline_once(url, token, name):
+def baseline_once(url, token, name, ctx):
     """Create a pod, watch it to Running, delete it: the double's own start delay."""
     headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
     pod = {
@@ -54,16 +55,16 @@ def baseline_once(url, token, name):
     base = f"{url}/api/v1/namespaces/default/pods"
     t = time.perf_counter()
     req = urllib.request.Request(base, data=json.dumps(pod).encode(), headers=headers, method="POST")
-    created = json.load(urllib.request.urlopen(req))
+    created = json.load(urllib.request.urlopen(req, context=ctx))
     rv = created["metadata"]["resourceVersion"]
     watch = f"{base}?watch=true&fieldSelector=metadata.name%3D{name}&resourceVersion={rv}"
-    with urllib.request.urlopen(urllib.request.Request(watch, headers=headers)) as r:
+    with urllib.request.urlopen(urllib.request.Request(watch, headers=headers), context=ctx) as r:
         for line in r:
             ev = json.loads(line)
             if ev["object"].get("status", {}).get("phase") == "Running":
                 break
     req = urllib.request.Request(f"{base}/{name}?gracePeriodSeconds=0", headers=headers, method="DELETE")
-    urllib.request.urlopen(req).read()
+    urllib.request.urlopen(req, context=ctx).read()
     return time.perf_counter() - t
 
 
@@ -88,11 +89,11 @@ def main():
         env=dict(os.environ, KUBE_DOUBLE_STEP_MS=str(a.step_ms)),
     )
     info = {}
-    while len(info) < 3:
+    while len(info) < 4:
         line = serve.stdout.readline()
         if not line:
             sys.exit("the double did not start")
-        m = re.match(r"^(KUBECONFIG|TOKEN|URL)=(.*)$", line.strip())
+        m = re.match(r"^(KUBECONFIG|TOKEN|URL|CA)=(.*)$", line.strip())
         if m:
             info[m.group(1)] = m.group(2)
     port = free_port()
@@ -102,6 +103,7 @@ def main():
         stderr=subprocess.DEVNULL,
     )
     server = f"http://127.0.0.1:{port}/raw"
+    ctx = ssl.create_default_context(cafile=info["CA"])
     try:
         for _ in range(100):
             try:
@@ -114,11 +116,11 @@ def main():
         base, cold, diff = [], [], []
         for i in range(a.runs):
             if i % 2 == 0:
-                b = baseline_once(info["URL"], info["TOKEN"], f"bench-{i}")
+                b = baseline_once(info["URL"], info["TOKEN"], f"bench-{i}", ctx)
                 c = cold_once(run_remote, server)
             else:
                 c = cold_once(run_remote, server)
-                b = baseline_once(info["URL"], info["TOKEN"], f"bench-{i}")
+                b = baseline_once(info["URL"], info["TOKEN"], f"bench-{i}", ctx)
             base.append(b * 1000)
             cold.append(c * 1000)
             diff.append((c - b) * 1000)

@@ -1,6 +1,7 @@
 //! Serves the API-server test double on its own, for tools outside the test suite
 //! (bench/kube_double_bench.py): `cargo test --test kube_double_serve -- --ignored
-//! --nocapture`. Prints `KUBECONFIG=<path>` and serves until its stdin closes.
+//! --nocapture`. Prints `KUBECONFIG=<path>` (and `TOKEN`, `URL`, `CA`) and serves until its
+//! stdin closes.
 //! `KUBE_DOUBLE_STEP_MS` sets the delay of each simulated lifecycle step (default 20 ms).
 
 mod kube_double;
@@ -24,6 +25,10 @@ fn serve() {
     println!("KUBECONFIG={}", double.kubeconfig().display());
     println!("TOKEN={}", double.options().token);
     println!("URL={}", double.url());
+    // The CA of the double's TLS certificate, for clients that do not read the kubeconfig.
+    let ca = std::env::temp_dir().join(format!("kube-double-ca-{}.pem", std::process::id()));
+    std::fs::write(&ca, double.ca_pem()).expect("write the CA");
+    println!("CA={}", ca.display());
     let _ = std::io::stdout().flush();
     // Serve until whoever started us closes our stdin.
     for line in std::io::stdin().lock().lines() {

@@ -567,7 +567,9 @@ impl Session {
                     });
                     stx
                 });
-                let reader = tokio::spawn(read_client(stream, proto, stdin_tx, pgid));
+                let exited = Arc::new(std::sync::atomic::AtomicBool::new(false));
+                let reader =
+                    tokio::spawn(read_client(stream, proto, stdin_tx, pgid, exited.clone()));
                 let status = child.wait().await;
                 if let Some(h) = out {
                     let _ = h.await;
@@ -575,9 +577,14 @@ impl Session {
                 if let Some(h) = err {
                     let _ = h.await;
                 }
-                // The process is gone: what the client sends now (its close reply) must not
-                // kill a process group id that may be reused.
-                reader.abort();
+                // The process is gone: what the client sends now (stdin it still had, its
+                // close reply) is read and dropped, as the API server keeps reading until the
+                // socket closes (closing with unread data would reset the connection and lose
+                // the status frame), and must not kill a process group id that may be reused.
+                exited.store(true, std::sync::atomic::Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), reader).await;
+                });
                 match status {
                     Ok(s) => {
                         Outcome::Exit(s.code().unwrap_or_else(|| 128 + s.signal().unwrap_or(9)))
@@ -609,6 +616,7 @@ async fn read_client(
     proto: Proto,
     mut stdin: Option<mpsc::Sender<Bytes>>,
     pgid: i32,
+    exited: Arc<std::sync::atomic::AtomicBool>,
 ) {
     loop {
         let (ch, data): (u8, Bytes) = match stream.next().await {
@@ -630,11 +638,17 @@ async fn read_client(
                 }
             }
             Some(Ok(Message::Close(_))) | None | Some(Err(_)) => {
-                killpg(pgid);
+                if !exited.load(std::sync::atomic::Ordering::SeqCst) {
+                    killpg(pgid);
+                }
                 return;
             }
             Some(Ok(_)) => continue,
         };
+        if exited.load(std::sync::atomic::Ordering::SeqCst) {
+            stdin = None;
+            continue;
+        }
         match ch {
             STDIN => {
                 if let Some(tx) = &stdin

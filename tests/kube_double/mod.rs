@@ -6,9 +6,10 @@
 //! any particular client sends. Each pod is backed by local processes: `pods/exec` runs the
 //! command on this machine.
 //!
-//! `KubeDouble::start()` serves plain HTTP on `127.0.0.1:0` from its own thread and tokio
-//! runtime, so that tests may block (for example on `std::process::Command`) without starving
-//! it. `kubeconfig()` is a file with cluster `double` (server = `url()`), a user with a bearer
+//! `KubeDouble::start()` serves HTTPS on `127.0.0.1:0` (its own CA, `tls/`, in the
+//! kubeconfig's `certificate-authority-data`; ALPN h2 and http/1.1; see `tls.rs`) from its own
+//! thread and tokio runtime, so that tests may block (for example on `std::process::Command`)
+//! without starving it. `kubeconfig()` is a file with cluster `double` (server = `url()`), a user with a bearer
 //! token that every request must carry (401 `Unauthorized` Status otherwise), and current
 //! context `double` with namespace `default`. Dropping the double stops it and kills every exec
 //! process.
@@ -133,6 +134,7 @@ mod pods;
 mod selector;
 mod server;
 mod status;
+pub mod tls;
 mod watch;
 
 use std::collections::{BTreeMap, HashSet, VecDeque};
@@ -361,7 +363,7 @@ impl KubeDouble {
                     let listener = tokio::net::TcpListener::from_std(listener)
                         .expect("kube double: tokio listener");
                     let app = server::router(sh);
-                    let serve = axum::serve(listener, app);
+                    let serve = axum::serve(tls::TlsListener::new(listener), app);
                     tokio::select! {
                         r = serve => { if let Err(e) = r { eprintln!("kube double: serve: {e}"); } }
                         _ = stop_rx => {}
@@ -384,7 +386,17 @@ impl KubeDouble {
     }
 
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        format!("https://{}", self.addr)
+    }
+
+    /// The listening address (for raw TLS clients: see [`tls::connect`]).
+    pub fn addr(&self) -> std::net::SocketAddr {
+        self.addr
+    }
+
+    /// The CA that signed the double's certificate, PEM.
+    pub fn ca_pem(&self) -> &'static str {
+        tls::CA_PEM
     }
 
     pub fn options(&self) -> &DoubleOptions {
@@ -398,11 +410,12 @@ impl KubeDouble {
 
     fn kubeconfig_text(&self) -> String {
         format!(
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: double\n  cluster:\n    server: {}\n\
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: double\n  cluster:\n    server: {}\n    certificate-authority-data: {}\n\
              users:\n- name: double\n  user:\n    token: {}\n\
              contexts:\n- name: double\n  context:\n    cluster: double\n    user: double\n    namespace: default\n\
              current-context: double\n",
             self.url(),
+            base64_simd::STANDARD.encode_to_string(tls::CA_PEM),
             self.shared.opts.token
         )
     }

@@ -72,7 +72,7 @@ pub(super) async fn supervise<S>(
     let (sink, mut frames) = ws.split();
     let stop_writer = CancellationToken::new();
     let _stop_writer = stop_writer.clone().drop_guard();
-    tokio::spawn(write_input(sink, input, stop_writer));
+    tokio::spawn(write_input(sink, input, stop_writer.clone()));
     let mut status: Option<Option<Status>> = None;
     let mut first_byte = false;
     let mut transport_error = None;
@@ -123,6 +123,8 @@ pub(super) async fn supervise<S>(
                 }
             }
             STATUS => {
+                // The command ended: stdin it did not read is of no use any more.
+                stop_writer.cancel();
                 status = Some(serde_json::from_slice::<Status>(payload).ok());
                 if let Some(t) = guard.timings.as_mut() {
                     t.mark("exit");
