@@ -202,7 +202,7 @@ def validate_objects(checks: Checks, what: str, text: str) -> list[dict]:
 
 def check_gateway_config(checks: Checks, what: str, objects: list[dict]) -> None:
     """The rendered config file holds only sections the gateway knows."""
-    known = {"server", "limits", "kubernetes", "profiles", "local", "mcp", "remote", "templates", "policy", "tools", "auth", "redaction"}
+    known = {"server", "limits", "kubernetes", "profiles", "local", "mcp", "remote", "templates", "policy", "tools", "auth", "redaction", "workspaces"}
     for obj in objects:
         if obj["kind"] != "ConfigMap":
             continue

@@ -8,7 +8,9 @@ module and its own ancestors or descendants (a parent re-exporting its children,
 its parent's trait) are containment, not layering, and are ignored. Test modules
 (`#[cfg(test)]`) are ignored: tests may reach anywhere.
 
-Usage: module-cycles.py [SRC_DIR]   (default: src). Exit 1 and the cycles on stderr, if any.
+Usage: module-cycles.py [--graph] [SRC_DIR]   (default: src). Exit 1 and the cycles on
+stderr, if any. --graph also prints the edges between the crate's top-level modules (the
+diagram of docs/architecture.md).
 """
 
 import os
@@ -16,7 +18,9 @@ import re
 import sys
 from collections import defaultdict
 
-SRC = sys.argv[1] if len(sys.argv) > 1 else "src"
+ARGS = [a for a in sys.argv[1:] if a != "--graph"]
+GRAPH = "--graph" in sys.argv[1:]
+SRC = ARGS[0] if ARGS else "src"
 ROOTS = {"lib.rs"}  # the library crate; binaries only use it from outside
 
 
@@ -162,6 +166,11 @@ for parent in sorted(parents):
                 if b in comp:
                     lines.append(f"  {a} -> {b} (in {where[(parent, a, b)]})")
         cycles.append("\n".join(lines))
+
+if GRAPH:
+    for (parent, a), bs in sorted(edges.items()):
+        if parent == ():
+            print(f"{a} -> {' '.join(sorted(bs))}")
 
 if cycles:
     print("\n".join(cycles), file=sys.stderr)

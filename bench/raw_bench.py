@@ -246,6 +246,24 @@ def main():
 
         idle = rss_kib(gw.pid)
         rows.append(("memory", "gateway RSS idle (baseline)", f"{idle / 1024:.1f} MiB", "1.00", "-", "-"))
+        # stdin: the gateway's peak while the whole file goes through it.
+        peak = rss_kib(gw.pid)
+        stop = threading.Event()
+
+        def sample_in():
+            nonlocal peak
+            while not stop.is_set():
+                peak = max(peak, rss_kib(gw.pid))
+                time.sleep(0.01)
+
+        t = threading.Thread(target=sample_in)
+        t.start()
+        with open(big, "rb") as f:
+            subprocess.run([CLIENT, "-i", "--", "wc", "-c"], stdin=f, stdout=null, env=env, check=True)
+        stop.set()
+        t.join()
+        rows.append(("memory", f"gateway peak RSS, one run with {size >> 20} MiB of stdin",
+                     f"{peak / 1024:.1f} MiB", f"{peak / idle:.1f}x", "-", "-"))
         for out_mb in (8, 64):
             peak = idle
             stop = threading.Event()
@@ -265,24 +283,6 @@ def main():
             t.join()
             rows.append(("memory", f"gateway peak RSS, 100 concurrent x {out_mb} MiB",
                          f"{peak / 1024:.1f} MiB", f"{peak / idle:.1f}x", "-", "-"))
-        # stdin: the gateway's peak while the whole file goes through it.
-        peak = rss_kib(gw.pid)
-        stop = threading.Event()
-
-        def sample_in():
-            nonlocal peak
-            while not stop.is_set():
-                peak = max(peak, rss_kib(gw.pid))
-                time.sleep(0.01)
-
-        t = threading.Thread(target=sample_in)
-        t.start()
-        with open(big, "rb") as f:
-            subprocess.run([CLIENT, "-i", "--", "wc", "-c"], stdin=f, stdout=null, env=env, check=True)
-        stop.set()
-        t.join()
-        rows.append(("memory", f"gateway peak RSS, {size >> 20} MiB of stdin",
-                     f"{peak / 1024:.1f} MiB", f"{peak / idle:.1f}x", "-", "-"))
     finally:
         gw.send_signal(signal.SIGTERM)
         gw.wait(timeout=30)

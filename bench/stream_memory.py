@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""Memory a stalled `/raw` stream costs the gateway (issue 15.8). Loopback only, bounded.
+"""Memory a stalled `/raw` stream costs the gateway (issue 15.8), and with --sessions N what
+N idle MCP sessions cost and whether it comes back once they expire (issue 15.5). Loopback
+only, bounded.
 
 For each of --rounds rounds: start a fresh gateway, read its RSS with no stream open (the
 same-run baseline), open --streams streams of `yes` whose client reads the `started` event
@@ -16,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 
@@ -24,6 +27,48 @@ def rss_kib(pid):
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     return 0
+
+
+def start(binary, config):
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write(config)
+    gw = subprocess.Popen([binary, "serve", "--listen", "127.0.0.1:0", "--config", f.name],
+                          stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    for line in gw.stderr:
+        m = re.search(r"addr=(\S+)", line)
+        if m and "listening" in line:
+            host, port = m.group(1).rsplit(":", 1)
+            # Keep reading its log, or the gateway blocks once the pipe is full.
+            threading.Thread(target=lambda: [None for _ in gw.stderr], daemon=True).start()
+            return gw, (host, int(port))
+    sys.exit("the gateway did not start")
+
+
+def sessions_round(binary, n, idle):
+    gw, addr = start(binary, f"mcp:\n  max_sessions: {n + 8}\n  max_sessions_per_client: {n + 8}\n"
+                             f"  session_idle_secs: {idle}\n")
+    try:
+        time.sleep(1)
+        base = rss_kib(gw.pid)
+        init = (b'{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":'
+                b'"2025-06-18","capabilities":{},"clientInfo":{"name":"b","version":"0"}}}')
+        for _ in range(n):
+            s = socket.create_connection(addr)
+            s.sendall(b"POST /mcp HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n"
+                      b"Content-Type: application/json\r\nAccept: application/json, text/event-stream\r\n"
+                      + f"Content-Length: {len(init)}\r\n\r\n".encode() + init)
+            while s.recv(65536):
+                pass
+            s.close()
+        time.sleep(1)
+        loaded = rss_kib(gw.pid)
+        # Expiry, then the gateway's periodic return of freed memory (every 30 s).
+        time.sleep(idle + 35)
+        expired = rss_kib(gw.pid)
+        return base, loaded, expired
+    finally:
+        gw.kill()
+        gw.wait()
 
 
 def one_round(binary, streams):
@@ -71,7 +116,20 @@ def main():
     ap.add_argument("--bin", default="target/debug/mcp-run")
     ap.add_argument("--streams", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--sessions", type=int, default=0, help="measure N MCP sessions instead")
+    ap.add_argument("--idle", type=int, default=5, help="mcp.session_idle_secs for --sessions")
     a = ap.parse_args()
+    if a.sessions:
+        per, kept = [], []
+        for i in range(a.rounds):
+            base, loaded, expired = sessions_round(a.bin, a.sessions, a.idle)
+            per.append((loaded - base) / a.sessions)
+            kept.append(expired - base)
+            print(f"round {i + 1}: baseline {base / 1024:.1f} MiB, {a.sessions} sessions "
+                  f"{loaded / 1024:.1f} MiB, after expiry {expired / 1024:.1f} MiB")
+        print(f"per session: median {statistics.median(per):.0f} KiB (range {min(per):.0f}-{max(per):.0f}); "
+              f"kept after expiry: median {statistics.median(kept) / 1024:.1f} MiB")
+        return
     per = []
     for i in range(a.rounds):
         base, loaded = one_round(a.bin, a.streams)

@@ -7,7 +7,7 @@
 use std::collections::VecDeque;
 use std::time::Instant;
 
-use crate::auth::Caller;
+use crate::caller::Caller;
 use crate::contract::{ErrorBody, Event, RunContext};
 use crate::exec::{EventFilter, ExecSpec};
 use crate::redact::Redactor;

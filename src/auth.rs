@@ -2,7 +2,7 @@
 //! `MCP_RUN_AUTH_TOKENS_FILE` or `MCP_RUN_AUTH_TOKENS`) and the caller's identity for audit
 //! and rate limiting ([`crate::rate_limit`]). `docs/policy.md` describes the behaviour.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
+pub use crate::caller::Caller;
 use crate::contract::{ErrorBody, ErrorCode};
 
 /// The environment variable naming the tokens file (the Helm chart sets it).
@@ -23,46 +24,6 @@ pub const TOKENS_ENV: &str = "MCP_RUN_AUTH_TOKENS";
 
 /// Paths that stay open when auth is on: probes and metrics.
 pub const OPEN_PATHS: &[&str] = &["/healthz", "/readyz", "/metrics"];
-
-/// Who asked: the token's name when auth is on, and the client address when known.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Caller {
-    pub identity: Option<String>,
-    pub addr: Option<IpAddr>,
-    /// Set for callers that are not network clients (`mcp-run stdio`).
-    pub local: Option<&'static str>,
-}
-
-impl Caller {
-    /// A caller that is not a network client, such as the stdio MCP server.
-    pub fn local(name: &'static str) -> Self {
-        Self {
-            local: Some(name),
-            ..Self::default()
-        }
-    }
-
-    /// The rate-limit key: the identity, else the address, else the local name.
-    pub fn key(&self) -> String {
-        match (&self.identity, &self.addr, self.local) {
-            (Some(id), _, _) => format!("id:{id}"),
-            (None, Some(addr), _) => format!("ip:{addr}"),
-            (None, None, Some(l)) => format!("local:{l}"),
-            (None, None, None) => "unknown".to_owned(),
-        }
-    }
-
-    /// How the audit log names the caller.
-    pub fn describe(&self) -> String {
-        match (&self.identity, &self.addr, self.local) {
-            (Some(id), Some(a), _) => format!("{id}@{a}"),
-            (Some(id), None, _) => id.clone(),
-            (None, Some(a), _) => a.to_string(),
-            (None, None, Some(l)) => l.to_owned(),
-            (None, None, None) => "unknown".to_owned(),
-        }
-    }
-}
 
 /// The `auth:` section of the configuration.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -492,23 +453,5 @@ mod tests {
         std::fs::write(&file, "# emptied\n").unwrap();
         assert_eq!(auth.reload(), Ok(true));
         assert_eq!(auth.len(), 1);
-    }
-
-    #[test]
-    fn caller_keys() {
-        let ip: IpAddr = "10.0.0.1".parse().unwrap();
-        let c = Caller {
-            identity: Some("ci".into()),
-            addr: Some(ip),
-            local: None,
-        };
-        assert_eq!(c.key(), "id:ci");
-        assert_eq!(c.describe(), "ci@10.0.0.1");
-        let anon = Caller {
-            addr: Some(ip),
-            ..Default::default()
-        };
-        assert_eq!(anon.key(), "ip:10.0.0.1");
-        assert_eq!(Caller::local("stdio").key(), "local:stdio");
     }
 }

@@ -86,8 +86,15 @@ pub struct ServerInfo {
 
 impl Capabilities {
     pub fn new(backend: BackendCapabilities, limits: &Limits, max_output_bytes: usize) -> Self {
+        // The Kubernetes backend does not feed stdin yet; the others do (`/raw`'s stdin
+        // mode, MCP's `stdin` argument).
+        let stdin = limits.allow_stdin && backend.backend != "kubernetes";
         let mut limitations = vec![
-            "no stdin: commands read nothing (use files or arguments)".to_string(),
+            if stdin {
+                "stdin only as given in the request (MCP: the `stdin` argument); commands read nothing else".to_string()
+            } else {
+                "no stdin: commands read nothing (use files or arguments)".to_string()
+            },
             "no TTY: interactive programs do not work".into(),
             format!(
                 "MCP results carry the head and tail of each stream within a character budget; the full output (up to {} MiB per stream) stays readable as a resource for a while",
@@ -110,7 +117,7 @@ impl Capabilities {
                 default_timeout_secs: limits.default_timeout_secs,
                 max_timeout_secs: limits.max_timeout_secs,
                 max_output_bytes,
-                stdin: false,
+                stdin,
                 tty: false,
             },
             limitations,

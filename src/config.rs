@@ -68,6 +68,8 @@ pub struct Config {
     pub redaction: crate::redact::RedactionConfig,
     /// Operator-declared CLI tools, each its own MCP tool (docs/tools.md).
     pub tools: Vec<crate::mcp::tools::ToolConfig>,
+    /// Workspaces: limits and the content cache (docs/workspaces.md).
+    pub workspaces: crate::workspace::WorkspaceConfig,
     /// Output templates of the MCP tool, added to the built-ins (docs/templates.md);
     /// checked at start by `templates::Catalog::with_templates`.
     pub templates: BTreeMap<String, yaml_serde::Value>,
@@ -214,6 +216,9 @@ impl Config {
         self.mcp.validate().map_err(|(f, m)| invalid(f, m))?;
         self.remote.validate().map_err(|(f, m)| invalid(&f, m))?;
         self.local.validate().map_err(|(f, m)| invalid(&f, m))?;
+        self.workspaces
+            .validate()
+            .map_err(|(f, m)| invalid(&f, m))?;
         crate::mcp::tools::validate(&self.tools).map_err(|e| invalid(&e.field, e.message))?;
         self.redaction
             .validate()

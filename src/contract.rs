@@ -42,7 +42,18 @@ pub struct RunRequest {
     /// Runner profile (Kubernetes backend); `default` when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub profile: Option<String>,
+    /// A workspace id from `POST /workspaces`: the command runs in a fresh copy of that tree,
+    /// and `cwd` is relative to its root.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workspace: Option<String>,
+    /// With `workspace`: globs (relative to the workspace root; `*` within a path component,
+    /// `**` across) of files to report back when the command created or changed them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sync_back: Vec<String>,
 }
+
+/// The most `sync_back` globs a request may give.
+pub const MAX_SYNC_BACK_GLOBS: usize = 64;
 
 /// The `RunNetworkToolInput` name used by the reference design for the same JSON.
 pub type RunNetworkToolInput = RunRequest;
@@ -61,7 +72,34 @@ impl RunRequest {
         for (i, arg) in self.args.iter().enumerate() {
             check_nul(&format!("args[{i}]"), arg)?;
         }
-        if let Some(cwd) = &self.cwd {
+        if let Some(ws) = &self.workspace {
+            check_nul("workspace", ws)?;
+            if let Some(cwd) = &self.cwd {
+                check_nul("cwd", cwd)?;
+                if cwd.starts_with('/') || cwd.split('/').any(|c| c == "..") {
+                    return Err(ErrorBody::new(
+                        ErrorCode::InvalidRequest,
+                        format!(
+                            "with `workspace`, `cwd` is relative to the workspace root and must not contain `..`, got {cwd:?}"
+                        ),
+                    ));
+                }
+            }
+            if self.sync_back.len() > MAX_SYNC_BACK_GLOBS {
+                return Err(ErrorBody::new(
+                    ErrorCode::InvalidRequest,
+                    format!("at most {MAX_SYNC_BACK_GLOBS} `sync_back` globs"),
+                ));
+            }
+            for (i, g) in self.sync_back.iter().enumerate() {
+                check_nul(&format!("sync_back[{i}]"), g)?;
+            }
+        } else if !self.sync_back.is_empty() {
+            return Err(ErrorBody::new(
+                ErrorCode::InvalidRequest,
+                "`sync_back` needs a `workspace`",
+            ));
+        } else if let Some(cwd) = &self.cwd {
             check_nul("cwd", cwd)?;
             if !cwd.starts_with('/') {
                 return Err(ErrorBody::new(
@@ -156,6 +194,12 @@ pub struct RunContext {
     /// How long the pod took from creation to Running, in milliseconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod_start_ms: Option<u64>,
+    /// The workspace the command ran in (its id), if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workspace: Option<String>,
+    /// The version of that workspace's tree (SHA-256 of its manifest).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workspace_version: Option<String>,
 }
 
 /// A stage of preparing a command, reported while the caller waits (mostly by the Kubernetes
@@ -175,6 +219,18 @@ pub enum Phase {
     Starting,
     /// The command is about to run (`started` follows).
     Running,
+}
+
+/// A file a run created or changed in its workspace.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct ChangedFile {
+    /// Relative to the workspace root.
+    pub path: String,
+    /// 420 (0644) or 493 (0755).
+    pub mode: u32,
+    pub size: u64,
+    /// SHA-256 of the content.
+    pub hash: String,
 }
 
 /// How a command ended.
@@ -207,6 +263,9 @@ impl ExitInfo {
 }
 
 /// One line of the NDJSON stream of `POST /raw`.
+// `started` (the context) is the largest and comes once per run; boxing it would cost an
+// allocation and a pattern change everywhere for no measurable gain.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Event {
@@ -230,6 +289,16 @@ pub enum Event {
         phase: Phase,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         message: Option<String>,
+    },
+    /// Sent before `exit` when the request named `sync_back` globs: the workspace's files
+    /// that match and that the command created or changed, each downloadable by hash
+    /// (`GET /workspaces/blobs/{hash}`) until the cache evicts it.
+    WorkspaceChanges {
+        workspace: String,
+        files: Vec<ChangedFile>,
+        /// True when the workspace's limits cut the list short.
+        #[serde(default)]
+        truncated: bool,
     },
     /// Terminal: the command ended.
     Exit(ExitInfo),
@@ -376,6 +445,13 @@ pub enum ErrorCode {
     /// Client side only, never sent by a gateway: the gateway's answer broke the protocol
     /// (malformed event, stream cut before the terminal event).
     ProtocolError,
+    /// The workspace id is unknown, expired, or another identity's (404).
+    UnknownWorkspace,
+    /// Some of the workspace's contents are not in the gateway's cache (not uploaded, or
+    /// evicted): post the manifest again and upload what is missing (409).
+    WorkspaceIncomplete,
+    /// Uploaded bytes do not hash to the name they were sent under (400).
+    HashMismatch,
     /// A code this version does not know.
     #[serde(other)]
     Unknown,
@@ -407,6 +483,9 @@ impl ErrorCode {
             ErrorCode::Internal => "internal",
             ErrorCode::GatewayUnreachable => "gateway_unreachable",
             ErrorCode::ProtocolError => "protocol_error",
+            ErrorCode::UnknownWorkspace => "unknown_workspace",
+            ErrorCode::WorkspaceIncomplete => "workspace_incomplete",
+            ErrorCode::HashMismatch => "hash_mismatch",
             ErrorCode::Unknown => "unknown",
         }
     }
@@ -414,10 +493,11 @@ impl ErrorCode {
     /// The HTTP status used when this error rejects a request before its stream begins.
     pub fn http_status(self) -> u16 {
         match self {
-            ErrorCode::InvalidRequest | ErrorCode::UnknownProfile => 400,
+            ErrorCode::InvalidRequest | ErrorCode::UnknownProfile | ErrorCode::HashMismatch => 400,
             ErrorCode::Unauthorized => 401,
             ErrorCode::PolicyViolation | ErrorCode::ForbiddenHost => 403,
-            ErrorCode::NotFound => 404,
+            ErrorCode::NotFound | ErrorCode::UnknownWorkspace => 404,
+            ErrorCode::WorkspaceIncomplete => 409,
             ErrorCode::MethodNotAllowed => 405,
             ErrorCode::PayloadTooLarge => 413,
             ErrorCode::UnsupportedMediaType => 415,

@@ -28,6 +28,8 @@ pub struct Guard {
     /// Lower-case host names without port; `None`: any host (`"*"` in the list).
     allowed: Option<Vec<String>>,
     max_body_bytes: usize,
+    /// The longest pause while a request body arrives (not for `/raw` stdin streams).
+    body_timeout: Option<std::time::Duration>,
     /// Where refusals are counted.
     metrics: Option<crate::metrics::Metrics>,
 }
@@ -44,8 +46,15 @@ impl Guard {
         Self {
             allowed,
             max_body_bytes,
+            body_timeout: None,
             metrics: None,
         }
+    }
+
+    /// Fails a request body that pauses longer than `timeout`.
+    pub fn with_body_timeout(mut self, timeout: std::time::Duration) -> Self {
+        self.body_timeout = Some(timeout);
+        self
     }
 
     /// Counts refusals in `metrics`.
@@ -99,15 +108,7 @@ impl Guard {
     /// carries stdin is exempt: its request line and its stdin have limits of their own,
     /// checked by `/raw` (`server.max_body_bytes`, `limits.max_stdin_bytes`).
     pub fn check_length(&self, headers: &HeaderMap) -> Result<(), ErrorBody> {
-        let stdin = headers
-            .get(header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.split(';').next())
-            .is_some_and(|m| {
-                m.trim()
-                    .eq_ignore_ascii_case(crate::contract::STDIN_CONTENT_TYPE)
-            });
-        if stdin {
+        if is_stdin(headers) {
             return Ok(());
         }
         let declared = headers
@@ -151,6 +152,9 @@ fn normalize_host(h: &str) -> String {
 /// The middleware (outermost layer): host check, then the declared length.
 pub async fn middleware(State(guard): State<Arc<Guard>>, req: Request, next: Next) -> Response {
     let exempt = HOST_EXEMPT.contains(&req.uri().path());
+    // A `/raw` stdin body is a stream as long as the command's input: its size and pauses are
+    // the command's (limits.max_stdin_bytes, the run's timeout), not a request's.
+    let stdin = is_stdin(req.headers());
     let checked = if exempt {
         Ok(())
     } else {
@@ -164,7 +168,24 @@ pub async fn middleware(State(guard): State<Arc<Guard>>, req: Request, next: Nex
         }
         return e.into_response();
     }
+    let req = match guard.body_timeout {
+        Some(t) if !stdin => {
+            req.map(|b| axum::body::Body::new(tower_http::timeout::TimeoutBody::new(t, b)))
+        }
+        _ => req,
+    };
     next.run(req).await
+}
+
+fn is_stdin(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|m| {
+            m.trim()
+                .eq_ignore_ascii_case(crate::contract::STDIN_CONTENT_TYPE)
+        })
 }
 
 #[cfg(test)]

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Instant;
 
-use crate::auth::Caller;
+use crate::caller::Caller;
 use crate::contract::{ErrorBody, ErrorCode};
 use crate::limits::RateLimitConfig;
 

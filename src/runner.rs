@@ -57,6 +57,8 @@ pub struct Runner {
     slots: Option<Arc<Semaphore>>,
     rate: Option<RateLimiter>,
     redactor: Option<Arc<Redactor>>,
+    /// Posted workspaces and their contents; `None`: workspaces are off.
+    workspaces: Option<Arc<crate::workspace::WorkspaceStore>>,
     shutdown: CancellationToken,
     tracker: TaskTracker,
     metrics: Metrics,
@@ -72,6 +74,7 @@ impl Runner {
                 .map(|n| Arc::new(Semaphore::new(n))),
             rate: limits.rate_limit.as_ref().map(RateLimiter::new),
             redactor: None,
+            workspaces: None,
             limits,
             shutdown: CancellationToken::new(),
             tracker: TaskTracker::new(),
@@ -99,6 +102,17 @@ impl Runner {
     pub fn with_redactor(mut self, redactor: Option<Arc<Redactor>>) -> Self {
         self.redactor = redactor;
         self
+    }
+
+    /// Accepts requests with a `workspace` from this store.
+    pub fn with_workspaces(mut self, store: Option<Arc<crate::workspace::WorkspaceStore>>) -> Self {
+        self.workspaces = store;
+        self
+    }
+
+    /// The workspace store, when workspaces are on.
+    pub fn workspaces(&self) -> Option<&Arc<crate::workspace::WorkspaceStore>> {
+        self.workspaces.as_ref()
     }
 
     /// The redaction in force, if any.
@@ -133,12 +147,27 @@ impl Runner {
 
     /// Validates a request against the contract and the policy, and resolves its defaults.
     pub fn spec(&self, req: RunRequest) -> Result<ExecSpec, ErrorBody> {
+        self.spec_for(req, &Caller::default())
+    }
+
+    /// [`Runner::spec`] for a known caller: a workspace must be the caller's.
+    pub fn spec_for(&self, req: RunRequest, caller: &Caller) -> Result<ExecSpec, ErrorBody> {
         req.validate()?;
+        let workspace = match &req.workspace {
+            None => None,
+            Some(id) => Some(self.workspace_run(id, &req, caller)?),
+        };
+        // The policy sees a workspace run's directory as below `/workspace`.
+        let policy_cwd = workspace.as_ref().map(|w| {
+            format!("{}/{}", crate::workspace::POLICY_ROOT, w.cwd)
+                .trim_end_matches('/')
+                .to_owned()
+        });
         let env_names: Vec<&str> = req.env.keys().map(String::as_str).collect();
         let allowed = self.policy.check(&Subject {
             executable: &req.executable,
             args: &req.args,
-            cwd: req.cwd.as_deref(),
+            cwd: policy_cwd.as_deref().or(req.cwd.as_deref()),
             env_names: &env_names,
             timeout_secs: req.timeout_secs,
             profile: req.profile.as_deref(),
@@ -146,13 +175,52 @@ impl Runner {
         let spec = ExecSpec {
             executable: allowed.executable,
             args: req.args,
-            cwd: allowed.cwd,
+            cwd: if workspace.is_some() {
+                None
+            } else {
+                allowed.cwd
+            },
             env: req.env,
             timeout: Duration::from_secs(allowed.timeout_secs),
             profile: req.profile,
+            workspace,
         };
         self.executor.check(&spec)?;
         Ok(spec)
+    }
+
+    /// Resolves a request's workspace for `caller`.
+    fn workspace_run(
+        &self,
+        id: &str,
+        req: &RunRequest,
+        caller: &Caller,
+    ) -> Result<crate::workspace::WorkspaceRun, ErrorBody> {
+        let Some(store) = &self.workspaces else {
+            return Err(ErrorBody::new(
+                ErrorCode::InvalidRequest,
+                "this gateway does not accept workspaces (workspaces.enabled is false)",
+            ));
+        };
+        if !self.executor.supports_workspaces() {
+            return Err(ErrorBody::new(
+                ErrorCode::InvalidRequest,
+                format!(
+                    "the {} backend does not support workspaces",
+                    self.executor.name()
+                ),
+            ));
+        }
+        let workspace = store.get(id, &caller.identity)?;
+        let cwd = crate::workspace::run_cwd(&workspace, req.cwd.as_deref())?;
+        crate::workspace::local::globs(&req.sync_back)
+            .map_err(|m| ErrorBody::new(ErrorCode::InvalidRequest, m))?;
+        Ok(crate::workspace::WorkspaceRun {
+            workspace,
+            store: store.clone(),
+            cwd,
+            sync_back: req.sync_back.clone(),
+        })
     }
 
     /// Starts a command. The returned execution is killed when dropped or when its timeout
@@ -217,7 +285,7 @@ impl Runner {
         if let Some(rate) = &self.rate {
             rate.take(caller)?;
         }
-        let spec = self.spec(req)?;
+        let spec = self.spec_for(req, caller)?;
         if io.stdin.is_some() && !self.limits.allow_stdin {
             return Err(ErrorBody::new(
                 ErrorCode::PolicyViolation,

@@ -19,6 +19,7 @@ use crate::contract::{ErrorBody, ErrorCode, ErrorResponse, RunRequest};
 use crate::runner::Runner;
 
 mod raw;
+mod workspace;
 pub use raw::HeadLimit;
 
 /// Shared state of the HTTP handlers.
@@ -110,7 +111,12 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
                 config,
             ))
     };
+    let workspaces = match state.runner.workspaces() {
+        Some(store) => workspace::routes(store.clone(), state.runner.metrics().clone()),
+        None => Router::new(),
+    };
     Router::new()
+        .merge(workspaces)
         .route("/raw", post(raw::raw))
         .route("/capabilities", get(capabilities))
         .nest_service("/mcp", mcp)
@@ -155,7 +161,6 @@ pub async fn serve(
     router: Router,
     runner: Arc<Runner>,
     limits: crate::connections::ConnectionLimits,
-    auth_on: bool,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     grace: Duration,
     drained: tokio_util::sync::CancellationToken,
@@ -168,7 +173,7 @@ pub async fn serve(
         // Long-lived connections (MCP sessions) end now, so that the server can stop.
         drained.cancel();
     };
-    crate::connections::run(listener, router, limits, auth_on, metrics, drain).await
+    crate::connections::run(listener, router, limits, metrics, drain).await
 }
 
 async fn capabilities(State(state): State<AppState>) -> Response {

@@ -202,20 +202,21 @@ fn commands_die_with_a_killed_gateway() {
         .unwrap();
         let mut seen = String::new();
         let mut buf = [0u8; 512];
-        let re = regex::Regex::new(r#""type":"stdout","data":"([^"]+)""#).unwrap();
         let pid = loop {
             let n = s.read(&mut buf).expect("read");
             assert!(n > 0, "{seen}");
             seen.push_str(&String::from_utf8_lossy(&buf[..n]));
-            if let Some(c) = re.captures(&seen) {
-                let out = base64_simd::STANDARD
-                    .decode_to_vec(c[1].as_bytes())
-                    .unwrap();
-                break String::from_utf8(out)
-                    .unwrap()
-                    .trim()
-                    .parse::<i32>()
-                    .unwrap();
+            let out = seen
+                .lines()
+                .filter(|l| l.starts_with(r#"{"type":"stdout""#))
+                .find_map(|l| match serde_json::from_str(l) {
+                    Ok(mcp_run::contract::Event::Stdout { data }) => {
+                        String::from_utf8_lossy(&data).trim().parse::<i32>().ok()
+                    }
+                    _ => None,
+                });
+            if let Some(pid) = out {
+                break pid;
             }
         };
         pids.push(pid);

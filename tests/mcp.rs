@@ -71,7 +71,7 @@ async fn http_initialize_tools_and_calls() {
         .expect("mcp-run/runtime capability");
     assert_eq!(runtime["backend"], "local");
     assert_eq!(runtime["safety_level"], "host-process");
-    assert_eq!(runtime["limits"]["stdin"], false);
+    assert_eq!(runtime["limits"]["stdin"], true);
     assert_eq!(runtime["profiles"][0]["name"], "default");
 
     // tools/list: valid schemas, annotations.

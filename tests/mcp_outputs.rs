@@ -214,11 +214,15 @@ async fn resources_pages_lines_and_grep() {
     c.cancel().await.unwrap();
 }
 
-/// A run past the age bound: reading it says it expired.
+/// A stream past the per-stream bound says what was kept; a run past the age bound says it
+/// expired.
 #[tokio::test(flavor = "multi_thread")]
 async fn expired_outputs_say_so() {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = support::config_file(&dir, "mcp:\n  output_store:\n    max_age_secs: 1\n");
+    let cfg = support::config_file(
+        &dir,
+        "mcp:\n  max_output_bytes: 4096\n  output_store:\n    max_age_secs: 1\n",
+    );
     let gw = Gateway::start(&["--config", cfg.to_str().unwrap()]);
     let c = client(&gw).await;
     let r = call(
@@ -230,7 +234,14 @@ async fn expired_outputs_say_so() {
         .as_str()
         .unwrap()
         .to_owned();
-    assert!(read(&c, &uri).await.is_ok());
+    // Past the per-stream bound, the read says what was kept.
+    let text = read(&c, &uri).await.unwrap();
+    assert!(text.starts_with("1\n2\n"), "{text}");
+    assert!(
+        text.contains("only the first 4096 of 588895 bytes of this stream were kept"),
+        "{}",
+        &text[text.len() - 300..]
+    );
     tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
     let e = read(&c, &uri).await.unwrap_err();
     assert!(e.contains("has expired"), "{e}");
@@ -263,5 +274,35 @@ async fn templates_find_a_failure_in_the_middle_of_10_mb() {
     assert!(s.starts_with("[template cargo-build: "), "{s}");
     assert!(s.len() < 4000, "{}", s.len());
     assert!(o["full_output"]["stdout_bytes"].as_u64().unwrap() > 10_000_000);
+    c.cancel().await.unwrap();
+}
+
+/// `stdin` reaches the command (the local backend feeds it); over the limit it is refused.
+#[tokio::test(flavor = "multi_thread")]
+async fn stdin_reaches_the_command() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = support::config_file(&dir, "mcp:\n  max_stdin_bytes: 100000\n");
+    let gw = Gateway::start(&["--config", cfg.to_str().unwrap()]);
+    let c = client(&gw).await;
+    let r = call(&c, json!({"executable": "cat", "stdin": "hello\nworld\n"})).await;
+    assert_eq!(out(&r)["stdout"], "hello\nworld\n");
+    let big = "x".repeat(99_999) + "\n";
+    let r = call(
+        &c,
+        json!({"executable": "wc", "args": ["-c"], "stdin": big}),
+    )
+    .await;
+    assert_eq!(out(&r)["stdout"].as_str().unwrap().trim(), "100000");
+    let r = call(
+        &c,
+        json!({"executable": "cat", "stdin": "y".repeat(100_001)}),
+    )
+    .await;
+    assert_eq!(r.is_error, Some(true));
+    assert!(r.structured_content.is_none());
+    // Without stdin, a command that reads it gets end of input at once.
+    let r = call(&c, json!({"executable": "cat"})).await;
+    assert_eq!(out(&r)["stdout"], "");
+    assert_eq!(out(&r)["exit_code"], 0);
     c.cancel().await.unwrap();
 }

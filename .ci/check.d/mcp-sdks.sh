@@ -40,10 +40,17 @@ YAML
 gw=$!
 trap 'kill $gw 2>/dev/null; wait $gw 2>/dev/null; rm -rf "$work"' EXIT
 url="http://127.0.0.1:$port/mcp"
-for _ in $(seq 1 100); do
-  curl -fsS "http://127.0.0.1:$port/healthz" >/dev/null 2>&1 && break
-  sleep 0.1
-done
+.venv/bin/python - "$port" <<'PY'
+import sys, time, urllib.request
+for _ in range(200):
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/healthz", timeout=1)
+        break
+    except OSError:
+        time.sleep(0.1)
+else:
+    sys.exit("mcp-sdks: the gateway did not start")
+PY
 
 inspector() {
   (cd .ci/mcp-sdks && MCP_CATALOG_PATH="$work/catalog.json" node_modules/.bin/mcp-inspector --cli "$@" --method tools/list --strict >"$work/tools.json" 2>"$work/strict.txt") || {

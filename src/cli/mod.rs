@@ -4,7 +4,23 @@ pub mod outcome;
 pub mod run_remote;
 pub mod run_remote_io;
 pub mod run_remote_templates;
+pub mod run_remote_workspace;
 pub mod serve;
+
+/// Keeps freed memory in the process instead of handing it back to the kernel at once
+/// (glibc's malloc). Streaming allocates and frees a few 256-350 KiB buffers per chunk; with
+/// glibc's defaults each was fresh memory, page-faulted in and unmapped again, about a third
+/// of the gateway's CPU and most of the client's system time on a large stream
+/// (docs/performance.md). Memory stays bounded: at most 8 MiB of freed heap is kept per arena.
+pub fn tune_allocator() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only sets allocator parameters; it is called at the start of main,
+    // before any other thread exists.
+    unsafe {
+        nix::libc::mallopt(nix::libc::M_MMAP_THRESHOLD, 1 << 20);
+        nix::libc::mallopt(nix::libc::M_TRIM_THRESHOLD, 8 << 20);
+    }
+}
 
 /// Sets up logging on stderr (stdout may carry a protocol). `RUST_LOG` overrides the level.
 pub fn init_logging(default_level: &str, json: bool) {

@@ -35,6 +35,11 @@ pub enum Reason {
     Config,
     /// Writing our output (or the template's full-output file) failed.
     Output,
+    /// `--workspace`: the directory cannot be sent (unreadable file, a symlink pointing
+    /// outside it, a name that is not UTF-8).
+    Workspace,
+    /// `--sync-back`: a result could not be downloaded or written into the directory.
+    SyncBack,
     /// The gateway refused the request, could not be reached, failed after the start, or
     /// broke the protocol: the contract's code.
     Gateway(ErrorCode),
@@ -47,6 +52,8 @@ impl Reason {
             Reason::Usage => "usage_error",
             Reason::Config => "configuration_error",
             Reason::Output => "output_error",
+            Reason::Workspace => "workspace_error",
+            Reason::SyncBack => "sync_back_error",
             Reason::Gateway(c) => c.as_str(),
         }
     }

@@ -14,6 +14,7 @@ use tokio_util::sync::CancellationToken;
 use super::outcome::{self, Failure, Outcome};
 use super::run_remote_io as io;
 use super::run_remote_templates::{self as tpl, TemplateSink};
+use super::run_remote_workspace as ws;
 use crate::contract::{ErrorBody, ErrorCode, Event, RunRequest};
 use crate::exec::Execution;
 use crate::exec::remote::RemoteExecutor;
@@ -29,6 +30,8 @@ Examples:
   run-remote -- sh -c 'make && make test'    # a shell only when you ask for one
   run-remote --keep-env RUST_LOG --timeout 600 -- cargo test
   run-remote --output-format json -- ls /    # one JSON result when the command ends
+  run-remote --workspace -- cargo test       # this git tree's files on the runner (incremental)
+  run-remote --workspace --sync-back 'out/**' -- make   # and the files it made under out/ back
   run-remote templates                       # the output templates available here
   run-remote completions bash > ~/.local/share/bash-completion/completions/run-remote
 
@@ -86,6 +89,18 @@ pub struct Args {
     /// working directory).
     #[arg(long)]
     pub no_cwd: bool,
+    /// Send DIR's files to the runner first: what git would consider part of the tree
+    /// (.gitignore'd files and .git excluded). DIR defaults to the git work tree around the
+    /// current directory, else the current directory; the command runs in the same
+    /// directory relative to DIR. Only contents the gateway lacks are uploaded.
+    #[arg(long, value_name = "DIR", num_args = 0..=1, require_equals = true,
+          default_missing_value = "", conflicts_with_all = ["cwd", "no_cwd"])]
+    pub workspace: Option<String>,
+    /// With --workspace: after the run, copy the files matching these globs (relative to
+    /// DIR; `*` within a directory, `**` across) that the command created or changed back
+    /// into DIR.
+    #[arg(long = "sync-back", value_name = "GLOB", num_args = 1.., requires = "workspace")]
+    pub sync_back: Vec<String>,
     /// The gateway's runner profile (a pod template on the Kubernetes backend).
     #[arg(long, value_name = "NAME")]
     pub profile: Option<String>,
@@ -112,6 +127,7 @@ pub enum OutputFormat {
 /// Runs the client and returns its exit status. Every path ends here, in [`outcome::report`]:
 /// the one place that prints a failure and picks the status.
 pub fn main() -> i32 {
+    super::tune_allocator();
     let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
     let outcome = match parse(&argv) {
         Ok(Invocation::Run(args)) => run_blocking(*args),
@@ -257,7 +273,8 @@ pub fn build_request(
             missing.join(", ")
         )));
     }
-    let cwd = if args.no_cwd {
+    let cwd = if args.no_cwd || args.workspace.is_some() {
+        // With a workspace, the directory inside it is set once the workspace is resolved.
         None
     } else if let Some(dir) = &args.cwd {
         Some(dir.clone())
@@ -281,6 +298,8 @@ pub fn build_request(
         env: env_out,
         timeout_secs: args.timeout,
         profile: args.profile.clone(),
+        sync_back: args.sync_back.clone(),
+        ..RunRequest::default()
     };
     Ok((server, request))
 }
@@ -326,9 +345,16 @@ fn prepare(args: &Args) -> Result<Prepared, Failure> {
 }
 
 async fn run_command(args: Args) -> Outcome {
-    let prepared = match prepare(&args) {
+    let mut prepared = match prepare(&args) {
         Ok(p) => p,
         Err(f) => return not_started(f, &args, None),
+    };
+    let workspace = match &args.workspace {
+        None => None,
+        Some(dir) => match start_workspace(&prepared.remote, dir, &mut prepared.request).await {
+            Ok(w) => Some(w),
+            Err(f) => return not_started(f, &args, Some(&prepared.request)),
+        },
     };
     // In stream format the template's output goes through a sink that keeps the full output
     // in a file; in json and markdown it is applied to the result.
@@ -352,7 +378,22 @@ async fn run_command(args: Args) -> Outcome {
         progress,
         stdin: args.stdin.then(io::forward_stdin),
     };
-    let started = prepared.remote.run_with(&prepared.request, opts).await;
+    let changes = ws::Changes::default();
+    let mut started = prepared.remote.run_with(&prepared.request, opts).await;
+    // The gateway's cache may have evicted contents between the upload and the run (or
+    // another replica answered): sync once more and retry (not with stdin, which the first
+    // attempt took).
+    if let (Err(e), Some(w), false) = (&started, &workspace, args.stdin)
+        && e.code == ErrorCode::WorkspaceIncomplete
+    {
+        if let Err(f) = ws::sync(&w.client, &w.resolved.root, false).await {
+            return not_started(f, &args, Some(&prepared.request));
+        }
+        started = prepared
+            .remote
+            .run_with(&prepared.request, crate::exec::StartOptions::default())
+            .await;
+    }
     if let Some(printer) = printer {
         // Every phase is printed before what follows.
         let _ = printer.await;
@@ -361,15 +402,29 @@ async fn run_command(args: Args) -> Outcome {
         eprintln!("{}", io::started_line(e.context()));
     }
     let execution = match started {
-        Ok(e) => e,
+        Ok(e) => e.filtered(ws::CaptureChanges(changes.clone())),
         Err(e) => {
             let f = rejection(&e, &prepared.server);
             return not_started(f, &args, Some(&prepared.request));
         }
     };
+    let back = workspace
+        .as_ref()
+        .filter(|_| !args.sync_back.is_empty())
+        .map(|w| (w, &changes));
     match args.output_format {
-        OutputFormat::Stream => stream(execution, sink).await,
-        format => structured(execution, &prepared, &args, format).await,
+        OutputFormat::Stream => stream(execution, sink, back).await,
+        format => {
+            structured(
+                execution,
+                &prepared,
+                &args,
+                format,
+                workspace.as_ref(),
+                &changes,
+            )
+            .await
+        }
     }
 }
 
@@ -411,7 +466,11 @@ fn not_started(f: Failure, args: &Args, request: Option<&RunRequest>) -> Outcome
 
 /// Streams the output to our stdout and stderr as it arrives (or into the template's sink)
 /// and mirrors the exit.
-async fn stream(mut execution: Execution, mut sink: Option<TemplateSink>) -> Outcome {
+async fn stream(
+    mut execution: Execution,
+    mut sink: Option<TemplateSink>,
+    sync_back: Option<(&WorkspaceRun, &ws::Changes)>,
+) -> Outcome {
     // Unbuffered handles on our stdout and stderr: std's stdout is line-buffered, which
     // would copy and split binary output.
     let (mut stdout, mut stderr) = match (
@@ -435,7 +494,15 @@ async fn stream(mut execution: Execution, mut sink: Option<TemplateSink>) -> Out
             (Event::Stderr { data }, None) => stderr.write_all(data),
             (Event::Stdout { data }, Some(s)) => s.stdout(data).map_err(raw_file_error),
             (Event::Stderr { data }, Some(s)) => s.stderr(data).map_err(raw_file_error),
-            (Event::Exit(info), _) => break Ok(*info),
+            (Event::Exit(info), _) => {
+                // Results come back before the status is mirrored.
+                if let Some((w, changes)) = sync_back
+                    && let Err(f) = ws::sync_back(&w.client, &w.resolved.root, changes, false).await
+                {
+                    break Err(f);
+                }
+                break Ok(*info);
+            }
             (Event::Error { code, message }, _) => {
                 break Err(Failure::gateway(&ErrorBody::new(*code, message.clone())));
             }
@@ -464,14 +531,36 @@ async fn structured(
     prepared: &Prepared,
     args: &Args,
     format: OutputFormat,
+    workspace: Option<&WorkspaceRun>,
+    changes: &ws::Changes,
 ) -> Outcome {
-    let collected =
-        crate::result::collect(execution, args.max_output_bytes.max(1024), |_, _| {}).await;
+    // The template reads the whole output as it arrives, not the capped capture.
+    let mut filters = prepared.template.as_ref().map(crate::result::Filters::new);
+    let collected = crate::result::collect(execution, args.max_output_bytes.max(1024), |s, d| {
+        if let Some(f) = filters.as_mut() {
+            f.push(s, d);
+        }
+    })
+    .await;
     let mut r = StructuredResult::from_run("run-remote", &prepared.request, &collected);
-    if let Some(t) = &prepared.template {
-        crate::result::apply_to_result(&mut r, t);
+    if let Some(f) = filters {
+        f.apply(&mut r, None);
     }
-    if let Err(e) = print_result(&r, format) {
+    let mut synced_back = None;
+    if let Some(w) = workspace
+        && !args.sync_back.is_empty()
+        && collected.exit.is_some()
+    {
+        match ws::sync_back(&w.client, &w.resolved.root, changes, true).await {
+            Ok(files) => synced_back = Some(files),
+            Err(f) => return f.into(),
+        }
+    }
+    let printed = match (workspace, format) {
+        (Some(w), OutputFormat::Json) => print_json_with_workspace(&r, w, synced_back),
+        _ => print_result(&r, format),
+    };
+    if let Err(e) = printed {
         return outcome::write_failed(&e, "the result");
     }
     match (collected.exit, &collected.error) {
@@ -483,6 +572,50 @@ async fn structured(
         ))
         .into(),
     }
+}
+
+/// A `--workspace` run: where the tree is, and what its sync did.
+struct WorkspaceRun {
+    client: crate::workspace::client::WorkspaceClient,
+    resolved: ws::Resolved,
+    synced: crate::workspace::client::Synced,
+}
+
+/// Resolves and syncs the workspace, and points the request at it.
+async fn start_workspace(
+    remote: &RemoteExecutor,
+    dir: &str,
+    request: &mut RunRequest,
+) -> Result<WorkspaceRun, Failure> {
+    let resolved = ws::resolve(dir, std::env::current_dir())?;
+    let client = remote.workspace_client();
+    let synced = ws::sync(&client, &resolved.root, false).await?;
+    request.workspace = Some(synced.workspace.clone());
+    request.cwd = (!resolved.cwd.is_empty()).then(|| resolved.cwd.clone());
+    Ok(WorkspaceRun {
+        client,
+        resolved,
+        synced,
+    })
+}
+
+/// The JSON result with a `workspace` object: the sync's figures and the files copied back.
+fn print_json_with_workspace(
+    r: &StructuredResult,
+    w: &WorkspaceRun,
+    synced_back: Option<Vec<crate::contract::ChangedFile>>,
+) -> std::io::Result<()> {
+    let mut value = serde_json::to_value(r).unwrap_or_default();
+    let mut info = serde_json::to_value(&w.synced).unwrap_or_default();
+    info["root"] = w.resolved.root.display().to_string().into();
+    if let Some(files) = synced_back {
+        info["synced_back"] = serde_json::to_value(files).unwrap_or_default();
+    }
+    value["workspace"] = info;
+    let text = serde_json::to_string_pretty(&value).unwrap_or_default() + "\n";
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes())?;
+    out.flush()
 }
 
 /// Resolves `--template` in the current directory.

@@ -6,7 +6,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use super::outcome::{self, Failure, Outcome};
-use crate::templates::{Catalog, Template};
+use crate::templates::{Catalog, StreamFilter, Template};
 
 /// The template `name` as configured for `dir` (built-ins plus the nearest
 /// `.mcp-run/config.yaml`); an invalid configuration or an unknown name is a configuration
@@ -22,13 +22,14 @@ pub fn resolve(name: &str, dir: &Path) -> Result<Template, Failure> {
 }
 
 /// Collects a run's output for a template: every chunk goes to the raw file as it arrives
-/// (in arrival order, as a terminal would show it) and to one buffer per stream.
+/// (in arrival order, as a terminal would show it) and to one streaming filter per stream
+/// (bounded memory, whatever the output's size).
 pub struct TemplateSink {
     template: Template,
     raw: std::fs::File,
     raw_path: PathBuf,
-    stdout: Vec<u8>,
-    stderr: Vec<u8>,
+    stdout: StreamFilter,
+    stderr: StreamFilter,
 }
 
 impl TemplateSink {
@@ -54,21 +55,21 @@ impl TemplateSink {
                 ))
             })?;
         Ok(TemplateSink {
+            stdout: StreamFilter::new(&template),
+            stderr: StreamFilter::new(&template),
             template,
             raw,
             raw_path,
-            stdout: Vec::new(),
-            stderr: Vec::new(),
         })
     }
 
     pub fn stdout(&mut self, data: &[u8]) -> std::io::Result<()> {
-        self.stdout.extend_from_slice(data);
+        self.stdout.push(data);
         self.raw.write_all(data)
     }
 
     pub fn stderr(&mut self, data: &[u8]) -> std::io::Result<()> {
-        self.stderr.extend_from_slice(data);
+        self.stderr.push(data);
         self.raw.write_all(data)
     }
 
@@ -76,7 +77,8 @@ impl TemplateSink {
         &self.raw_path
     }
 
-    /// Writes the filtered streams and a closing note naming the raw file. `exit_code` is the
+    /// Writes the filtered streams and, when lines were left out, a closing note naming the
+    /// raw file. `exit_code` is the
     /// command's (`None` when it did not exit normally, which the template treats as a
     /// failure).
     pub fn finish(
@@ -85,11 +87,17 @@ impl TemplateSink {
         out: &mut impl Write,
         err: &mut impl Write,
     ) -> std::io::Result<()> {
-        let o = self.template.apply(&self.stdout, exit_code);
-        let e = self.template.apply(&self.stderr, exit_code);
+        let o = self.stdout.finish(exit_code, None);
+        let e = self.stderr.finish(exit_code, None);
         out.write_all(&o.output)?;
         out.flush()?;
         err.write_all(&e.output)?;
+        if o.omitted_lines() + e.omitted_lines() == 0 {
+            // Nothing left out: nothing added, and no file to keep.
+            drop(self.raw);
+            let _ = std::fs::remove_file(&self.raw_path);
+            return Ok(());
+        }
         writeln!(
             err,
             "run-remote: template {}: {} of {} lines left out; the full output is in {}",

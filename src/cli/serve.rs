@@ -80,6 +80,10 @@ pub struct StdioArgs {
     pub log_format: LogFormat,
     #[command(flatten)]
     pub backend: BackendArgs,
+    /// With `--backend remote`: sync this directory to the gateway (incrementally) before
+    /// every command, which runs in it (docs/workspaces.md).
+    #[arg(long, value_name = "DIR")]
+    pub workspace: Option<PathBuf>,
 }
 
 /// Where commands run: shared by `serve` and `stdio`.
@@ -186,6 +190,7 @@ pub enum LogFormat {
 }
 
 pub fn main() -> ExitCode {
+    super::tune_allocator();
     let cli = Cli::parse();
     let json_logs;
     let result = match cli.command {
@@ -256,7 +261,8 @@ pub async fn build_executor(
         BackendKind::Local => Arc::new(
             LocalExecutor::new(&config.local.inherit_env)
                 .with_profiles(config.profiles.keys().cloned())
-                .with_reaper(),
+                .with_reaper()
+                .with_workspace_dir(config.workspaces.local_dir()),
         ),
         BackendKind::Remote => {
             let url = config.remote.server.as_deref().context(
@@ -265,7 +271,14 @@ pub async fn build_executor(
             let token = std::env::var("RUN_REMOTE_TOKEN")
                 .ok()
                 .filter(|t| !t.is_empty());
-            Arc::new(RemoteExecutor::new(url, token).map_err(anyhow::Error::msg)?)
+            let remote = RemoteExecutor::new(url, token).map_err(anyhow::Error::msg)?;
+            match &config.remote.workspace {
+                Some(dir) => Arc::new(
+                    crate::exec::remote::workspace::SyncedRemote::new(remote, dir)
+                        .map_err(anyhow::Error::msg)?,
+                ),
+                None => Arc::new(remote),
+            }
         }
         BackendKind::Kube => {
             let mut profiles = config.profiles.clone();
@@ -351,6 +364,7 @@ pub async fn app(config: &Config) -> anyhow::Result<App> {
             .map(Arc::new),
         guard: Arc::new(
             crate::guard::Guard::new(&config.server.allowed_hosts, config.server.max_body_bytes)
+                .with_body_timeout(Duration::from_secs(config.server.body_timeout_secs))
                 .with_metrics(runner.metrics().clone()),
         ),
     };
@@ -391,9 +405,8 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
             max_connections: config.server.max_connections,
             max_unauthenticated: config.server.max_unauthenticated_connections,
             header_timeout: Duration::from_secs(config.server.header_timeout_secs),
-            body_timeout: Duration::from_secs(config.server.body_timeout_secs),
+            auth_on,
         },
-        auth_on,
         shutdown_signal(),
         config.shutdown_grace(),
         drained,
@@ -435,7 +448,20 @@ pub fn build_runner(
     if let Some(r) = &redactor {
         crate::redact::redact_logs(r.clone());
     }
+    let workspaces = if config.workspaces.enabled && executor.supports_workspaces() {
+        let store = crate::workspace::WorkspaceStore::open(config.workspaces.clone())
+            .with_context(|| {
+                format!(
+                    "cannot open the workspace cache in {}",
+                    config.workspaces.cache_dir().display()
+                )
+            })?;
+        Some(Arc::new(store))
+    } else {
+        None
+    };
     Ok(Runner::new(executor, config.limits.clone())
+        .with_workspaces(workspaces)
         .with_metrics(metrics)
         .with_policy(crate::policy::Policy::new(
             config.policy.clone(),
@@ -521,7 +547,14 @@ fn working_dir() -> std::path::PathBuf {
 }
 
 fn run_stdio(args: StdioArgs) -> anyhow::Result<()> {
-    let config = args.backend.load()?;
+    let mut config = args.backend.load()?;
+    if let Some(dir) = args.workspace {
+        anyhow::ensure!(
+            config.server.backend == BackendKind::Remote,
+            "--workspace needs --backend remote (the local backend already runs in this machine's files)"
+        );
+        config.remote.workspace = Some(dir);
+    }
     block_on(stdio(config))
 }
 

@@ -80,6 +80,8 @@ pub struct LocalExecutor {
     /// Profile names requests may give. Profiles describe pods; here they only select the
     /// policy's per-profile overrides.
     profiles: Vec<String>,
+    /// Where a run's workspace is written (a new directory per run).
+    workspace_dir: std::path::PathBuf,
 }
 
 impl LocalExecutor {
@@ -99,6 +101,7 @@ impl LocalExecutor {
             _reaper: None,
             host,
             profiles: vec!["default".into()],
+            workspace_dir: std::env::temp_dir(),
         }
     }
 
@@ -113,6 +116,37 @@ impl LocalExecutor {
             ),
         }
         self
+    }
+
+    /// Writes each run's workspace into a new directory below `dir`.
+    pub fn with_workspace_dir(mut self, dir: std::path::PathBuf) -> Self {
+        self.workspace_dir = dir;
+        self
+    }
+
+    /// Writes the workspace into a fresh directory, then starts the command in it; the
+    /// directory goes when the command has ended (after sync-back).
+    async fn start_in_workspace(
+        &self,
+        mut spec: ExecSpec,
+        run: crate::workspace::WorkspaceRun,
+        cancel: CancellationToken,
+        stdin: Option<mpsc::Receiver<Bytes>>,
+    ) -> Result<Execution, ErrorBody> {
+        let base = self.workspace_dir.clone();
+        let tree =
+            tokio::task::spawn_blocking(move || crate::workspace::local::materialize(&run, &base))
+                .await
+                .map_err(|e| {
+                    ErrorBody::new(ErrorCode::Internal, format!("materialising failed: {e}"))
+                })??;
+        spec.cwd = Some(tree.cwd.to_str().map(str::to_owned).ok_or_else(|| {
+            ErrorBody::new(
+                ErrorCode::StartFailed,
+                "the workspace directory is not valid UTF-8 (local.workspace_dir)",
+            )
+        })?);
+        self.spawn(&spec, cancel, stdin, Some(tree))
     }
 
     /// Accepts these profile names (the configuration's `profiles`) besides `default`.
@@ -142,6 +176,7 @@ impl LocalExecutor {
         spec: &ExecSpec,
         cancel: CancellationToken,
         stdin: Option<mpsc::Receiver<Bytes>>,
+        tree: Option<crate::workspace::local::LocalTree>,
     ) -> Result<Execution, ErrorBody> {
         if let Some(cwd) = &spec.cwd {
             // Checked here because a failed chdir and a missing program are the same io error
@@ -253,7 +288,16 @@ impl LocalExecutor {
             tokio::spawn(feed_stdin(pipe, input, fed.clone()));
         }
         tokio::spawn(supervise(child, tx, cancel.clone(), fed.drop_guard(), tag));
-        Ok(Execution::new(self.context(pid), rx, cancel))
+        let mut context = self.context(pid);
+        let rx = match tree {
+            Some(tree) => {
+                context.workspace = Some(tree.workspace_id().to_owned());
+                context.workspace_version = Some(tree.workspace_version().to_owned());
+                crate::workspace::local::relay(rx, tree)
+            }
+            None => rx,
+        };
+        Ok(Execution::new(context, rx, cancel))
     }
 }
 
@@ -346,7 +390,17 @@ impl Executor for LocalExecutor {
         spec: ExecSpec,
         opts: StartOptions,
     ) -> BoxFuture<'_, Result<Execution, ErrorBody>> {
-        Box::pin(async move { self.spawn(&spec, opts.cancel.child_token(), opts.stdin) })
+        Box::pin(async move {
+            let cancel = opts.cancel.child_token();
+            match spec.workspace.clone() {
+                Some(run) => self.start_in_workspace(spec, run, cancel, opts.stdin).await,
+                None => self.spawn(&spec, cancel, opts.stdin, None),
+            }
+        })
+    }
+
+    fn supports_workspaces(&self) -> bool {
+        true
     }
 
     /// Profiles are the configured names (`default` always).
@@ -574,6 +628,7 @@ mod tests {
             env: BTreeMap::new(),
             timeout: Duration::from_secs(10),
             profile: None,
+            workspace: None,
         }
     }
 

@@ -42,7 +42,7 @@ pub const EVENT_BUFFER: usize = 4;
 pub const READ_CHUNK: usize = 256 * 1024;
 
 /// What to run, after the gateway resolved defaults and checked limits.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ExecSpec {
     pub executable: String,
     pub args: Vec<String>,
@@ -51,6 +51,10 @@ pub struct ExecSpec {
     pub timeout: Duration,
     /// The runner profile; `None` means the backend's default.
     pub profile: Option<String>,
+    /// The caller's tree to run in (`cwd` is then unset: the backend resolves the
+    /// workspace's directory). Only backends whose [`Executor::supports_workspaces`] is true
+    /// get one.
+    pub workspace: Option<crate::workspace::WorkspaceRun>,
 }
 
 /// What a caller hands a backend besides the spec: the cancellation token, where to report
@@ -123,6 +127,11 @@ pub trait Executor: Send + Sync + 'static {
     /// Whether the backend can run commands now (`/readyz`).
     fn ready(&self) -> BoxFuture<'_, Result<(), ErrorBody>> {
         Box::pin(async { Ok(()) })
+    }
+
+    /// Whether the backend can run a command in a workspace ([`ExecSpec::workspace`]).
+    fn supports_workspaces(&self) -> bool {
+        false
     }
 
     /// Checks a request's backend-specific fields (such as the profile) before it starts.

@@ -2,6 +2,8 @@
 //! and `mcp-run stdio --backend remote` use it, so that a machine without cluster
 //! credentials runs its commands where the gateway runs them.
 
+pub mod workspace;
+
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes, BytesMut};
@@ -22,6 +24,10 @@ use crate::contract::{
 pub struct RemoteConfig {
     /// The gateway's `/raw` URL [default: `RUN_REMOTE_SERVER`].
     pub server: Option<String>,
+    /// A directory synced to the gateway as a workspace before every command, which then
+    /// runs in it (`mcp-run stdio --workspace DIR`; docs/workspaces.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workspace: Option<std::path::PathBuf>,
 }
 
 impl RemoteConfig {
@@ -86,6 +92,15 @@ impl RemoteExecutor {
 
     pub fn url(&self) -> &reqwest::Url {
         &self.url
+    }
+
+    /// The gateway's workspace endpoints, over the same connection pool and token.
+    pub fn workspace_client(&self) -> crate::workspace::client::WorkspaceClient {
+        crate::workspace::client::WorkspaceClient::new(
+            self.client.clone(),
+            &self.url,
+            self.token.clone(),
+        )
     }
 
     /// Sends a request and returns once the gateway reported `started`.
@@ -317,6 +332,9 @@ impl Executor for RemoteExecutor {
         opts: StartOptions,
     ) -> BoxFuture<'_, Result<Execution, ErrorBody>> {
         Box::pin(async move {
+            if let Some(run) = spec.workspace.clone() {
+                return workspace::forward(self, spec, run, opts).await;
+            }
             let req = RunRequest {
                 executable: spec.executable,
                 args: spec.args,
@@ -324,6 +342,7 @@ impl Executor for RemoteExecutor {
                 env: spec.env,
                 timeout_secs: Some(spec.timeout.as_secs().max(1)),
                 profile: spec.profile,
+                ..RunRequest::default()
             };
             self.run_with(&req, opts).await
         })
@@ -331,6 +350,11 @@ impl Executor for RemoteExecutor {
 
     fn timeout_slack(&self) -> Duration {
         TIMEOUT_SLACK
+    }
+
+    /// Workspaces are forwarded: uploaded from this gateway's cache to the upstream one.
+    fn supports_workspaces(&self) -> bool {
+        true
     }
 
     /// The gateway's own report (`GET /capabilities` beside `/raw`), naming the gateway.

@@ -185,6 +185,14 @@ impl McpService {
             max_result_chars: self.config.max_result_chars,
             max_stdin_bytes: self.config.max_stdin_bytes,
         });
+        // Workspaces (docs/workspaces.md), when this gateway takes them.
+        let mut input = input;
+        if self.runner.workspaces().is_some() {
+            input["properties"]["workspace"] = serde_json::json!({
+                "type": "string",
+                "description": "A workspace id returned by POST /workspaces (docs/workspaces.md): the command runs in a fresh copy of that tree, and `cwd` is relative to its root."
+            });
+        }
         let description = format!(
             "Run a command and get its stdout, stderr and exit code. {} Limits: timeout up to {} s (default {} s); no TTY; the result carries up to {} characters of output (head and tail kept, each cut marked), and the full output stays readable as a resource (mcp-run://runs/{{id}}/stdout, with ?lines=, ?bytes= or ?grep=) for {} s.",
             caps.where_line(),

@@ -4,7 +4,6 @@
 //! out, where the full output is.
 
 use rmcp::model::{CallToolResult, ContentBlock};
-use serde_json::json;
 
 use crate::contract::{ErrorBody, RunRequest};
 use crate::result::{FullOutput, Stream, StructuredResult, cost, excerpt};
@@ -135,14 +134,13 @@ pub fn cli_result(ran: &Ran, budget: usize) -> CallToolResult {
     }
     let exit_code = crate::exit::status(ran.collected.exit.as_ref());
     let t = texts(ran, budget);
-    let mut output = json!({
-        "stdout": t.stdout,
-        "stderr": t.stderr,
-        "exitCode": exit_code,
-    });
-    if let Some(f) = &t.full {
-        output["fullOutput"] = serde_json::to_value(f).unwrap_or_default();
-    }
+    let output = serde_json::to_value(super::tools::ToolOutput {
+        stdout: t.stdout,
+        stderr: t.stderr,
+        exit_code,
+        full_output: t.full,
+    })
+    .unwrap_or_default();
     let content = vec![ContentBlock::text(
         serde_json::to_string_pretty(&output).unwrap_or_default(),
     )];

@@ -164,7 +164,7 @@ pub fn read(run: &Recording, uri: &OutputUri, budget: usize) -> Result<Page, Str
     };
     if page.next.is_none() && kept < total {
         page.text.push_str(&format!(
-            "\n[mcp-run: only the first {kept} of {total} bytes of this stream were kept (mcp.output_store.max_stream_bytes)]\n"
+            "\n[mcp-run: only the first {kept} of {total} bytes of this stream were kept (the per-stream bound mcp.max_output_bytes, or the disk refused more)]\n"
         ));
     }
     if let Some(next) = &page.next {

@@ -95,7 +95,7 @@ async fn call(
 ) -> (rmcp::model::CallToolResult, Vec<String>) {
     let runner = Arc::new(Runner::new(
         Arc::new(Fake),
-        crate::config::Limits::default(),
+        crate::limits::Limits::default(),
     ));
     let service = McpService::new(runner, Arc::new(Capabilities::default()), config);
     let (client_io, server_io) = tokio::io::duplex(1 << 16);

@@ -322,6 +322,7 @@ impl ToolConfig {
             env: BTreeMap::new(),
             timeout_secs: self.timeout_secs,
             profile: self.profile.clone(),
+            ..RunRequest::default()
         })
     }
 
@@ -397,20 +398,22 @@ impl ToolConfig {
     }
 }
 
-/// The output schema of every declared tool: `{stdout, stderr, exitCode}`.
+/// What a declared tool answers (its structured content).
+#[derive(Debug, Clone, Serialize, schemars::JsonSchema)]
+pub struct ToolOutput {
+    pub stdout: String,
+    pub stderr: String,
+    /// The exit code; 128+N when signal N killed the command; 124 when its timeout did.
+    #[serde(rename = "exitCode")]
+    pub exit_code: i32,
+    /// When the result leaves output out: where the full output is (resources/read).
+    #[serde(rename = "fullOutput", skip_serializing_if = "Option::is_none")]
+    pub full_output: Option<crate::result::FullOutput>,
+}
+
+/// The output schema of every declared tool: [`ToolOutput`]'s.
 pub fn output_schema() -> Map<String, Value> {
-    match json!({
-        "type": "object",
-        "required": ["stdout", "stderr", "exitCode"],
-        "properties": {
-            "stdout": {"type": "string"},
-            "stderr": {"type": "string"},
-            "exitCode": {"type": "integer", "description": "The exit code; 128+N when signal N killed the command; 124 when its timeout did."}
-        }
-    }) {
-        Value::Object(m) => m,
-        _ => Map::new(),
-    }
+    super::schema::derived::<ToolOutput>()
 }
 
 fn kind_of(v: &Value) -> &'static str {

@@ -21,7 +21,7 @@ mod budget;
 mod template;
 
 pub use budget::{cost, excerpt, fit_head, fit_tail};
-pub use template::apply_to_result;
+pub use template::{Filters, apply_to_result};
 
 /// The default cap per stream of `run-remote --output-format json|markdown`: 1 MiB. (MCP
 /// results are sized by a character budget instead, see [`Capture::excerpt`].)
@@ -51,6 +51,11 @@ pub struct ExecutionContext {
     pub host: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cwd: Option<String>,
+    /// The workspace the command ran in, and the version of its tree.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workspace: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workspace_version: Option<String>,
 }
 
 /// One command's captured result.
@@ -251,6 +256,8 @@ impl StructuredResult {
             profile: ctx.profile.or_else(|| req.profile.clone()),
             host: ctx.host,
             cwd: req.cwd.clone(),
+            workspace: ctx.workspace,
+            workspace_version: ctx.workspace_version,
         }
     }
 

@@ -1,26 +1,69 @@
 //! A template applied to a [`StructuredResult`] (`run-remote --output-format json|markdown`).
 
-use super::StructuredResult;
-use crate::templates::Template;
+use super::{Stream, StructuredResult};
+use crate::templates::{StreamFilter, Template};
 
-/// Filters every output's stdout and stderr and says so in the summary: which template, how
-/// many lines it removed, and how to get the full output. Returns the lines removed.
-pub fn apply_to_result(result: &mut StructuredResult, template: &Template) -> usize {
-    let mut removed = 0;
-    let mut total = 0;
-    for o in &mut result.outputs {
-        for text in [&mut o.stdout, &mut o.stderr] {
-            let f = template.apply(text.as_bytes(), o.exit_code);
-            removed += f.omitted_lines();
-            total += f.total_lines;
-            *text = String::from_utf8_lossy(&f.output).into_owned();
+/// Both streams filtered by one template as they arrive (bounded memory), for a run that is
+/// collected whole: feed it from [`super::collect`]'s `on_output`.
+pub struct Filters {
+    template: Template,
+    stdout: StreamFilter,
+    stderr: StreamFilter,
+}
+
+impl Filters {
+    pub fn new(template: &Template) -> Self {
+        Self {
+            template: template.clone(),
+            stdout: StreamFilter::new(template),
+            stderr: StreamFilter::new(template),
         }
     }
-    result.summary.push_str(&format!(
-        "; template `{}` removed {removed} of {total} output lines (run again without a template for the full output)",
-        template.name
-    ));
-    removed
+
+    pub fn push(&mut self, stream: Stream, data: &[u8]) {
+        match stream {
+            Stream::Stdout => self.stdout.push(data),
+            Stream::Stderr => self.stderr.push(data),
+        }
+    }
+
+    /// Replaces the result's output with the filtered streams. A failure (error, timeout,
+    /// signal) counts as one for the template. Says so in the summary, in one short note,
+    /// only when lines were left out. Returns the lines left out.
+    pub fn apply(self, result: &mut StructuredResult, full: Option<&str>) -> usize {
+        let Some(o) = result.outputs.first_mut() else {
+            return 0;
+        };
+        let code = if o.timed_out || result.error.is_some() {
+            None
+        } else {
+            o.exit_code
+        };
+        let out = self.stdout.finish(code, full);
+        let err = self.stderr.finish(code, full);
+        let removed = out.omitted_lines() + err.omitted_lines();
+        o.stdout = String::from_utf8_lossy(&out.output).into_owned();
+        o.stderr = String::from_utf8_lossy(&err.output).into_owned();
+        if removed > 0 {
+            result.summary.push_str(&format!(
+                "; template `{}` left out {removed} of {} lines",
+                self.template.name,
+                out.total_lines + err.total_lines
+            ));
+        }
+        removed
+    }
+}
+
+/// Filters every output's stdout and stderr held whole (see [`Filters`]); returns the lines
+/// left out.
+pub fn apply_to_result(result: &mut StructuredResult, template: &Template) -> usize {
+    let mut f = Filters::new(template);
+    if let Some(o) = result.outputs.first() {
+        f.push(Stream::Stdout, o.stdout.as_bytes());
+        f.push(Stream::Stderr, o.stderr.as_bytes());
+    }
+    f.apply(result, None)
 }
 
 #[cfg(test)]
@@ -59,10 +102,14 @@ mod template_tests {
         assert!(o.stdout.contains("test x ... FAILED\n") && !o.stdout.contains("t3 ... ok"));
         assert_eq!(o.stderr, "error: test failed, to rerun pass `--lib`\n");
         assert!(
-            r.summary.contains("template `cargo-test` removed 31 of 37"),
+            r.summary
+                .contains("template `cargo-test` left out 31 of 37 lines"),
             "{}",
             r.summary
         );
-        assert!(r.summary.contains("without a template"));
+        // Nothing left out: nothing added.
+        let before = r.summary.clone();
+        assert_eq!(apply_to_result(&mut r, &t), 0);
+        assert_eq!(r.summary, before);
     }
 }

@@ -168,8 +168,10 @@ pub struct StreamFilter {
     after_failure: bool,
     /// Hashes of the candidate lines kept so far (each long line is kept once).
     seen: std::collections::HashSet<u64>,
-    /// The previous line, unless it is a candidate already (the line a caret marks).
-    previous: Option<(usize, Vec<u8>)>,
+    /// The previous line's number, unless it is a candidate already (the line a caret
+    /// marks), and its bytes.
+    previous: Option<usize>,
+    previous_line: Vec<u8>,
 }
 
 impl StreamFilter {
@@ -194,6 +196,7 @@ impl StreamFilter {
             after_failure: false,
             seen: std::collections::HashSet::new(),
             previous: None,
+            previous_line: Vec::new(),
         }
     }
 
@@ -206,12 +209,17 @@ impl StreamFilter {
                 None if data.len() >= room => (room, true),
                 None => (data.len(), false),
             };
-            self.partial.extend_from_slice(&data[..n]);
-            data = &data[n..];
-            if complete {
-                let line = std::mem::take(&mut self.partial);
-                self.line(line);
+            if complete && self.partial.is_empty() {
+                // A whole line in the chunk: judged in place, without a copy.
+                self.line(&data[..n]);
+            } else {
+                self.partial.extend_from_slice(&data[..n]);
+                if complete {
+                    let line = std::mem::take(&mut self.partial);
+                    self.line(&line);
+                }
             }
+            data = &data[n..];
         }
     }
 
@@ -244,24 +252,27 @@ impl StreamFilter {
         }
     }
 
-    fn line(&mut self, raw: Vec<u8>) {
+    fn line(&mut self, raw: &[u8]) {
         let no = self.lines;
         self.lines += 1;
         // Agents and patterns see the text without colour.
-        let line = super::ansi::strip(&raw).into_owned();
-        let text = content(&line);
-        let blank = is_blank(&line);
+        let stripped = super::ansi::strip(raw);
+        let line: &[u8] = &stripped;
+        let text = content(line);
+        let blank = is_blank(line);
         if self.first.len() <= SHORT_STREAM_LINES {
-            self.first.push(line.clone());
+            self.first.push(line.to_vec());
         }
-        self.paragraph(no, &line, blank);
+        self.paragraph(no, line, blank);
 
         let mut why = None;
         if self.template.include.is_match(text) {
             why = Some(Why::Include);
         }
         let failure = ERROR_SHAPED.is_match(text);
-        let location = !failure && LOCATION.is_match(text);
+        // Locations matter only near a failure: most lines skip the pattern.
+        let near = self.window > 0 || self.block > 0 || self.after_failure;
+        let location = !failure && near && LOCATION.is_match(text);
         let mut keep_failure = failure;
         if self.block > 0 {
             if blank {
@@ -302,10 +313,12 @@ impl StreamFilter {
                 self.want_message = true;
             }
         }
-        if CARET.is_match(text) {
+        if memchr::memchr2(b'^', b'~', text).is_some() && CARET.is_match(text) {
             keep_failure = true;
-            if let Some((p, l)) = self.previous.take() {
+            if let Some(p) = self.previous.take() {
+                let l = std::mem::take(&mut self.previous_line);
                 self.candidate(p, Why::Failure, &l);
+                self.previous_line = l;
             }
         }
         if keep_failure && !failure && LIBRARY_FRAME.is_match(text) {
@@ -314,11 +327,17 @@ impl StreamFilter {
         if keep_failure && why.is_none() {
             why = Some(Why::Failure);
         }
+        if self.template.excludes(text) {
+            why = None;
+        }
         if let Some(why) = why {
-            self.candidate(no, why, &line);
+            self.candidate(no, why, line);
             self.previous = None;
         } else {
-            self.previous = Some((no, line));
+            // Kept in a reused buffer: most lines are never asked for again.
+            self.previous = Some(no);
+            self.previous_line.clear();
+            self.previous_line.extend_from_slice(line);
         }
     }
 
@@ -364,7 +383,7 @@ impl StreamFilter {
     pub fn finish(mut self, exit_code: Option<i32>, full: Option<&str>) -> Filtered {
         if !self.partial.is_empty() {
             let line = std::mem::take(&mut self.partial);
-            self.line(line);
+            self.line(&line);
         }
         let failed = exit_code != Some(0);
         let total = self.lines;
@@ -448,6 +467,7 @@ mod tests {
                 include_regex: re.into(),
                 tail_paragraphs: tail,
                 suppress_on_success: false,
+                exclude_regex: None,
             },
         )
         .unwrap()
@@ -581,6 +601,7 @@ mod tests {
             include_regex: "HIT".into(),
             tail_paragraphs: 1,
             suppress_on_success: true,
+            exclude_regex: None,
         };
         let out = b"HIT\nx\n\nsummary\n";
         let tpl = Template::new("s", spec.clone()).unwrap();
@@ -596,5 +617,117 @@ mod tests {
         spec.suppress_on_success = false;
         let tpl = Template::new("s", spec).unwrap();
         assert_eq!(body(&apply(&tpl, out, Some(0))), "HIT\nsummary\n");
+    }
+}
+
+#[cfg(test)]
+mod rule_tests {
+    use super::*;
+    use crate::templates::TemplateSpec;
+
+    fn t(re: &str, exclude: Option<&str>) -> Template {
+        Template::new(
+            "t",
+            TemplateSpec {
+                description: "test".into(),
+                include_regex: re.into(),
+                tail_paragraphs: 0,
+                suppress_on_success: false,
+                exclude_regex: exclude.map(str::to_owned),
+            },
+        )
+        .unwrap()
+    }
+
+    fn kept(tpl: &Template, out: &str, code: i32) -> String {
+        let f = apply(tpl, out.as_bytes(), Some(code));
+        let s = String::from_utf8(f.output).unwrap();
+        s.split_once("]\n").map(|x| x.1.to_owned()).unwrap_or(s)
+    }
+
+    fn noise() -> String {
+        (0..20).map(|i| format!("step {i} fine\n")).collect()
+    }
+
+    #[test]
+    fn diagnostic_blocks_carets_and_messages() {
+        let out = format!(
+            "{}error[E0308]: mismatched types\n --> src/a.rs:2:5\n  |\n2 |     x\n  |     ^ expected `u64`, found `u32`\n\n{}  ● cart › rejects\n\n    unknown sku: B\n\n      3 |   if (x) {{\n    > 4 |     throw new Error(`unknown`);\n        |           ^\n      5 |   }}\n{}",
+            noise(),
+            noise(),
+            noise()
+        );
+        let k = kept(&t("^NEVER$", None), &out, 1);
+        assert!(k.contains("  |     ^ expected `u64`, found `u32`\n"), "{k}");
+        assert!(k.contains("    unknown sku: B\n"), "{k}");
+        assert!(
+            k.contains("    > 4 |     throw new Error(`unknown`);\n        |           ^\n"),
+            "{k}"
+        );
+        assert!(!k.contains("      3 |") && !k.contains("      5 |"), "{k}");
+        assert!(!k.contains("step 3 fine"), "{k}");
+    }
+
+    #[test]
+    fn colour_is_ignored_and_removed() {
+        let out = format!(
+            "{}\x1b[91merror\x1b[0m\x1b[90m TS2322: \x1b[0mType 'string'\n",
+            noise()
+        );
+        let k = kept(&t("error TS\\d+", None), &out, 0);
+        assert_eq!(k, "error TS2322: Type 'string'\n");
+    }
+
+    #[test]
+    fn source_line_under_a_location_and_library_frames() {
+        let out = format!(
+            "{}E   ImportError: no module x\ntest_x.py:1: in <module>\n    import x\n{}java.lang.IllegalStateException: boom\n\tat java.base/java.util.ArrayList.forEach(ArrayList.java:1596)\n\tat com.shop.CartTest.adds(CartTest.java:12)\n",
+            noise(),
+            noise()
+        );
+        let k = kept(&t("^NEVER$", None), &out, 1);
+        assert!(
+            k.contains("test_x.py:1: in <module>\n    import x\n"),
+            "{k}"
+        );
+        assert!(
+            k.contains("CartTest.java:12") && !k.contains("java.base/"),
+            "{k}"
+        );
+    }
+
+    #[test]
+    fn repeated_lines_once_and_excluded_lines_never() {
+        let out = format!(
+            "{}FAILED the long test name here\n[ERROR] Re-run Maven using the -X switch\n{}FAILED the long test name here\n",
+            noise(),
+            noise()
+        );
+        let k = kept(&t("^NEVER$", Some(r"^\[ERROR\] Re-run")), &out, 1);
+        assert_eq!(k, "FAILED the long test name here\n");
+        let bad = Template::new(
+            "b",
+            TemplateSpec {
+                description: "d".into(),
+                include_regex: "x".into(),
+                tail_paragraphs: 0,
+                suppress_on_success: false,
+                exclude_regex: Some("(".into()),
+            },
+        );
+        assert_eq!(bad.err().map(|e| e.0), Some("exclude_regex"));
+    }
+
+    #[test]
+    fn memory_is_bounded_on_a_line_without_newlines() {
+        let mut f = StreamFilter::new(&t("x", None));
+        for _ in 0..100 {
+            f.push(&[b'x'; 100_000]);
+        }
+        let out = f.finish(Some(0), None);
+        // Split into lines of MAX_LINE bytes at most; every one matches and is kept, up to
+        // the bound on kept bytes.
+        assert!(out.output.len() <= MAX_KEPT + 4096, "{}", out.output.len());
+        assert_eq!(out.total_lines, 10_000_000 / MAX_LINE + 1);
     }
 }

@@ -40,6 +40,11 @@ pub struct TemplateSpec {
     pub tail_paragraphs: usize,
     #[serde(default)]
     pub suppress_on_success: bool,
+    /// Lines never kept by the pattern or by the failure rules (boilerplate that looks like
+    /// an error, such as Maven's `[ERROR] Re-run Maven using the -X switch`); the trailing
+    /// paragraphs and a short failing stream are still kept whole.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exclude_regex: Option<String>,
 }
 
 /// A template ready to apply.
@@ -50,24 +55,41 @@ pub struct Template {
     pub include_regex: String,
     pub tail_paragraphs: usize,
     pub suppress_on_success: bool,
+    pub exclude_regex: Option<String>,
     include: regex::bytes::Regex,
+    exclude: Option<regex::bytes::Regex>,
 }
 
 impl Template {
-    /// Compiles the spec's regex.
-    pub fn new(name: &str, spec: TemplateSpec) -> Result<Template, regex::Error> {
-        let include = regex::bytes::RegexBuilder::new(&spec.include_regex)
-            // Bounded so that a pathological pattern from a config file cannot eat memory.
-            .size_limit(1 << 22)
-            .build()?;
+    /// Compiles the spec's regexes; an error names the field (`include_regex`,
+    /// `exclude_regex`).
+    pub fn new(name: &str, spec: TemplateSpec) -> Result<Template, (&'static str, regex::Error)> {
+        // Bounded so that a pathological pattern from a config file cannot eat memory.
+        let compile = |p: &str| {
+            regex::bytes::RegexBuilder::new(p)
+                .size_limit(1 << 22)
+                .build()
+        };
+        let include = compile(&spec.include_regex).map_err(|e| ("include_regex", e))?;
+        let exclude = match &spec.exclude_regex {
+            Some(p) => Some(compile(p).map_err(|e| ("exclude_regex", e))?),
+            None => None,
+        };
         Ok(Template {
             name: name.to_owned(),
             description: spec.description,
             include_regex: spec.include_regex,
             tail_paragraphs: spec.tail_paragraphs,
             suppress_on_success: spec.suppress_on_success,
+            exclude_regex: spec.exclude_regex,
             include,
+            exclude,
         })
+    }
+
+    /// Whether a line is excluded (see [`TemplateSpec::exclude_regex`]).
+    fn excludes(&self, line: &[u8]) -> bool {
+        self.exclude.as_ref().is_some_and(|e| e.is_match(line))
     }
 
     /// Applies the template to one stream (see [`filter::apply`]).
@@ -149,10 +171,14 @@ pub fn parse_templates(
             ));
         }
         let spec: TemplateSpec = yaml_serde::from_value(value).map_err(|e| bad(e.to_string()))?;
-        let pattern = spec.include_regex.clone();
-        let t = Template::new(&name, spec).map_err(|e| {
+        let patterns = (spec.include_regex.clone(), spec.exclude_regex.clone());
+        let t = Template::new(&name, spec).map_err(|(field, e)| {
+            let pattern = match field {
+                "include_regex" => patterns.0.clone(),
+                _ => patterns.1.clone().unwrap_or_default(),
+            };
             bad(format!(
-                "invalid include_regex {pattern:?}: {}",
+                "invalid {field} {pattern:?}: {}",
                 regex_error_line(&e)
             ))
         })?;

@@ -170,6 +170,11 @@ pub struct Profile {
     pub volumes: Vec<Volume>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub volume_mounts: Vec<VolumeMount>,
+    /// Where requests with a `workspace` get their tree (docs/workspaces.md). When set, the
+    /// profile's pods get an `emptyDir` volume mounted there (unless a volume of the profile
+    /// is mounted there already). Unset: this profile refuses workspace requests.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub workspace_path: Option<String>,
     /// Pods of this profile kept Running ahead of requests (docs/kubernetes.md).
     #[serde(skip_serializing_if = "WarmPoolConfig::is_off")]
     pub warm_pool: WarmPoolConfig,
@@ -234,6 +239,14 @@ impl Profile {
             && (image.trim().is_empty() || image.chars().any(char::is_whitespace))
         {
             return err("image", format!("{image:?} is not an image reference"));
+        }
+        if let Some(path) = &self.workspace_path
+            && (!path.starts_with('/') || path.split('/').any(|c| c == "..") || path == "/")
+        {
+            return err(
+                "workspace_path",
+                format!("{path:?} must be an absolute directory other than /, without `..`"),
+            );
         }
         if let Some(cmd) = &self.keepalive_command
             && cmd.is_empty()

@@ -22,6 +22,7 @@ mod start;
 pub mod status;
 mod stream;
 mod throttle;
+mod workspace;
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -93,8 +94,17 @@ impl Executor for KubeExecutor {
     }
 
     fn check(&self, spec: &ExecSpec) -> Result<(), ErrorBody> {
-        self.profile(spec.profile.as_deref().unwrap_or("default"))
-            .map(|_| ())
+        let name = spec.profile.as_deref().unwrap_or("default");
+        let profile = self.profile(name)?;
+        if let Some(run) = &spec.workspace {
+            workspace::workspace_path(name, profile, run)?;
+        }
+        Ok(())
+    }
+
+    /// Into the profile's `workspace_path` (see [`workspace`]).
+    fn supports_workspaces(&self) -> bool {
+        true
     }
 
     /// Ready when the API server answers and the gateway has the permissions it needs.

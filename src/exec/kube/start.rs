@@ -201,11 +201,17 @@ impl KubeExecutor {
             Phase::Starting,
             Some(format!("starting the command in pod {name}")),
         );
+        let mut cwd = spec.cwd.clone();
+        if let Some(run) = &spec.workspace {
+            let path = super::workspace::workspace_path(profile_name, profile, run)?;
+            cwd = Some(self.place_workspace(&name, run, path, &opts.cancel).await?);
+            timings.mark("workspace placed");
+        }
         let command = pod::argv::exec_command(
             profile.shell(),
             &spec.executable,
             &spec.args,
-            spec.cwd.as_deref(),
+            cwd.as_deref(),
             &spec.env,
             opts.stdin.is_some(),
         );
@@ -257,6 +263,8 @@ impl KubeExecutor {
             image: Some(profile.image().to_string()),
             profile: Some(profile_name.to_string()),
             pod_start_ms: Some(pod_start.as_millis() as u64),
+            workspace: spec.workspace.as_ref().map(|w| w.workspace.id.clone()),
+            workspace_version: spec.workspace.as_ref().map(|w| w.workspace.digest.clone()),
             ..Default::default()
         };
         let token = opts.cancel.child_token();

@@ -3,6 +3,8 @@
 
 pub mod argv;
 
+pub mod workspace;
+
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
@@ -142,7 +144,7 @@ pub fn build(req: &PodRequest<'_>, id: &Identity) -> Pod {
         command: Some(keepalive),
         resources: p.resources.clone(),
         working_dir: p.working_dir.clone(),
-        volume_mounts: (!p.volume_mounts.is_empty()).then(|| p.volume_mounts.clone()),
+        volume_mounts: workspace::volume_mounts(p),
         stdin: Some(false),
         tty: Some(false),
         security_context: Some(SecurityContext {
@@ -192,7 +194,7 @@ pub fn build(req: &PodRequest<'_>, id: &Identity) -> Pod {
                     .map(|n| LocalObjectReference { name: n.clone() })
                     .collect()
             }),
-            volumes: (!p.volumes.is_empty()).then(|| p.volumes.clone()),
+            volumes: workspace::volumes(p),
             security_context: Some(PodSecurityContext {
                 run_as_user,
                 run_as_group,

@@ -1,0 +1,378 @@
+//! The manifest of a workspace: every file and symlink of the tree, by relative path, with
+//! its mode, size and content hash. Validated once on the gateway; the rules are those of
+//! docs/protocol.md ("Workspaces").
+
+use std::collections::{BTreeSet, HashMap};
+
+use serde::{Deserialize, Serialize};
+
+use super::config::WorkspaceConfig;
+use crate::contract::{ErrorBody, ErrorCode};
+
+/// The body of `POST /workspaces`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Manifest {
+    pub entries: Vec<ManifestEntry>,
+}
+
+/// A regular file or a symlink. Directories are implied by the paths below them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EntryKind {
+    #[default]
+    File,
+    Symlink,
+}
+
+/// Mode of a plain file.
+pub const MODE_FILE: u32 = 0o644;
+/// Mode of an executable file.
+pub const MODE_EXEC: u32 = 0o755;
+
+/// One file of the tree.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ManifestEntry {
+    /// Relative to the workspace root, `/`-separated, without `.` or `..` components.
+    pub path: String,
+    #[serde(default, skip_serializing_if = "is_file")]
+    pub kind: EntryKind,
+    /// Files: 420 (0644) or 493 (0755). Symlinks: ignored.
+    #[serde(default = "default_mode")]
+    pub mode: u32,
+    /// Files: the content's length in bytes.
+    #[serde(default)]
+    pub size: u64,
+    /// Files: SHA-256 of the content, 64 lowercase hex digits.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub hash: String,
+    /// Symlinks: the link's target, relative and inside the workspace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target: Option<String>,
+}
+
+fn is_file(k: &EntryKind) -> bool {
+    *k == EntryKind::File
+}
+
+fn default_mode() -> u32 {
+    MODE_FILE
+}
+
+impl ManifestEntry {
+    pub fn file(path: impl Into<String>, executable: bool, size: u64, hash: String) -> Self {
+        Self {
+            path: path.into(),
+            kind: EntryKind::File,
+            mode: if executable { MODE_EXEC } else { MODE_FILE },
+            size,
+            hash,
+            target: None,
+        }
+    }
+
+    pub fn symlink(path: impl Into<String>, target: String) -> Self {
+        Self {
+            path: path.into(),
+            kind: EntryKind::Symlink,
+            mode: 0o777,
+            size: target.len() as u64,
+            hash: String::new(),
+            target: Some(target),
+        }
+    }
+}
+
+fn invalid(message: String) -> ErrorBody {
+    ErrorBody::new(ErrorCode::InvalidRequest, message)
+}
+
+fn too_large(message: String) -> ErrorBody {
+    ErrorBody::new(ErrorCode::PayloadTooLarge, message)
+}
+
+/// Checks a relative path: not empty, `/`-separated normal components only, no NUL,
+/// at most `max_bytes` long.
+pub fn check_path(path: &str, max_bytes: usize) -> Result<(), String> {
+    if path.is_empty() {
+        return Err("an empty path".into());
+    }
+    if path.len() > max_bytes {
+        return Err(format!(
+            "path {:?}... is longer than {max_bytes} bytes",
+            path.chars().take(40).collect::<String>()
+        ));
+    }
+    if path.contains('\0') {
+        return Err(format!("path {path:?} contains a NUL byte"));
+    }
+    if path.starts_with('/') {
+        return Err(format!("path {path:?} is absolute"));
+    }
+    for c in path.split('/') {
+        match c {
+            "" => return Err(format!("path {path:?} has an empty component")),
+            "." | ".." => return Err(format!("path {path:?} has a {c:?} component")),
+            _ if c.len() > 255 => {
+                return Err(format!("path {path:?} has a component over 255 bytes"));
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// Whether a symlink at `path` with `target` stays inside the tree (lexically).
+pub fn symlink_stays_inside(path: &str, target: &str) -> bool {
+    if target.is_empty() || target.starts_with('/') || target.contains('\0') {
+        return false;
+    }
+    // The link's directory, then the target's components.
+    let mut depth: Vec<&str> = path.split('/').collect();
+    depth.pop();
+    for c in target.split('/') {
+        match c {
+            "" | "." => {}
+            ".." => {
+                if depth.pop().is_none() {
+                    return false;
+                }
+            }
+            other => depth.push(other),
+        }
+    }
+    true
+}
+
+/// A validated manifest, sorted by path, with what the gateway needs to know about it.
+#[derive(Debug, Clone)]
+pub struct Checked {
+    pub manifest: Manifest,
+    /// SHA-256 of the canonical (sorted) manifest: the workspace's version.
+    pub digest: String,
+    /// Each distinct content and its size.
+    pub contents: HashMap<String, u64>,
+    pub files: usize,
+    pub bytes: u64,
+}
+
+impl Manifest {
+    /// Validates the manifest against the gateway's limits; every rule of the protocol.
+    pub fn check(mut self, limits: &WorkspaceConfig) -> Result<Checked, ErrorBody> {
+        if self.entries.len() > limits.max_files {
+            return Err(too_large(format!(
+                "the manifest lists {} files, more than the gateway's maximum of {} (workspaces.max_files)",
+                self.entries.len(),
+                limits.max_files
+            )));
+        }
+        self.entries.sort_by(|a, b| a.path.cmp(&b.path));
+        let mut paths = BTreeSet::new();
+        let mut contents = HashMap::new();
+        let mut bytes = 0u64;
+        for e in &self.entries {
+            check_path(&e.path, limits.max_path_bytes)
+                .map_err(|m| invalid(format!("invalid manifest: {m}")))?;
+            if !paths.insert(e.path.as_str()) {
+                return Err(invalid(format!(
+                    "invalid manifest: path {:?} is listed twice",
+                    e.path
+                )));
+            }
+            match e.kind {
+                EntryKind::File => {
+                    if !super::is_hash(&e.hash) {
+                        return Err(invalid(format!(
+                            "invalid manifest: {:?} has no valid hash (64 lowercase hex digits of SHA-256)",
+                            e.path
+                        )));
+                    }
+                    if e.mode != MODE_FILE && e.mode != MODE_EXEC {
+                        return Err(invalid(format!(
+                            "invalid manifest: {:?} has mode {:o}; files are 644 or 755",
+                            e.path, e.mode
+                        )));
+                    }
+                    if e.target.is_some() {
+                        return Err(invalid(format!(
+                            "invalid manifest: file {:?} has a symlink target",
+                            e.path
+                        )));
+                    }
+                    if e.size > limits.max_file_bytes {
+                        return Err(too_large(format!(
+                            "{:?} is {} bytes, more than the gateway's maximum file size of {} (workspaces.max_file_bytes)",
+                            e.path, e.size, limits.max_file_bytes
+                        )));
+                    }
+                    if let Some(&size) = contents.get(&e.hash)
+                        && size != e.size
+                    {
+                        return Err(invalid(format!(
+                            "invalid manifest: hash {} is listed with two sizes",
+                            e.hash
+                        )));
+                    }
+                    contents.insert(e.hash.clone(), e.size);
+                    bytes += e.size;
+                }
+                EntryKind::Symlink => {
+                    let target = e.target.as_deref().unwrap_or_default();
+                    if !symlink_stays_inside(&e.path, target) {
+                        return Err(invalid(format!(
+                            "invalid manifest: symlink {:?} -> {target:?} leaves the workspace",
+                            e.path
+                        )));
+                    }
+                    if !e.hash.is_empty() {
+                        return Err(invalid(format!(
+                            "invalid manifest: symlink {:?} has a hash",
+                            e.path
+                        )));
+                    }
+                }
+            }
+        }
+        if bytes > limits.max_bytes {
+            return Err(too_large(format!(
+                "the workspace holds {bytes} bytes, more than the gateway's maximum of {} (workspaces.max_bytes)",
+                limits.max_bytes
+            )));
+        }
+        let distinct: u64 = contents.values().sum();
+        if distinct > limits.max_cache_bytes {
+            return Err(too_large(format!(
+                "the workspace's contents ({distinct} bytes) do not fit in the gateway's cache of {} bytes (workspaces.max_cache_bytes)",
+                limits.max_cache_bytes
+            )));
+        }
+        // A file or symlink cannot also be a directory of another entry (nothing may be
+        // written through a symlink).
+        for e in &self.entries {
+            let mut end = 0;
+            while let Some(i) = e.path[end..].find('/') {
+                end += i;
+                if paths.contains(&e.path[..end]) {
+                    return Err(invalid(format!(
+                        "invalid manifest: {:?} is below {:?}, which is not a directory",
+                        e.path,
+                        &e.path[..end]
+                    )));
+                }
+                end += 1;
+            }
+        }
+        let canonical = serde_json::to_vec(&self).map_err(|e| invalid(e.to_string()))?;
+        Ok(Checked {
+            digest: super::hash_bytes(&canonical),
+            files: self.entries.len(),
+            bytes,
+            contents,
+            manifest: self,
+        })
+    }
+}
+
+/// The answer to `POST /workspaces`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PostResponse {
+    /// The id to send as `workspace` in `/raw` requests and to upload contents to.
+    pub workspace: String,
+    /// SHA-256 of the canonical manifest: the version of the tree.
+    pub version: String,
+    pub files: usize,
+    pub bytes: u64,
+    /// Hashes of the contents to upload.
+    pub missing: Vec<String>,
+    pub missing_bytes: u64,
+}
+
+/// The answer to an upload.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UploadResponse {
+    pub stored: usize,
+    pub bytes: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(c: char) -> String {
+        std::iter::repeat_n(c, 64).collect()
+    }
+
+    fn limits() -> WorkspaceConfig {
+        WorkspaceConfig::default()
+    }
+
+    #[test]
+    fn paths() {
+        for ok in ["a", "a/b.txt", ".hidden/x", "a b/ü"] {
+            assert!(check_path(ok, 100).is_ok(), "{ok}");
+        }
+        for bad in ["", "/a", "a/../b", "..", "./a", "a//b", "a/", "a\0b"] {
+            assert!(check_path(bad, 100).is_err(), "{bad:?}");
+        }
+        assert!(check_path("abcdef", 5).is_err());
+    }
+
+    #[test]
+    fn symlinks() {
+        assert!(symlink_stays_inside("a/l", "../b"));
+        assert!(symlink_stays_inside("l", "b/c"));
+        assert!(!symlink_stays_inside("l", "../b"));
+        assert!(!symlink_stays_inside("a/l", "../../b"));
+        assert!(!symlink_stays_inside("l", "/etc"));
+        assert!(!symlink_stays_inside("l", ""));
+    }
+
+    #[test]
+    fn rejects_duplicates_conflicts_and_limits() {
+        let f = |p: &str| ManifestEntry::file(p, false, 1, h('a'));
+        let m = |e: Vec<ManifestEntry>| Manifest { entries: e }.check(&limits());
+        assert!(m(vec![f("a"), f("b/c")]).is_ok());
+        assert_eq!(
+            m(vec![f("a"), f("a")]).unwrap_err().code,
+            ErrorCode::InvalidRequest
+        );
+        assert!(m(vec![f("a"), f("a/b")]).is_err());
+        assert!(m(vec![ManifestEntry::symlink("l", "x".into()), f("l/b")]).is_err());
+        assert!(m(vec![ManifestEntry::symlink("l", "../x".into())]).is_err());
+        let mut bad_hash = f("x");
+        bad_hash.hash = "ABC".into();
+        assert!(m(vec![bad_hash]).is_err());
+        let mut bad_mode = f("x");
+        bad_mode.mode = 0o4755;
+        assert!(m(vec![bad_mode]).is_err());
+        let small = WorkspaceConfig {
+            max_files: 1,
+            ..limits()
+        };
+        let e = Manifest {
+            entries: vec![f("a"), f("b")],
+        }
+        .check(&small)
+        .unwrap_err();
+        assert_eq!(e.code, ErrorCode::PayloadTooLarge);
+    }
+
+    #[test]
+    fn digest_is_order_independent() {
+        let a = ManifestEntry::file("a", false, 1, h('a'));
+        let b = ManifestEntry::file("b", true, 2, h('b'));
+        let x = Manifest {
+            entries: vec![a.clone(), b.clone()],
+        }
+        .check(&limits())
+        .unwrap();
+        let y = Manifest {
+            entries: vec![b, a],
+        }
+        .check(&limits())
+        .unwrap();
+        assert_eq!(x.digest, y.digest);
+        assert_eq!((x.files, x.bytes), (2, 3));
+    }
+}

@@ -1,0 +1,121 @@
+//! Workspaces: the caller's working tree on the runner (issue 17, docs/workspaces.md).
+//!
+//! The client walks its tree ([`walk`]), sends a [`Manifest`] (paths, modes, sizes, SHA-256
+//! hashes) to `POST /workspaces`, and uploads only the contents the gateway lacks
+//! ([`server`]). The gateway keeps contents in a bounded on-disk cache ([`store`]) and
+//! materialises a workspace per run: a fresh directory on the local backend ([`local`]), a tar
+//! stream into the pod on the Kubernetes backend. After the run, files matching the request's
+//! `sync_back` globs that the command created or changed are reported in a `workspace_changes`
+//! event and can be downloaded by hash.
+
+pub mod client;
+pub mod config;
+pub mod local;
+pub mod manifest;
+pub mod store;
+pub mod tarball;
+pub mod walk;
+
+pub use config::WorkspaceConfig;
+pub use manifest::{EntryKind, Manifest, ManifestEntry};
+pub use store::{Workspace, WorkspaceStore};
+
+use std::sync::Arc;
+
+/// A workspace attached to a run: which tree, where the command runs inside it, and what
+/// comes back.
+#[derive(Clone)]
+pub struct WorkspaceRun {
+    pub workspace: Arc<Workspace>,
+    pub store: Arc<WorkspaceStore>,
+    /// The command's directory relative to the workspace root (`""`: the root).
+    pub cwd: String,
+    /// Globs of files to report back after the run.
+    pub sync_back: Vec<String>,
+}
+
+impl std::fmt::Debug for WorkspaceRun {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkspaceRun")
+            .field("id", &self.workspace.id)
+            .field("cwd", &self.cwd)
+            .field("sync_back", &self.sync_back)
+            .finish()
+    }
+}
+
+impl PartialEq for WorkspaceRun {
+    fn eq(&self, other: &Self) -> bool {
+        self.workspace.id == other.workspace.id
+            && self.cwd == other.cwd
+            && self.sync_back == other.sync_back
+    }
+}
+
+impl Eq for WorkspaceRun {}
+
+/// Where the policy sees a workspace run's directory (`policy.cwd` rules apply below it).
+pub const POLICY_ROOT: &str = "/workspace";
+
+/// The command's directory inside a workspace, from the request's relative `cwd`: normalised
+/// (no `.`, no empty components), and not below one of the tree's files or symlinks.
+pub fn run_cwd(ws: &Workspace, cwd: Option<&str>) -> Result<String, crate::contract::ErrorBody> {
+    use crate::contract::{ErrorBody, ErrorCode};
+    let parts: Vec<&str> = cwd
+        .unwrap_or("")
+        .split('/')
+        .filter(|c| !c.is_empty() && *c != ".")
+        .collect();
+    let rel = parts.join("/");
+    if rel.is_empty() {
+        return Ok(rel);
+    }
+    manifest::check_path(&rel, 4096)
+        .map_err(|m| ErrorBody::new(ErrorCode::InvalidRequest, format!("invalid `cwd`: {m}")))?;
+    let entries = &ws.manifest.entries;
+    for end in rel.match_indices('/').map(|(i, _)| i).chain([rel.len()]) {
+        let prefix = &rel[..end];
+        if entries
+            .binary_search_by(|e| e.path.as_str().cmp(prefix))
+            .is_ok()
+        {
+            return Err(ErrorBody::new(
+                ErrorCode::InvalidRequest,
+                format!(
+                    "`cwd` {rel:?} is not a directory of the workspace ({prefix:?} is a file or symlink)"
+                ),
+            ));
+        }
+    }
+    Ok(rel)
+}
+
+/// SHA-256 of `data` as 64 lowercase hex digits: the name of a content.
+pub fn hash_bytes(data: &[u8]) -> String {
+    use sha2::Digest as _;
+    hex(&sha2::Sha256::digest(data))
+}
+
+/// SHA-256 of a file's content, streamed.
+pub fn hash_file(path: &std::path::Path) -> std::io::Result<String> {
+    use sha2::Digest as _;
+    let mut f = std::fs::File::open(path)?;
+    let mut h = sha2::Sha256::new();
+    std::io::copy(&mut f, &mut h)?;
+    Ok(hex(&h.finalize()))
+}
+
+/// Lowercase hex of a digest.
+pub fn hex(digest: &[u8]) -> String {
+    use std::fmt::Write as _;
+    let mut s = String::with_capacity(digest.len() * 2);
+    for b in digest {
+        let _ = write!(s, "{b:02x}");
+    }
+    s
+}
+
+/// Whether `s` is a content name: 64 lowercase hex digits.
+pub fn is_hash(s: &str) -> bool {
+    s.len() == 64 && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+}

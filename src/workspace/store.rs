@@ -1,0 +1,592 @@
+//! The gateway's side of workspaces: the registry of posted manifests and the bounded,
+//! content-addressed cache of file contents on disk.
+//!
+//! A content is stored under its SHA-256 only after the bytes were hashed on arrival, so the
+//! cache never holds content under a wrong name. Each content remembers which identities
+//! proved they have it (by uploading it), so that one caller cannot learn from the
+//! `missing` list whether another holds a given file, nor use another's upload.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use sha2::Digest as _;
+
+use super::config::WorkspaceConfig;
+use super::manifest::Manifest;
+use crate::contract::{ErrorBody, ErrorCode};
+
+/// Who uploaded: the auth identity (`None` with auth off: shared by every caller).
+pub type Owner = Option<String>;
+
+/// A posted manifest.
+#[derive(Debug)]
+pub struct Workspace {
+    /// `ws_` and 32 hex digits, derived from the owner and the manifest: posting the same
+    /// tree again gives the same id.
+    pub id: String,
+    pub owner: Owner,
+    /// SHA-256 of the canonical manifest: the version of the tree.
+    pub digest: String,
+    /// Sorted by path, validated.
+    pub manifest: Manifest,
+    /// Each distinct content and its size.
+    pub contents: HashMap<String, u64>,
+    pub files: usize,
+    pub bytes: u64,
+}
+
+struct Blob {
+    size: u64,
+    used: Instant,
+    owners: Vec<Owner>,
+    /// Runs materialising it right now: not evicted meanwhile.
+    pins: u32,
+}
+
+#[derive(Default)]
+struct Inner {
+    blobs: HashMap<String, Blob>,
+    total: u64,
+    workspaces: HashMap<String, (Arc<Workspace>, Instant)>,
+    evicted: u64,
+}
+
+/// The answer to `POST /workspaces`.
+#[derive(Debug)]
+pub struct Posted {
+    pub workspace: Arc<Workspace>,
+    /// Contents the caller has to upload.
+    pub missing: Vec<String>,
+    pub missing_bytes: u64,
+}
+
+/// The registry and the cache.
+pub struct WorkspaceStore {
+    cfg: WorkspaceConfig,
+    root: PathBuf,
+    /// Created by us with a per-process default name: removed when the store is dropped.
+    remove_root: bool,
+    inner: Mutex<Inner>,
+}
+
+fn internal(what: &str, e: std::io::Error) -> ErrorBody {
+    tracing::error!("workspace cache: {what}: {e}");
+    ErrorBody::new(
+        ErrorCode::Internal,
+        format!("the gateway's workspace cache failed: {what}"),
+    )
+}
+
+/// The error for an id that does not exist or belongs to someone else (the same answer, so
+/// that ids of others cannot be probed).
+pub fn unknown_workspace(id: &str) -> ErrorBody {
+    ErrorBody::new(
+        ErrorCode::UnknownWorkspace,
+        format!(
+            "unknown workspace {id:?} (never posted, expired, or posted by another identity): post the manifest again"
+        ),
+    )
+}
+
+impl WorkspaceStore {
+    /// Opens the cache in the configured directory, emptying what a previous process left.
+    pub fn open(cfg: WorkspaceConfig) -> std::io::Result<Self> {
+        let root = cfg.cache_dir();
+        let remove_root = cfg.cache_dir.is_none();
+        for sub in ["blobs", "tmp"] {
+            let dir = root.join(sub);
+            match std::fs::remove_dir_all(&dir) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(e),
+            }
+            std::fs::create_dir_all(&dir)?;
+        }
+        Ok(Self {
+            cfg,
+            root,
+            remove_root,
+            inner: Mutex::new(Inner::default()),
+        })
+    }
+
+    pub fn config(&self) -> &WorkspaceConfig {
+        &self.cfg
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Registers a manifest and says which contents `owner` still has to upload.
+    pub fn post(&self, manifest: Manifest, owner: &Owner) -> Result<Posted, ErrorBody> {
+        let checked = manifest.check(&self.cfg)?;
+        let mut h = sha2::Sha256::new();
+        h.update(owner.as_deref().unwrap_or("").as_bytes());
+        h.update([0u8]);
+        h.update(checked.digest.as_bytes());
+        let id = format!("ws_{}", &super::hex(&h.finalize())[..32]);
+        let now = Instant::now();
+        let mut inner = self.lock();
+        self.evict(&mut inner, now);
+        let mut missing = Vec::new();
+        let mut missing_bytes = 0;
+        for (hash, size) in &checked.contents {
+            match inner.blobs.get_mut(hash) {
+                Some(b) if b.owners.contains(owner) => b.used = now,
+                _ => {
+                    missing.push(hash.clone());
+                    missing_bytes += size;
+                }
+            }
+        }
+        missing.sort();
+        let workspace = Arc::new(Workspace {
+            id: id.clone(),
+            owner: owner.clone(),
+            digest: checked.digest,
+            manifest: checked.manifest,
+            contents: checked.contents,
+            files: checked.files,
+            bytes: checked.bytes,
+        });
+        inner.workspaces.insert(id, (workspace.clone(), now));
+        self.evict(&mut inner, now);
+        Ok(Posted {
+            workspace,
+            missing,
+            missing_bytes,
+        })
+    }
+
+    /// The workspace `id` if `owner` posted it.
+    pub fn get(&self, id: &str, owner: &Owner) -> Result<Arc<Workspace>, ErrorBody> {
+        let mut inner = self.lock();
+        match inner.workspaces.get_mut(id) {
+            Some((ws, used)) if ws.owner == *owner => {
+                *used = Instant::now();
+                Ok(ws.clone())
+            }
+            _ => Err(unknown_workspace(id)),
+        }
+    }
+
+    fn blob_path(&self, hash: &str) -> PathBuf {
+        self.root.join("blobs").join(&hash[..2]).join(hash)
+    }
+
+    /// A new temporary file in the cache, removed unless persisted.
+    fn temp(&self) -> Result<Temp, ErrorBody> {
+        let name = format!("{:032x}", rand::random::<u128>());
+        let path = self.root.join("tmp").join(name);
+        let file = File::create_new(&path).map_err(|e| internal("cannot create a file", e))?;
+        Ok(Temp {
+            path,
+            file: Some(file),
+        })
+    }
+
+    /// Stores one content read from `reader`, which must be exactly `size` bytes hashing
+    /// to `hash`; `owner` then has it. Blocking: call from a blocking thread.
+    pub fn receive(
+        &self,
+        reader: &mut dyn Read,
+        hash: &str,
+        size: u64,
+        owner: &Owner,
+    ) -> Result<(), ErrorBody> {
+        let mut temp = self.temp()?;
+        let mut hasher = sha2::Sha256::new();
+        let mut n = 0u64;
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let k = match reader.read(&mut buf) {
+                Ok(0) => break,
+                Ok(k) => k,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    return Err(ErrorBody::new(
+                        ErrorCode::InvalidRequest,
+                        format!(
+                            "the upload of {hash} broke off or is not valid compressed data: {e}"
+                        ),
+                    ));
+                }
+            };
+            n += k as u64;
+            if n > size {
+                return Err(ErrorBody::new(
+                    ErrorCode::InvalidRequest,
+                    format!("content {hash} is longer than the manifest's {size} bytes"),
+                ));
+            }
+            hasher.update(&buf[..k]);
+            temp.write(&buf[..k])?;
+        }
+        if n != size {
+            return Err(ErrorBody::new(
+                ErrorCode::InvalidRequest,
+                format!(
+                    "content {hash} has {n} bytes, the manifest says {size}: the upload was cut short"
+                ),
+            ));
+        }
+        let got = super::hex(&hasher.finalize());
+        if got != hash {
+            return Err(ErrorBody::new(
+                ErrorCode::HashMismatch,
+                format!("the uploaded bytes hash to {got}, not {hash}: nothing was stored"),
+            ));
+        }
+        self.persist(temp, hash, size, owner)
+    }
+
+    /// Moves a verified temporary file into the cache under `hash`.
+    fn persist(
+        &self,
+        mut temp: Temp,
+        hash: &str,
+        size: u64,
+        owner: &Owner,
+    ) -> Result<(), ErrorBody> {
+        let path = self.blob_path(hash);
+        let now = Instant::now();
+        let mut inner = self.lock();
+        if let Some(b) = inner.blobs.get_mut(hash) {
+            if !b.owners.contains(owner) {
+                b.owners.push(owner.clone());
+            }
+            b.used = now;
+            return Ok(());
+        }
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(|e| internal("cannot create a directory", e))?;
+        }
+        temp.file = None;
+        std::fs::rename(&temp.path, &path).map_err(|e| internal("cannot store a content", e))?;
+        temp.path = PathBuf::new();
+        inner.blobs.insert(
+            hash.to_owned(),
+            Blob {
+                size,
+                used: now,
+                owners: vec![owner.clone()],
+                pins: 0,
+            },
+        );
+        inner.total += size;
+        self.evict(&mut inner, now);
+        Ok(())
+    }
+
+    /// Copies a file of a finished run into the cache (sync-back): its hash and size.
+    /// The file is opened without following a symlink; at most `max` bytes are taken.
+    pub fn add_file(
+        &self,
+        path: &Path,
+        owner: &Owner,
+        max: u64,
+    ) -> Result<(String, u64), ErrorBody> {
+        use std::os::unix::fs::OpenOptionsExt as _;
+        let mut src = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(nix::libc::O_NOFOLLOW)
+            .open(path)
+            .map_err(|e| internal("cannot read a result file", e))?;
+        let mut temp = self.temp()?;
+        let mut hasher = sha2::Sha256::new();
+        let mut n = 0u64;
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let k = src
+                .read(&mut buf)
+                .map_err(|e| internal("cannot read a result file", e))?;
+            if k == 0 {
+                break;
+            }
+            n += k as u64;
+            if n > max {
+                return Err(ErrorBody::new(
+                    ErrorCode::PayloadTooLarge,
+                    format!("{} is larger than {max} bytes", path.display()),
+                ));
+            }
+            hasher.update(&buf[..k]);
+            temp.write(&buf[..k])?;
+        }
+        let hash = super::hex(&hasher.finalize());
+        self.persist(temp, &hash, n, owner)?;
+        Ok((hash, n))
+    }
+
+    /// Opens a content `owner` has (downloads of sync-back results).
+    pub fn open_blob(&self, hash: &str, owner: &Owner) -> Result<(File, u64), ErrorBody> {
+        let not_found = || {
+            ErrorBody::new(
+                ErrorCode::NotFound,
+                format!("no content {hash} for this caller (never stored, or evicted)"),
+            )
+        };
+        if !super::is_hash(hash) {
+            return Err(ErrorBody::new(
+                ErrorCode::InvalidRequest,
+                format!("{hash:?} is not a content hash (64 lowercase hex digits)"),
+            ));
+        }
+        let size = {
+            let mut inner = self.lock();
+            match inner.blobs.get_mut(hash) {
+                Some(b) if b.owners.contains(owner) => {
+                    b.used = Instant::now();
+                    b.size
+                }
+                _ => return Err(not_found()),
+            }
+        };
+        let file = File::open(self.blob_path(hash)).map_err(|_| not_found())?;
+        Ok((file, size))
+    }
+
+    /// Holds every content of `ws` in the cache until the returned guard is dropped, or
+    /// says how many are missing (not uploaded, or evicted since).
+    pub fn pin(self: &Arc<Self>, ws: &Workspace) -> Result<Pinned, ErrorBody> {
+        let now = Instant::now();
+        let mut inner = self.lock();
+        let missing = ws
+            .contents
+            .keys()
+            .filter(|h| {
+                !inner
+                    .blobs
+                    .get(*h)
+                    .is_some_and(|b| b.owners.contains(&ws.owner))
+            })
+            .count();
+        if missing > 0 {
+            return Err(ErrorBody::new(
+                ErrorCode::WorkspaceIncomplete,
+                format!(
+                    "workspace {} lacks {missing} of its {} contents (not uploaded, or evicted from the cache): post the manifest again and upload what it reports missing",
+                    ws.id,
+                    ws.contents.len()
+                ),
+            ));
+        }
+        for h in ws.contents.keys() {
+            if let Some(b) = inner.blobs.get_mut(h) {
+                b.pins += 1;
+                b.used = now;
+            }
+        }
+        Ok(Pinned {
+            store: self.clone(),
+            hashes: ws.contents.keys().cloned().collect(),
+        })
+    }
+
+    /// Where a pinned content is on disk.
+    pub fn path_of(&self, _pin: &Pinned, hash: &str) -> PathBuf {
+        self.blob_path(hash)
+    }
+
+    /// Bytes and contents in the cache, and how many contents were evicted so far.
+    pub fn usage(&self) -> (u64, usize, u64) {
+        let inner = self.lock();
+        (inner.total, inner.blobs.len(), inner.evicted)
+    }
+
+    /// Drops what is too old, then the least recently used until the cache fits its bound.
+    /// Pinned contents stay.
+    fn evict(&self, inner: &mut Inner, now: Instant) {
+        let max_age = Duration::from_secs(self.cfg.max_age_secs);
+        let old = |t: Instant| now.saturating_duration_since(t) > max_age;
+        inner.workspaces.retain(|_, (_, used)| !old(*used));
+        if inner.workspaces.len() > self.cfg.max_workspaces {
+            let mut by_age: Vec<(Instant, String)> = inner
+                .workspaces
+                .iter()
+                .map(|(id, (_, t))| (*t, id.clone()))
+                .collect();
+            by_age.sort();
+            let excess = inner.workspaces.len() - self.cfg.max_workspaces;
+            for (_, id) in by_age.into_iter().take(excess) {
+                inner.workspaces.remove(&id);
+            }
+        }
+        let mut drop: Vec<String> = inner
+            .blobs
+            .iter()
+            .filter(|(_, b)| b.pins == 0 && old(b.used))
+            .map(|(h, _)| h.clone())
+            .collect();
+        let aged: u64 = drop
+            .iter()
+            .filter_map(|h| inner.blobs.get(h))
+            .map(|b| b.size)
+            .sum();
+        if inner.total - aged > self.cfg.max_cache_bytes {
+            let mut lru: Vec<(Instant, &String, u64)> = inner
+                .blobs
+                .iter()
+                .filter(|(_, b)| b.pins == 0 && !old(b.used))
+                .map(|(h, b)| (b.used, h, b.size))
+                .collect();
+            lru.sort();
+            let mut total = inner.total - aged;
+            for (_, h, size) in lru {
+                if total <= self.cfg.max_cache_bytes {
+                    break;
+                }
+                total -= size;
+                drop.push(h.clone());
+            }
+        }
+        for h in drop {
+            if let Some(b) = inner.blobs.remove(&h) {
+                inner.total -= b.size;
+                inner.evicted += 1;
+                let _ = std::fs::remove_file(self.blob_path(&h));
+            }
+        }
+    }
+}
+
+impl Drop for WorkspaceStore {
+    fn drop(&mut self) {
+        if self.remove_root {
+            let _ = std::fs::remove_dir_all(&self.root);
+        }
+    }
+}
+
+/// Contents held for a run.
+pub struct Pinned {
+    store: Arc<WorkspaceStore>,
+    hashes: Vec<String>,
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        let mut inner = self.store.lock();
+        for h in &self.hashes {
+            if let Some(b) = inner.blobs.get_mut(h) {
+                b.pins = b.pins.saturating_sub(1);
+            }
+        }
+        let now = Instant::now();
+        self.store.evict(&mut inner, now);
+    }
+}
+
+/// A temporary file in the cache's `tmp/`, removed unless it was moved into place.
+struct Temp {
+    path: PathBuf,
+    file: Option<File>,
+}
+
+impl Temp {
+    fn write(&mut self, data: &[u8]) -> Result<(), ErrorBody> {
+        match &mut self.file {
+            Some(f) => f
+                .write_all(data)
+                .map_err(|e| internal("cannot write a content", e)),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Temp {
+    fn drop(&mut self) {
+        if !self.path.as_os_str().is_empty() {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::workspace::manifest::ManifestEntry;
+
+    fn store(max_cache: u64) -> (tempfile::TempDir, Arc<WorkspaceStore>) {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = WorkspaceConfig {
+            cache_dir: Some(dir.path().to_owned()),
+            max_cache_bytes: max_cache,
+            max_file_bytes: 100,
+            ..Default::default()
+        };
+        (dir, Arc::new(WorkspaceStore::open(cfg).unwrap()))
+    }
+
+    fn entry(path: &str, data: &[u8]) -> ManifestEntry {
+        ManifestEntry::file(
+            path,
+            false,
+            data.len() as u64,
+            crate::workspace::hash_bytes(data),
+        )
+    }
+
+    #[test]
+    fn upload_is_verified_and_owned() {
+        let (_d, s) = store(1000);
+        let alice = Some("alice".to_owned());
+        let m = Manifest {
+            entries: vec![entry("a", b"hello")],
+        };
+        let p = s.post(m.clone(), &alice).unwrap();
+        assert_eq!(p.missing.len(), 1);
+        let h = p.missing[0].clone();
+        let e = s.receive(&mut &b"hellO"[..], &h, 5, &alice).unwrap_err();
+        assert_eq!(e.code, ErrorCode::HashMismatch);
+        assert!(s.receive(&mut &b"hell"[..], &h, 5, &alice).is_err());
+        assert!(s.receive(&mut &b"hello!"[..], &h, 5, &alice).is_err());
+        assert_eq!(s.usage().1, 0, "nothing stored under a wrong hash");
+        assert!(s.pin(&p.workspace).is_err());
+        s.receive(&mut &b"hello"[..], &h, 5, &alice).unwrap();
+        assert!(s.pin(&p.workspace).is_ok());
+        assert!(s.post(m.clone(), &alice).unwrap().missing.is_empty());
+        // Another identity must prove it has the content, and cannot use alice's id.
+        let bob = Some("bob".to_owned());
+        assert_eq!(s.post(m, &bob).unwrap().missing.len(), 1);
+        assert_eq!(
+            s.get(&p.workspace.id, &bob).unwrap_err().code,
+            ErrorCode::UnknownWorkspace
+        );
+        assert!(s.open_blob(&h, &bob).is_err());
+        assert!(s.open_blob(&h, &alice).is_ok());
+    }
+
+    #[test]
+    fn eviction_keeps_the_bound_and_pinned_contents() {
+        let (_d, s) = store(100);
+        let mut hashes = Vec::new();
+        let mut pins = Vec::new();
+        for i in 0..5u8 {
+            let data = vec![i; 40];
+            let m = Manifest {
+                entries: vec![entry("f", &data)],
+            };
+            let p = s.post(m, &None).unwrap();
+            s.receive(&mut &data[..], &p.missing[0], 40, &None).unwrap();
+            hashes.push(p.missing[0].clone());
+            if i == 0 {
+                pins.push(s.pin(&p.workspace).unwrap());
+            }
+        }
+        let (total, n, evicted) = s.usage();
+        assert!(total <= 100 + 40, "{total}");
+        assert_eq!((n, evicted), (2, 3));
+        assert!(
+            s.open_blob(&hashes[0], &None).is_ok(),
+            "pinned content kept"
+        );
+        assert!(s.open_blob(&hashes[4], &None).is_ok(), "newest kept");
+        assert!(s.open_blob(&hashes[1], &None).is_err());
+    }
+}
