@@ -46,6 +46,7 @@ fn spec(argv: &[&str]) -> ExecSpec {
         env: BTreeMap::new(),
         timeout: Duration::from_secs(30),
         profile: None,
+        workspace: None,
     }
 }
 
