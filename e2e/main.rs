@@ -1,7 +1,10 @@
 //! The behavioural suite against a real Kubernetes cluster: `cargo test --test e2e`.
 //!
-//! - The cluster comes from `KUBECONFIG` (or `~/.kube/config`); when none is reachable the
-//!   test passes after printing why it skipped (so that `cargo test` stays green anywhere).
+//! - The cluster comes from `KUBECONFIG` (or `~/.kube/config`). When none is reachable the
+//!   run is reported as skipped, with why, and no test passes (so that `cargo test` stays
+//!   green anywhere without claiming anything); but when `KUBECONFIG` or
+//!   `MCP_RUN_E2E_GATEWAY` is set, a cluster is expected and its absence fails the run.
+//! - Its own harness (`harness = false`): libtest cannot report a test skipped at run time.
 //! - By default it starts the gateway itself, out of cluster: `mcp-run serve --backend kube
 //!   --kubeconfig $KUBECONFIG` with a unique `kubernetes.instance`, runner image
 //!   `MCP_RUN_E2E_IMAGE` (default `busybox:1.36`), namespace `MCP_RUN_E2E_NAMESPACE` (default:
@@ -39,15 +42,49 @@ async fn cluster() -> Result<(kube::Client, String), String> {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn suite_against_a_real_cluster() {
-    let (client, context_ns) = match cluster().await {
+const NAME: &str = "suite_against_a_real_cluster";
+
+fn main() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(4)
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    println!("\nrunning 1 test");
+    let expected = ["KUBECONFIG", "MCP_RUN_E2E_GATEWAY"]
+        .into_iter()
+        .find(|v| std::env::var_os(v).is_some_and(|s| !s.is_empty()));
+    let cluster = match runtime.block_on(cluster()) {
         Ok(c) => c,
         Err(why) => {
-            eprintln!("e2e: SKIPPED, no Kubernetes cluster reachable: {why}");
+            if let Some(var) = expected {
+                println!("test {NAME} ... FAILED");
+                eprintln!("e2e: {var} is set but no Kubernetes cluster answers: {why}");
+                println!("\ntest result: FAILED. 0 passed; 1 failed; 0 skipped\n");
+                std::process::exit(1);
+            }
+            println!("test {NAME} ... skipped: no Kubernetes cluster reachable ({why})");
+            println!("\ntest result: ok. 0 passed; 0 failed; 1 skipped\n");
             return;
         }
     };
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        runtime.block_on(suite_against_a_real_cluster(cluster))
+    }));
+    match outcome {
+        Ok(()) => {
+            println!("test {NAME} ... ok");
+            println!("\ntest result: ok. 1 passed; 0 failed; 0 skipped\n");
+        }
+        Err(_) => {
+            println!("test {NAME} ... FAILED");
+            println!("\ntest result: FAILED. 0 passed; 1 failed; 0 skipped\n");
+            std::process::exit(101);
+        }
+    }
+}
+
+async fn suite_against_a_real_cluster((client, context_ns): (kube::Client, String)) {
     let image = std::env::var("MCP_RUN_E2E_IMAGE").unwrap_or_else(|_| DEFAULT_IMAGE.into());
     let dir = tempfile::tempdir().unwrap();
     let instance = format!("e2e-{}", std::process::id());

@@ -382,10 +382,28 @@ fn check_hardening(i: &Install) {
 fn default_manifests_parse_strictly_and_are_hardened() {
     let i = manifests();
     check_hardening(&i);
-    // The namespace file creates the namespace every object lives in.
-    assert_eq!(i.namespaces.len(), 1);
-    let ns = i.namespaces[0].metadata.name.clone().unwrap();
-    assert_eq!(i.deployments[0].metadata.namespace.as_ref(), Some(&ns));
+    // The namespace file creates the gateway's namespace; the chart creates the runners'
+    // own, where alone the gateway's Role is. Both enforce Pod Security `restricted`.
+    assert_eq!(i.namespaces.len(), 2);
+    let gw_ns = i.deployments[0].metadata.namespace.clone().unwrap();
+    let runner_ns = i.roles[0].metadata.namespace.clone().unwrap();
+    assert_ne!(
+        gw_ns, runner_ns,
+        "no permission in the gateway's own namespace"
+    );
+    assert_eq!(runner_ns, format!("{gw_ns}-runners"));
+    for ns in [&gw_ns, &runner_ns] {
+        let n = i
+            .namespaces
+            .iter()
+            .find(|n| n.metadata.name.as_ref() == Some(ns))
+            .unwrap_or_else(|| panic!("namespace {ns} is created"));
+        assert_eq!(
+            n.metadata.labels.as_ref().unwrap()["pod-security.kubernetes.io/enforce"],
+            "restricted",
+            "{ns}"
+        );
+    }
     // Defaults: no warm pool, so no patch; no auth Secret; no ServiceMonitor.
     let verbs: Vec<&String> = i.roles[0]
         .rules

@@ -420,34 +420,6 @@ pub(crate) async fn read_opt<R: AsyncRead + Unpin>(
     }
 }
 
-/// Sends what was read; closes the pipe at EOF or on error. Returns false when the
-/// consumer is gone. Waiting for a consumer that does not read ends when `cancel` fires
-/// (the chunk is then dropped: the command is being killed and its output abandoned), so
-/// that a stalled client cannot keep the kill from happening.
-pub(crate) async fn forward<R>(
-    n: std::io::Result<usize>,
-    pipe: &mut Option<R>,
-    buf: &mut BytesMut,
-    tx: &mpsc::Sender<Event>,
-    cancel: &CancellationToken,
-    make: impl FnOnce(bytes::Bytes) -> Event,
-) -> bool {
-    match n {
-        Ok(0) | Err(_) => {
-            *pipe = None;
-            true
-        }
-        Ok(_) => {
-            let event = make(buf.split().freeze());
-            tokio::select! {
-                biased;
-                sent = tx.send(event) => sent.is_ok(),
-                _ = cancel.cancelled() => true,
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

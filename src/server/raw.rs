@@ -99,11 +99,23 @@ pub(super) async fn raw(
         Box::pin(async move { runner.start_with(req, &caller, io).await });
     // Until the backend reports a phase, the answer is what it always was: an HTTP error if
     // the start fails, the stream from `started` on if it succeeds.
+    // A client gone during a long start (a pod that waits for a node) must not keep the
+    // start running: at its EOF the stream begins (a keepalive line), whose writes tell a
+    // gone client (the start is then dropped, and its pod deleted) from a half-closed one
+    // (which gets the rest of the run in the stream).
+    let watching = CancellationToken::new();
+    let eof = peer_closed
+        .as_ref()
+        .and_then(|p| p.0.watch(watching.clone()))
+        .unwrap_or_default();
     let first = tokio::select! {
         biased;
         started = &mut start => Err(started),
         Some(phase) = phases.recv() => Ok(phase),
+        () = eof.cancelled() => Ok(Event::Keepalive),
     };
+    let peer_eof = eof.is_cancelled();
+    watching.cancel();
     let stage = match first {
         Err(Ok(execution)) => {
             tracing::debug!(%command, context = ?execution.context(), "started");
@@ -130,7 +142,7 @@ pub(super) async fn raw(
         stdin: stdin_guard,
         command,
         peer,
-        probing: false,
+        probing: peer_eof,
         _watching: streaming.drop_guard(),
     };
     let mut resp = Response::new(Body::from_stream(events(run)));
@@ -437,7 +449,7 @@ impl Run {
                             self.stage = Stage::Flush(phases, Box::new(next));
                             continue;
                         }
-                        _ = tokio::time::sleep(self.keepalive) => {
+                        _ = tokio::time::sleep(if self.probing { CLOSED_PEER_PROBE } else { self.keepalive }) => {
                             self.stage = Stage::Starting(start, phases);
                             Event::Keepalive
                         }

@@ -8,6 +8,7 @@ mod kube_double;
 
 mod exec;
 mod exec_errors;
+mod faults;
 mod lifecycle;
 mod rest;
 mod watch;
@@ -61,7 +62,14 @@ async fn http(
     body: Option<(&str, Value)>,
     token: bool,
 ) -> (u16, Value) {
-    let c = reqwest::Client::new();
+    let c = reqwest::Client::builder()
+        .tls_backend_preconfigured(
+            kube_double::tls::client_config(&[b"http/1.1"])
+                .as_ref()
+                .clone(),
+        )
+        .build()
+        .expect("client");
     let mut rb = c.request(
         method.parse().expect("method"),
         format!("{}{}", d.url(), path),

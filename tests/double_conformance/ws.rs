@@ -5,7 +5,7 @@ use super::*;
 // Raw WebSocket exec: subprotocol negotiation, channel bytes, status frames.
 
 pub(super) type Ws =
-    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+    tokio_tungstenite::WebSocketStream<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>;
 pub(super) use tokio_tungstenite::tungstenite::{self, Message, client::IntoClientRequest};
 
 /// Connects to `pods/{pod}/exec?{query}` offering `protocols`; returns the socket and the
@@ -17,8 +17,8 @@ pub(super) async fn ws_exec(
     protocols: Option<&str>,
 ) -> Result<(Ws, Option<String>), tungstenite::Error> {
     let url = format!(
-        "ws://{}/api/v1/namespaces/default/pods/{pod}/exec?{query}",
-        d.url().trim_start_matches("http://")
+        "wss://{}/api/v1/namespaces/default/pods/{pod}/exec?{query}",
+        d.url().trim_start_matches("https://")
     );
     let mut req = url.into_client_request()?;
     let h = req.headers_mut();
@@ -29,7 +29,8 @@ pub(super) async fn ws_exec(
     if let Some(p) = protocols {
         h.insert("sec-websocket-protocol", p.parse().unwrap());
     }
-    let (ws, resp) = tokio_tungstenite::connect_async(req).await?;
+    let tls = kube_double::tls::connect(d.addr()).await?;
+    let (ws, resp) = tokio_tungstenite::client_async(req, tls).await?;
     let proto = resp
         .headers()
         .get("sec-websocket-protocol")
@@ -45,10 +46,9 @@ pub(super) async fn frames(ws: &mut Ws) -> (Vec<(u8, Vec<u8>)>, Option<u16>) {
             match m.expect("frame") {
                 Message::Binary(b) => out.push((b[0], b[1..].to_vec())),
                 Message::Text(t) => {
-                    use base64::Engine;
                     let ch = t.as_bytes()[0] - b'0';
-                    let data = base64::engine::general_purpose::STANDARD
-                        .decode(&t.as_bytes()[1..])
+                    let data = base64_simd::STANDARD
+                        .decode_to_vec(&t.as_bytes()[1..])
                         .expect("base64");
                     out.push((ch, data));
                 }

@@ -11,7 +11,6 @@ use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade, close_
 use axum::extract::{Path, RawQuery, State};
 use axum::http::{HeaderMap, HeaderValue, Method, header};
 use axum::response::{IntoResponse, Response};
-use base64::Engine;
 use futures_util::{SinkExt, StreamExt};
 use k8s_openapi::api::core::v1::Pod;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
@@ -204,6 +203,11 @@ pub async fn exec(
     let Ok(mut ws) = ws else {
         return ApiError::bad_request("Upgrade request required").into_response();
     };
+    let delay = shared.lock().faults.exec_delay.take();
+    if let Some(d) = delay {
+        // Fault injection: a slow kubelet or API server.
+        tokio::time::sleep(d).await;
+    }
     let running = container_running(&pod, &req.container);
     let not_found = format!("container not found ({:?})", req.container);
     let proto = match negotiate(&headers, &shared.opts.exec_protocols) {
@@ -307,7 +311,7 @@ fn frame(proto: Proto, ch: u8, data: &[u8]) -> Message {
     if proto.base64() {
         let mut s = String::with_capacity(1 + data.len() * 4 / 3 + 4);
         s.push((b'0' + ch) as char);
-        s.push_str(&base64::engine::general_purpose::STANDARD.encode(data));
+        s.push_str(&base64_simd::STANDARD.encode_to_string(data));
         Message::text(s)
     } else {
         let mut v = Vec::with_capacity(data.len() + 1);
@@ -563,7 +567,9 @@ impl Session {
                     });
                     stx
                 });
-                let reader = tokio::spawn(read_client(stream, proto, stdin_tx, pgid));
+                let exited = Arc::new(std::sync::atomic::AtomicBool::new(false));
+                let reader =
+                    tokio::spawn(read_client(stream, proto, stdin_tx, pgid, exited.clone()));
                 let status = child.wait().await;
                 if let Some(h) = out {
                     let _ = h.await;
@@ -571,9 +577,14 @@ impl Session {
                 if let Some(h) = err {
                     let _ = h.await;
                 }
-                // The process is gone: what the client sends now (its close reply) must not
-                // kill a process group id that may be reused.
-                reader.abort();
+                // The process is gone: what the client sends now (stdin it still had, its
+                // close reply) is read and dropped, as the API server keeps reading until the
+                // socket closes (closing with unread data would reset the connection and lose
+                // the status frame), and must not kill a process group id that may be reused.
+                exited.store(true, std::sync::atomic::Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), reader).await;
+                });
                 match status {
                     Ok(s) => {
                         Outcome::Exit(s.code().unwrap_or_else(|| 128 + s.signal().unwrap_or(9)))
@@ -605,26 +616,39 @@ async fn read_client(
     proto: Proto,
     mut stdin: Option<mpsc::Sender<Bytes>>,
     pgid: i32,
+    exited: Arc<std::sync::atomic::AtomicBool>,
 ) {
     loop {
         let (ch, data): (u8, Bytes) = match stream.next().await {
             Some(Ok(Message::Binary(b))) if !proto.base64() && !b.is_empty() => {
                 (b[0], b.slice(1..))
             }
+            // A text frame on a binary protocol is read like a binary one, as the API
+            // server's wsstream reader does.
+            Some(Ok(Message::Text(t))) if !proto.base64() && !t.is_empty() => {
+                let b = Bytes::copy_from_slice(t.as_bytes());
+                (b[0], b.slice(1..))
+            }
             Some(Ok(Message::Text(t))) if proto.base64() && !t.is_empty() => {
                 let s = t.as_str();
                 let ch = s.as_bytes()[0].wrapping_sub(b'0');
-                match base64::engine::general_purpose::STANDARD.decode(&s[1..]) {
+                match base64_simd::STANDARD.decode_to_vec(&s.as_bytes()[1..]) {
                     Ok(d) => (ch, Bytes::from(d)),
                     Err(_) => continue,
                 }
             }
             Some(Ok(Message::Close(_))) | None | Some(Err(_)) => {
-                killpg(pgid);
+                if !exited.load(std::sync::atomic::Ordering::SeqCst) {
+                    killpg(pgid);
+                }
                 return;
             }
             Some(Ok(_)) => continue,
         };
+        if exited.load(std::sync::atomic::Ordering::SeqCst) {
+            stdin = None;
+            continue;
+        }
         match ch {
             STDIN => {
                 if let Some(tx) = &stdin

@@ -73,6 +73,31 @@ pub(super) fn unready(names: &[String]) -> String {
     format!("containers with unready status: [{}]", names.join(" "))
 }
 
+/// Whether the kubelet's runAsNonRoot check refuses an image that runs as root: the pod or
+/// container asks for non-root and names no UID.
+fn runs_as_root_against_policy(p: &Pod, c: &k8s_openapi::api::core::v1::Container) -> bool {
+    let psc = p.spec.as_ref().and_then(|s| s.security_context.as_ref());
+    let csc = c.security_context.as_ref();
+    let non_root = csc
+        .and_then(|s| s.run_as_non_root)
+        .or(psc.and_then(|s| s.run_as_non_root))
+        == Some(true);
+    let uid = csc
+        .and_then(|s| s.run_as_user)
+        .or(psc.and_then(|s| s.run_as_user));
+    non_root && uid.is_none_or(|u| u == 0)
+}
+
+/// Whether the runtime would find a container's main program (in the double's PATH).
+fn executable_exists(exe: &str) -> bool {
+    if exe.contains('/') {
+        return std::path::Path::new(exe).is_file();
+    }
+    std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).any(|d| d.join(exe).is_file()))
+        .unwrap_or(false)
+}
+
 /// What the node's labels say about a nodeSelector.
 pub(super) fn node_matches(shared: &Shared, pod: &Pod) -> bool {
     let mut labels: BTreeMap<String, String> = shared.opts.node_labels.clone();
@@ -102,7 +127,25 @@ pub(super) async fn lifecycle(shared: Arc<Shared>, ns: String, name: String, uid
     let Some(pod) = shared.lock().pods.get(&key(&ns, &name)).cloned() else {
         return;
     };
+    let (unschedulable_for, pull_failures) = {
+        let mut st = shared.lock();
+        (
+            st.faults.unschedulable_for.take(),
+            std::mem::take(&mut st.faults.pull_failures),
+        )
+    };
     let preassigned = pod.spec.as_ref().is_some_and(|s| s.node_name.is_some());
+    if !preassigned && let Some(wait) = unschedulable_for {
+        // Fault injection: no room until an autoscaler adds a node.
+        if !step(&shared, &ns, &name, &uid, |p| {
+            let s = p.status.get_or_insert_with(PodStatus::default);
+            set_cond(s, cond("PodScheduled", false, Some("Unschedulable"), Some(
+                "0/1 nodes are available: 1 Insufficient cpu. preemption: 0/1 nodes are available: 1 No preemption victims found for incoming pod.".into())));
+        }) {
+            return;
+        }
+        tokio::time::sleep(wait).await;
+    }
     if !preassigned {
         if !node_matches(&shared, &pod) {
             step(&shared, &ns, &name, &uid, |p| {
@@ -193,9 +236,39 @@ pub(super) async fn lifecycle(shared: Arc<Shared>, ns: String, name: String, uid
         st.next_ip += 1;
         format!("10.244.0.{}", st.next_ip % 250 + 2)
     };
+    for i in 0..pull_failures {
+        // Fault injection: the registry limits the rate of pulls for a while.
+        let reason = if i % 2 == 0 {
+            "ErrImagePull"
+        } else {
+            "ImagePullBackOff"
+        };
+        if !step(&shared, &ns, &name, &uid, |p| {
+            for c in p
+                .status
+                .as_mut()
+                .and_then(|s| s.container_statuses.as_mut())
+                .into_iter()
+                .flatten()
+            {
+                c.state = Some(waiting(
+                    reason,
+                    Some(format!(
+                        "failed to pull and unpack image \"{}\": failed to copy: httpReadSeeker: failed open: unexpected status code 429 Too Many Requests - Server message: toomanyrequests: You have reached your pull rate limit.",
+                        c.image
+                    )),
+                ));
+            }
+        }) {
+            return;
+        }
+        tokio::time::sleep(delay).await;
+    }
     let mut pulling = false;
+    let mut start_error = false;
     step(&shared, &ns, &name, &uid, |p| {
         let imgs = images(p);
+        let snapshot = p.clone();
         let s = p.status.get_or_insert_with(PodStatus::default);
         let mut statuses = Vec::new();
         let mut not_ready = Vec::new();
@@ -207,9 +280,47 @@ pub(super) async fn lifecycle(shared: Arc<Shared>, ns: String, name: String, uid
                 started: Some(false),
                 ..ContainerStatus::default()
             };
+            let spec = snapshot
+                .spec
+                .as_ref()
+                .and_then(|s| s.containers.iter().find(|c| &c.name == n))
+                .cloned()
+                .unwrap_or_default();
+            let keepalive = spec.command.as_ref().and_then(|c| c.first()).cloned();
             if i.contains("pull-error") {
                 pulling = true;
                 cs.state = Some(waiting("ErrImagePull", Some(pull_message(i))));
+            } else if i.contains("root-user") && runs_as_root_against_policy(&snapshot, &spec) {
+                let pod_id = format!(
+                    "{}_{}({})",
+                    snapshot.metadata.name.as_deref().unwrap_or(""),
+                    snapshot.metadata.namespace.as_deref().unwrap_or(""),
+                    snapshot.metadata.uid.as_deref().unwrap_or("")
+                );
+                cs.state = Some(waiting(
+                    "CreateContainerConfigError",
+                    Some(format!(
+                        "container has runAsNonRoot and image will run as root (pod: \"{pod_id}\", container: {n})"
+                    )),
+                ));
+            } else if let Some(exe) = keepalive.filter(|e| !executable_exists(e)) {
+                // The runtime cannot start the main process: the container never runs.
+                start_error = true;
+                cs.image_id = format!("{i}@sha256:{}", "0".repeat(64));
+                cs.container_id = Some(format!("containerd://{}", new_uid().replace('-', "")));
+                cs.state = Some(ContainerState {
+                    terminated: Some(ContainerStateTerminated {
+                        exit_code: 128,
+                        reason: Some("StartError".into()),
+                        message: Some(format!(
+                            "failed to create containerd task: failed to create shim task: OCI runtime create failed: runc create failed: unable to start container process: error during container init: exec: \"{exe}\": executable file not found in $PATH: unknown"
+                        )),
+                        started_at: Some(now()),
+                        finished_at: Some(now()),
+                        ..ContainerStateTerminated::default()
+                    }),
+                    ..ContainerState::default()
+                });
             } else if i.contains("config-error") {
                 cs.state = Some(waiting(
                     "CreateContainerConfigError",
@@ -236,7 +347,9 @@ pub(super) async fn lifecycle(shared: Arc<Shared>, ns: String, name: String, uid
         set_cond(s, cond("PodReadyToStartContainers", true, None, None));
         s.pod_ip = Some(ip.clone());
         s.pod_ips = Some(vec![PodIP { ip: ip.clone() }]);
-        if not_ready.is_empty() {
+        if start_error {
+            s.phase = Some("Failed".into());
+        } else if not_ready.is_empty() {
             s.phase = Some("Running".into());
             set_cond(s, cond("Ready", true, None, None));
             set_cond(s, cond("ContainersReady", true, None, None));

@@ -6,9 +6,10 @@
 //! any particular client sends. Each pod is backed by local processes: `pods/exec` runs the
 //! command on this machine.
 //!
-//! `KubeDouble::start()` serves plain HTTP on `127.0.0.1:0` from its own thread and tokio
-//! runtime, so that tests may block (for example on `std::process::Command`) without starving
-//! it. `kubeconfig()` is a file with cluster `double` (server = `url()`), a user with a bearer
+//! `KubeDouble::start()` serves HTTPS on `127.0.0.1:0` (its own CA, `tls/`, in the
+//! kubeconfig's `certificate-authority-data`; ALPN h2 and http/1.1; see `tls.rs`) from its own
+//! thread and tokio runtime, so that tests may block (for example on `std::process::Command`)
+//! without starving it. `kubeconfig()` is a file with cluster `double` (server = `url()`), a user with a bearer
 //! token that every request must carry (401 `Unauthorized` Status otherwise), and current
 //! context `double` with namespace `default`. Dropping the double stops it and kills every exec
 //! process.
@@ -121,6 +122,9 @@
 //! (every successful DELETE), `requests` (`"METHOD path?query"`), `deny` (SSAR answers no),
 //! `running_execs`, `resource_version`.
 #![allow(dead_code)]
+// ApiError carries a whole Status (message, details): test code favours plain `Result`s over
+// boxing it.
+#![allow(clippy::result_large_err)]
 
 mod admission;
 mod delete;
@@ -130,6 +134,7 @@ mod pods;
 mod selector;
 mod server;
 mod status;
+pub mod tls;
 mod watch;
 
 use std::collections::{BTreeMap, HashSet, VecDeque};
@@ -249,9 +254,22 @@ pub(crate) struct State {
 
 /// Faults the next requests meet (see `KubeDouble::inject`).
 #[derive(Default)]
-pub(crate) struct Faults {
+pub struct Faults {
     /// Answers of the next pod creates, in order (429 with Retry-After, 500, ...).
     pub create: VecDeque<ApiError>,
+    /// Pod creates that fail with 500 after storing the pod (the answer is lost).
+    pub create_lost_answers: usize,
+    /// Watch connections to break after their initial events.
+    pub watch_cuts: usize,
+    /// Resumed watches (with a resourceVersion) to answer with 410 Gone.
+    pub gone_on_resume: usize,
+    /// New pods stay Unschedulable this long before the scheduler binds them.
+    pub unschedulable_for: Option<Duration>,
+    /// Image pulls of new pods fail (ErrImagePull, a registry rate limit) this many times
+    /// before they succeed.
+    pub pull_failures: usize,
+    /// Exec upgrades are answered this late.
+    pub exec_delay: Option<Duration>,
 }
 
 pub(crate) struct Shared {
@@ -345,7 +363,7 @@ impl KubeDouble {
                     let listener = tokio::net::TcpListener::from_std(listener)
                         .expect("kube double: tokio listener");
                     let app = server::router(sh);
-                    let serve = axum::serve(listener, app);
+                    let serve = axum::serve(tls::TlsListener::new(listener), app);
                     tokio::select! {
                         r = serve => { if let Err(e) = r { eprintln!("kube double: serve: {e}"); } }
                         _ = stop_rx => {}
@@ -368,7 +386,17 @@ impl KubeDouble {
     }
 
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        format!("https://{}", self.addr)
+    }
+
+    /// The listening address (for raw TLS clients: see [`tls::connect`]).
+    pub fn addr(&self) -> std::net::SocketAddr {
+        self.addr
+    }
+
+    /// The CA that signed the double's certificate, PEM.
+    pub fn ca_pem(&self) -> &'static str {
+        tls::CA_PEM
     }
 
     pub fn options(&self) -> &DoubleOptions {
@@ -382,11 +410,12 @@ impl KubeDouble {
 
     fn kubeconfig_text(&self) -> String {
         format!(
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: double\n  cluster:\n    server: {}\n\
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: double\n  cluster:\n    server: {}\n    certificate-authority-data: {}\n\
              users:\n- name: double\n  user:\n    token: {}\n\
              contexts:\n- name: double\n  context:\n    cluster: double\n    user: double\n    namespace: default\n\
              current-context: double\n",
             self.url(),
+            base64_simd::STANDARD.encode_to_string(tls::CA_PEM),
             self.shared.opts.token
         )
     }
@@ -476,6 +505,55 @@ impl KubeDouble {
     /// Exec processes that are still running.
     pub fn running_execs(&self) -> usize {
         self.shared.lock().execs.len()
+    }
+
+    /// Changes the faults the next requests meet.
+    pub fn inject(&self, f: impl FnOnce(&mut Faults)) {
+        f(&mut self.shared.lock().faults);
+    }
+
+    /// Deletes a pod at once (grace 0), as `kubectl delete --now` does: its exec processes
+    /// die with it (137 on their status channels).
+    pub fn delete_pod(&self, namespace: &str, name: &str) {
+        let mut st = self.shared.lock();
+        pods::remove_locked(&self.shared, &mut st, namespace, name);
+        drop(st);
+        self.shared.kill_execs(Some((namespace, name)));
+    }
+
+    /// Ends a pod's container as the kubelet does when it is OOM-killed (or evicted, with
+    /// `evicted`): terminated with exit 137, the pod Failed, its exec processes killed.
+    pub fn kill_container(&self, namespace: &str, name: &str, evicted: bool) {
+        let mut st = self.shared.lock();
+        pods::modify_locked(&self.shared, &mut st, namespace, name, |p| {
+            let s = p.status.get_or_insert_with(Default::default);
+            s.phase = Some("Failed".into());
+            if evicted {
+                s.reason = Some("Evicted".into());
+                s.message = Some("The node was low on resource: memory. Threshold quantity: 100Mi, available: 90Mi.".into());
+            }
+            for c in s.container_statuses.iter_mut().flatten() {
+                c.ready = false;
+                c.state = Some(k8s_openapi::api::core::v1::ContainerState {
+                    terminated: Some(k8s_openapi::api::core::v1::ContainerStateTerminated {
+                        exit_code: 137,
+                        reason: Some(
+                            if evicted {
+                                "ContainerStatusUnknown"
+                            } else {
+                                "OOMKilled"
+                            }
+                            .into(),
+                        ),
+                        finished_at: Some(pods::now()),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                });
+            }
+        });
+        drop(st);
+        self.shared.kill_execs(Some((namespace, name)));
     }
 
     /// The current global resourceVersion.

@@ -244,9 +244,17 @@ pub async fn create(
             old: None,
         },
     );
+    let lost = st.faults.create_lost_answers > 0;
+    if lost {
+        st.faults.create_lost_answers -= 1;
+    }
     drop(st);
     let uid = pod.metadata.uid.clone().unwrap_or_default();
     tokio::spawn(lifecycle(shared.clone(), ns, name, uid));
+    if lost {
+        // Stored, but the answer is lost: an etcd timeout after the write.
+        return Err(ApiError::internal("etcdserver: request timed out"));
+    }
     Ok(pod_response(StatusCode::CREATED, &pod))
 }
 

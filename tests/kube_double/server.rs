@@ -66,6 +66,15 @@ async fn gate(State(shared): State<Arc<Shared>>, req: Request, next: Next) -> Re
     if !authorized {
         return ApiError::unauthorized().into_response();
     }
+    // The double speaks JSON only, like an API server for a type without protobuf support.
+    let content_type = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    if content_type.starts_with("application/vnd.kubernetes.protobuf") {
+        return ApiError::unsupported_media_type(content_type).into_response();
+    }
     next.run(req).await
 }
 

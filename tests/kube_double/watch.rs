@@ -1,7 +1,6 @@
 //! core/v1 pods: list and watch (resourceVersion resumption, selectors, bookmarks,
 //! streaming lists).
 
-use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -129,10 +128,28 @@ pub(super) fn watch(
     let bookmarks = flag(q, "allowWatchBookmarks");
     let send_initial = flag(q, "sendInitialEvents");
     let mut initial: Vec<Bytes> = Vec::new();
-    let (rx, start_rv) = {
-        let st = shared.lock();
+    let (rx, start_rv, cut) = {
+        let mut st = shared.lock();
         let rx = shared.events.subscribe();
         let requested = first(q, "resourceVersion").unwrap_or("");
+        // Fault injection: a resumed watch answered with 410, as after a compaction.
+        if st.faults.gone_on_resume > 0 && !requested.is_empty() && requested != "0" {
+            st.faults.gone_on_resume -= 1;
+            let gone = ApiError::new(
+                410,
+                "Expired",
+                format!("too old resource version: {requested} ({})", st.rv),
+            );
+            let mut line = format!("{{\"type\":\"ERROR\",\"object\":{}}}", gone.to_status());
+            line.push('\n');
+            return Ok(stream_response(vec![Bytes::from(line)], None, false));
+        }
+        // Fault injection: the connection breaks (a load balancer's idle cut, an API server
+        // rollout) after the initial events.
+        let cut = st.faults.watch_cuts > 0;
+        if cut {
+            st.faults.watch_cuts -= 1;
+        }
         if requested.is_empty() || requested == "0" || send_initial {
             for v in matching(&st, ns.as_deref(), &sel) {
                 initial.push(event_line("ADDED", &v));
@@ -153,7 +170,7 @@ pub(super) fn watch(
                 );
                 let mut line = format!("{{\"type\":\"ERROR\",\"object\":{}}}", gone.to_status());
                 line.push('\n');
-                return Ok(stream_response(vec![Bytes::from(line)], None));
+                return Ok(stream_response(vec![Bytes::from(line)], None, false));
             }
             for ev in st.history.iter().filter(|e| e.rv > rv) {
                 if let Some((kind, obj)) = translate(ev, ns.as_deref(), &sel) {
@@ -161,7 +178,7 @@ pub(super) fn watch(
                 }
             }
         }
-        (rx, st.rv)
+        (rx, st.rv, cut)
     };
     let live = LiveWatch {
         shared,
@@ -172,7 +189,7 @@ pub(super) fn watch(
         bookmarks,
         last_rv: start_rv,
     };
-    Ok(stream_response(initial, Some(live)))
+    Ok(stream_response(initial, Some(live), cut))
 }
 
 pub(super) struct LiveWatch {
@@ -187,13 +204,22 @@ pub(super) struct LiveWatch {
 
 /// A chunked JSON stream: the initial lines, then live events until the timeout, the client
 /// going away, or the watcher falling behind the broadcast (the client re-watches).
-pub(super) fn stream_response(initial: Vec<Bytes>, live: Option<LiveWatch>) -> Response {
-    let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Bytes, Infallible>>(16);
+pub(super) fn stream_response(initial: Vec<Bytes>, live: Option<LiveWatch>, cut: bool) -> Response {
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(16);
     tokio::spawn(async move {
         for line in initial {
             if tx.send(Ok(line)).await.is_err() {
                 return;
             }
+        }
+        if cut {
+            // An error item aborts the chunked body: the client sees a broken connection.
+            let _ = tx
+                .send(Err(std::io::Error::other(
+                    "connection cut by fault injection",
+                )))
+                .await;
+            return;
         }
         let Some(mut w) = live else { return };
         let deadline = tokio::time::sleep(w.timeout);

@@ -61,7 +61,11 @@ app.kubernetes.io/managed-by: mcp-run
 
 {{/* Where runner pods go. */}}
 {{- define "mcp-run.runnerNamespace" -}}
-{{- default .Release.Namespace .Values.runner.namespace }}
+{{- if .Values.runner.sameNamespace }}
+{{- .Release.Namespace }}
+{{- else }}
+{{- default (printf "%s-runners" .Release.Name) .Values.runner.namespace }}
+{{- end }}
 {{- end }}
 
 {{- define "mcp-run.image" -}}

@@ -16,6 +16,11 @@ use crate::limits::Limits;
 /// The image of the `default` profile when neither the file nor `--image` names one.
 pub const DEFAULT_IMAGE: &str = "busybox:1.36";
 
+/// The UID and GID of runner pods unless a profile names others: non-zero (Pod Security
+/// `restricted`), and the conventional "nonroot" ID of distroless images; busybox and most
+/// images run as any UID.
+pub const DEFAULT_RUN_AS: i64 = 65532;
+
 /// `kubernetes:`: where and how runner pods are created.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -34,6 +39,10 @@ pub struct KubernetesConfig {
     pub max_concurrent_pods: usize,
     /// How long a runner pod may take to be Running.
     pub pod_start_timeout_secs: u64,
+    /// The gateway's own limit on its request rate to the API server (requests per second;
+    /// 0 turns it off), and the burst allowed above it.
+    pub api_qps: f64,
+    pub api_burst: u32,
     /// How often the reaper looks for leftover pods.
     pub reaper_interval_secs: u64,
     /// How old a finished or expired runner pod of another gateway replica must be before
@@ -50,6 +59,8 @@ impl Default for KubernetesConfig {
             instance: "mcp-run".into(),
             max_concurrent_pods: 32,
             pod_start_timeout_secs: 120,
+            api_qps: 50.0,
+            api_burst: 100,
             reaper_interval_secs: 60,
             reaper_min_age_secs: 300,
         }
@@ -79,6 +90,15 @@ impl KubernetesConfig {
         }
         if self.pod_start_timeout_secs == 0 {
             return err("pod_start_timeout_secs", "must be at least 1");
+        }
+        if !self.api_qps.is_finite() || self.api_qps < 0.0 {
+            return err(
+                "api_qps",
+                "must be a number of requests per second, 0 or more",
+            );
+        }
+        if self.api_burst == 0 {
+            return err("api_burst", "must be at least 1");
         }
         if self.reaper_interval_secs == 0 {
             return err("reaper_interval_secs", "must be at least 1");
@@ -127,10 +147,15 @@ pub struct Profile {
     pub labels: BTreeMap<String, String>,
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub annotations: BTreeMap<String, String>,
+    /// The UID commands run as [default: 65532 while `run_as_non_root` holds].
     #[serde(skip_serializing_if = "Option::is_none")]
     pub run_as_user: Option<i64>,
+    /// The primary GID [default: 65532 while `run_as_non_root` holds].
     #[serde(skip_serializing_if = "Option::is_none")]
     pub run_as_group: Option<i64>,
+    /// `runAsNonRoot` of the pod [default: true, which the Pod Security `restricted` level
+    /// requires]. `false` is the explicit opt-out: the image's own user (often root) then
+    /// applies, and a namespace enforcing `restricted` refuses the pod (docs/kubernetes.md).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub run_as_non_root: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -183,6 +208,24 @@ impl WarmPoolConfig {
 impl Profile {
     pub fn image(&self) -> &str {
         self.image.as_deref().unwrap_or(DEFAULT_IMAGE)
+    }
+
+    /// Whether the pod must run as non-root (the default; see `run_as_non_root`).
+    pub fn non_root(&self) -> bool {
+        self.run_as_non_root.unwrap_or(true)
+    }
+
+    /// The UID and GID written into the pod: the profile's, else [`DEFAULT_RUN_AS`] while
+    /// running as non-root, else the image's.
+    pub fn run_as(&self) -> (Option<i64>, Option<i64>) {
+        if self.non_root() {
+            (
+                Some(self.run_as_user.unwrap_or(DEFAULT_RUN_AS)),
+                Some(self.run_as_group.unwrap_or(DEFAULT_RUN_AS)),
+            )
+        } else {
+            (self.run_as_user, self.run_as_group)
+        }
     }
 
     pub fn shell(&self) -> &str {
@@ -249,6 +292,12 @@ impl Profile {
         }
         if self.warm_pool.size > 0 && self.warm_pool.max_idle_secs == 0 {
             return err("warm_pool.max_idle_secs", "must be at least 1".into());
+        }
+        if self.non_root() && self.run_as_user == Some(0) {
+            return err(
+                "run_as_user",
+                "is 0 (root) while run_as_non_root is true; set run_as_non_root: false to run as root".into(),
+            );
         }
         if let Some(d) = &self.working_dir
             && !d.starts_with('/')
@@ -338,6 +387,7 @@ volumes: [{name: workspace, persistentVolumeClaim: {claimName: workspace}}]
             ),
             ("keepalive_command: []", "keepalive_command"),
             ("shell: sh", "shell"),
+            ("run_as_user: 0", "run_as_user"),
         ];
         for (yaml, field) in cases {
             let p: Profile = yaml_serde::from_str(yaml).unwrap();

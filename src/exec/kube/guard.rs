@@ -10,6 +10,9 @@ use tokio::sync::OwnedSemaphorePermit;
 
 use super::{DELETE_ATTEMPTS, Shared};
 
+/// How long a released slot waits for its pod to be gone.
+const GONE_WAIT: Duration = Duration::from_secs(30);
+
 impl Shared {
     /// Marks a pod as used by this gateway (the reaper leaves it alone).
     pub(super) fn track(&self, name: &str) {
@@ -86,6 +89,22 @@ impl Drop for PodGuard {
         let cleanup = async move {
             if already || shared.delete(&name).await {
                 shared.untrack(&name);
+                // The slot is free once the pod (and so its containers) is gone, not when the
+                // delete call returns: `max_concurrent_pods` bounds real containers. A grace-0
+                // delete removes the object at once only when the kubelet confirms, or the
+                // node is gone; bounded, so that a lost node does not hold slots forever.
+                let gone = kube::runtime::wait::await_condition(
+                    shared.pods.clone(),
+                    &name,
+                    |p: Option<&k8s_openapi::api::core::v1::Pod>| p.is_none(),
+                );
+                if tokio::time::timeout(GONE_WAIT, gone).await.is_err() {
+                    tracing::warn!(
+                        pod = name,
+                        "runner pod still present {}s after its deletion; slot released",
+                        GONE_WAIT.as_secs()
+                    );
+                }
             }
             if let Some(mut t) = timings {
                 t.mark("deleted");

@@ -21,6 +21,7 @@ mod setup;
 mod start;
 pub mod status;
 mod stream;
+mod throttle;
 mod workspace;
 
 use std::collections::{BTreeMap, HashSet};
@@ -65,7 +66,10 @@ pub struct KubeExecutor {
 
 /// What pod guards need after the request that armed them is gone.
 struct Shared {
+    client: Client,
     pods: Api<Pod>,
+    /// The gateway's own rate limit to the API server, for the calls of requests.
+    throttle: throttle::Throttle,
     namespace: String,
     identity: Identity,
     /// Pods this process created and has not deleted yet; the reaper leaves them alone.
@@ -86,7 +90,7 @@ impl Executor for KubeExecutor {
         spec: ExecSpec,
         opts: StartOptions,
     ) -> BoxFuture<'_, Result<Execution, ErrorBody>> {
-        Box::pin(self.run(spec, opts.cancel))
+        Box::pin(self.run(spec, opts))
     }
 
     fn check(&self, spec: &ExecSpec) -> Result<(), ErrorBody> {

@@ -24,7 +24,7 @@ use futures_util::StreamExt as _;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt as _;
-use kube::api::{Patch, PatchParams, PostParams};
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt as _, watcher};
 use tokio::sync::Notify;
@@ -46,6 +46,8 @@ pub(super) struct WarmPool {
     profile: Profile,
     size: usize,
     max_idle: Duration,
+    /// A pool pod not Running after this long is stuck and replaced.
+    start_timeout: Duration,
     /// `activeDeadlineSeconds` of pool pods: idle time plus the longest request.
     deadline_secs: u64,
     store: Store<Pod>,
@@ -64,6 +66,7 @@ impl WarmPool {
         profile_name: &str,
         profile: &Profile,
         longest_request: Duration,
+        start_timeout: Duration,
         stop: CancellationToken,
     ) -> Arc<Self> {
         let size = profile.warm_pool.size;
@@ -89,6 +92,7 @@ impl WarmPool {
             profile: profile.clone(),
             size,
             max_idle,
+            start_timeout,
             deadline_secs: (max_idle + longest_request + CLAIM_MARGIN).as_secs(),
             store,
             creating: Mutex::new(HashMap::new()),
@@ -235,10 +239,11 @@ impl WarmPool {
         let mut healthy = 0;
         for p in &mine {
             let name = p.name_any();
-            let too_old = p
+            let age = p
                 .creation_timestamp()
                 .and_then(|t| Duration::try_from(now.duration_since(t.0)).ok())
-                .is_some_and(|age| age > self.max_idle);
+                .unwrap_or_default();
+            let too_old = age > self.max_idle;
             match status::assess(p, CONTAINER) {
                 PodState::Failed(e) => {
                     tracing::warn!(
@@ -248,24 +253,33 @@ impl WarmPool {
                         e.message
                     );
                     failed = true;
-                    self.shared.delete(&name).await;
+                    self.delete_unclaimed(p).await;
                 }
                 _ if too_old => {
                     tracing::debug!(pod = name, "replacing an old warm pod");
-                    self.shared.delete(&name).await;
+                    self.delete_unclaimed(p).await;
                 }
                 PodState::Running { .. } => {
                     healthy += 1;
                     let mut measured = self.measured.lock().unwrap_or_else(|e| e.into_inner());
-                    if measured.insert(name.clone())
-                        && let Some(age) = p
-                            .creation_timestamp()
-                            .and_then(|t| Duration::try_from(now.duration_since(t.0)).ok())
-                    {
+                    if measured.insert(name.clone()) {
                         self.shared
                             .metrics
                             .warm_pool_refill(&self.profile_name, age);
                     }
+                }
+                // Stuck (a pull that keeps failing, no node for it) beyond the start timeout:
+                // replaced, not counted as idle.
+                PodState::Waiting(w) if age > self.start_timeout => {
+                    tracing::warn!(
+                        profile = self.profile_name,
+                        pod = name,
+                        "warm pod stuck for {}s: {}",
+                        age.as_secs(),
+                        w.what
+                    );
+                    failed = true;
+                    self.delete_unclaimed(p).await;
                 }
                 PodState::Waiting(_) => healthy += 1,
             }
@@ -328,12 +342,37 @@ impl WarmPool {
         failed
     }
 
+    /// Deletes an idle pod only if it is still exactly the object seen (uid and
+    /// resourceVersion preconditions): a pod a request claimed meanwhile has a new
+    /// resourceVersion, and the API server refuses the delete with 409.
+    async fn delete_unclaimed(&self, p: &Pod) {
+        let name = p.name_any();
+        let params = DeleteParams {
+            grace_period_seconds: Some(0),
+            preconditions: Some(Preconditions {
+                uid: p.uid(),
+                resource_version: p.resource_version(),
+            }),
+            ..DeleteParams::background()
+        };
+        match self.shared.pods.delete(&name, &params).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => {
+                tracing::debug!(
+                    pod = name,
+                    "warm pod changed meanwhile (claimed or gone); left alone"
+                );
+            }
+            Err(e) => tracing::warn!(pod = name, "cannot delete warm pod: {e}"),
+        }
+    }
+
     /// Deletes this gateway's idle pods (at shutdown).
     pub async fn drain(&self) {
         let me = &self.shared.identity.gateway;
         for p in self.store.state() {
             if p.labels().get(LABEL_GATEWAY) == Some(me) {
-                self.shared.delete(&p.name_any()).await;
+                self.delete_unclaimed(&p).await;
             }
         }
     }

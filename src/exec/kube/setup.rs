@@ -61,6 +61,10 @@ impl KubeExecutor {
             .namespace
             .clone()
             .unwrap_or_else(|| kube_config.default_namespace.clone());
+        // kube's own retry of 429/503/504 may wait up to minutes; the backend retries what
+        // it can within each request's start budget instead (start.rs).
+        let mut kube_config = kube_config;
+        kube_config.default_retry = false;
         let client = Client::try_from(kube_config)?;
         let gateway = std::env::var("MCP_RUN_POD_NAME")
             .ok()
@@ -86,7 +90,9 @@ impl KubeExecutor {
         );
         Ok(Self {
             shared: Arc::new(Shared {
+                client: client.clone(),
                 pods: Api::namespaced(client.clone(), &namespace),
+                throttle: super::throttle::Throttle::new(config.api_qps, config.api_burst),
                 namespace,
                 identity,
                 live: Mutex::new(HashSet::new()),
@@ -133,6 +139,7 @@ impl KubeExecutor {
                     name,
                     p,
                     longest_request + Duration::from_secs(self.config.pod_start_timeout_secs),
+                    Duration::from_secs(self.config.pod_start_timeout_secs),
                     self.reaper.child_token(),
                 );
                 tracing::info!(profile = name, size = pool.size(), "warm pool started");

@@ -4,20 +4,51 @@
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Status;
 
-use crate::contract::{ErrorBody, ErrorCode};
+use crate::contract::{ErrorBody, ErrorCode, Phase};
 
 /// Where a starting pod is.
 #[derive(Debug, Clone, PartialEq)]
 pub enum PodState {
-    /// Not Running yet; the text says what it waits for (for the start-timeout message).
-    Waiting(String),
+    /// Not Running yet.
+    Waiting(Waiting),
     /// The runner container is running on `node`.
     Running { node: String },
     /// It will never run: the error to report.
     Failed(ErrorBody),
 }
 
-/// Waiting reasons of a container that mean the image cannot be had.
+/// A pod on its way: what it waits for, and what would be reported if the start timeout
+/// ended now.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Waiting {
+    /// The phase to report to the caller.
+    pub phase: Phase,
+    /// What it waits for, in Kubernetes' words (for the phase and the timeout message).
+    pub what: String,
+    /// A condition that may still heal (Unschedulable while an autoscaler adds a node, an
+    /// image pull failing transiently): the error if it has not healed by the timeout.
+    pub problem: Option<ErrorBody>,
+}
+
+impl Waiting {
+    fn state(phase: Phase, what: impl Into<String>) -> PodState {
+        PodState::Waiting(Waiting {
+            phase,
+            what: what.into(),
+            problem: None,
+        })
+    }
+
+    fn troubled(phase: Phase, what: impl Into<String>, problem: ErrorBody) -> PodState {
+        PodState::Waiting(Waiting {
+            phase,
+            what: what.into(),
+            problem: Some(problem),
+        })
+    }
+}
+
+/// Waiting reasons of a container that mean the image cannot be had (yet).
 const IMAGE_REASONS: &[&str] = &[
     "ErrImagePull",
     "ImagePullBackOff",
@@ -25,6 +56,29 @@ const IMAGE_REASONS: &[&str] = &[
     "ErrImageNeverPull",
     "RegistryUnavailable",
     "SignatureValidationFailed",
+];
+
+/// Image reasons that cannot heal by waiting.
+const IMAGE_FATAL_REASONS: &[&str] = &[
+    "InvalidImageName",
+    "ErrImageNeverPull",
+    "SignatureValidationFailed",
+];
+
+/// Words of a pull error (containerd, CRI-O, registries) that mean retrying cannot help: the
+/// image or manifest does not exist, or the credentials are refused. Anything else (rate
+/// limits, timeouts, 5xx) is retried by the kubelet until the start timeout.
+const IMAGE_FATAL_WORDS: &[&str] = &[
+    "not found",
+    "manifest unknown",
+    "name unknown",
+    "repository does not exist",
+    "unauthorized",
+    "authentication required",
+    "access denied",
+    "denied:",
+    "forbidden",
+    "invalid reference format",
 ];
 
 /// Waiting reasons that mean the container as configured cannot start.
@@ -37,6 +91,12 @@ const CONFIG_REASONS: &[&str] = &[
     "PostStartHookError",
 ];
 
+/// Whether an image pull problem cannot heal by waiting.
+pub fn image_error_is_fatal(reason: &str, message: &str) -> bool {
+    let lower = message.to_ascii_lowercase();
+    IMAGE_FATAL_REASONS.contains(&reason) || IMAGE_FATAL_WORDS.iter().any(|w| lower.contains(w))
+}
+
 /// Assesses a pod for `container` from its status as the kubelet and scheduler write it.
 pub fn assess(pod: &Pod, container: &str) -> PodState {
     let name = pod.metadata.name.as_deref().unwrap_or("?");
@@ -47,9 +107,31 @@ pub fn assess(pod: &Pod, container: &str) -> PodState {
         ));
     }
     let Some(status) = &pod.status else {
-        return PodState::Waiting("the pod has no status yet".into());
+        return Waiting::state(Phase::Scheduling, "the pod has no status yet");
     };
     let phase = status.phase.as_deref().unwrap_or("Pending");
+    let cs = status
+        .container_statuses
+        .iter()
+        .flatten()
+        .find(|c| c.name == container);
+    let state = cs.and_then(|c| c.state.as_ref());
+    // A container that ended says best why (StartError, ContainerCannotRun, a keep-alive
+    // command missing from the image), even when the pod's phase already says Failed.
+    if let Some(t) = state.and_then(|s| s.terminated.as_ref()) {
+        return PodState::Failed(ErrorBody::new(
+            ErrorCode::ContainerConfigError,
+            format!(
+                "runner pod {name}: the runner container stopped: {} (exit code {}){}; its keep-alive command must start and keep running",
+                t.reason.as_deref().unwrap_or("Terminated"),
+                t.exit_code,
+                t.message
+                    .as_deref()
+                    .map(|m| format!(": {}", m.trim()))
+                    .unwrap_or_default()
+            ),
+        ));
+    }
     if matches!(phase, "Failed" | "Succeeded") {
         let why = [status.reason.as_deref(), status.message.as_deref()]
             .into_iter()
@@ -64,81 +146,94 @@ pub fn assess(pod: &Pod, container: &str) -> PodState {
             ),
         ));
     }
-    let cs = status
-        .container_statuses
-        .iter()
-        .flatten()
-        .find(|c| c.name == container);
-    if let Some(state) = cs.and_then(|c| c.state.as_ref()) {
-        if let Some(w) = &state.waiting {
-            let reason = w.reason.as_deref().unwrap_or("");
-            let message = w.message.as_deref().unwrap_or("");
-            let code = if IMAGE_REASONS.contains(&reason) {
-                Some(ErrorCode::ImagePullFailed)
-            } else if CONFIG_REASONS.contains(&reason) {
-                Some(ErrorCode::ContainerConfigError)
-            } else {
-                None
-            };
-            if let Some(code) = code {
-                return PodState::Failed(ErrorBody::new(
-                    code,
-                    format!("runner pod {name}: {reason}: {message}"),
-                ));
+    let node = pod.spec.as_ref().and_then(|s| s.node_name.clone());
+    if let Some(w) = state.and_then(|s| s.waiting.as_ref()) {
+        let reason = w.reason.as_deref().unwrap_or("");
+        let message = w.message.as_deref().unwrap_or("");
+        let text = format!("runner pod {name}: {reason}: {message}");
+        if IMAGE_REASONS.contains(&reason) {
+            let e = ErrorBody::new(ErrorCode::ImagePullFailed, text.clone());
+            if image_error_is_fatal(reason, message) {
+                return PodState::Failed(e);
             }
+            return Waiting::troubled(Phase::PullingImage, format!("{reason}: {message}"), e);
         }
-        if let Some(t) = &state.terminated {
-            return PodState::Failed(ErrorBody::new(
-                ErrorCode::ContainerConfigError,
-                format!(
-                    "runner pod {name}: the runner container exited ({}, exit code {}{}): its keep-alive command must keep running",
-                    t.reason.as_deref().unwrap_or("Terminated"),
-                    t.exit_code,
-                    t.message
-                        .as_deref()
-                        .map(|m| format!(": {}", m.trim()))
-                        .unwrap_or_default()
-                ),
-            ));
+        if CONFIG_REASONS.contains(&reason) {
+            return PodState::Failed(ErrorBody::new(ErrorCode::ContainerConfigError, text));
         }
-        if state.running.is_some() && phase == "Running" {
-            let node = pod
-                .spec
-                .as_ref()
-                .and_then(|s| s.node_name.clone())
-                .unwrap_or_default();
-            return PodState::Running { node };
+        let image = cs.map(|c| c.image.as_str()).unwrap_or("");
+        // The kubelet says ContainerCreating while it pulls the image and while it creates
+        // the container; until the image is there (imageID), it is pulling.
+        let pulled = cs.is_some_and(|c| !c.image_id.is_empty());
+        return if reason == "ContainerCreating" && !pulled {
+            Waiting::state(
+                Phase::PullingImage,
+                format!("container waiting: ContainerCreating (image {image})"),
+            )
+        } else {
+            Waiting::state(
+                Phase::Starting,
+                format!("container waiting: {reason} {message}")
+                    .trim()
+                    .to_string(),
+            )
+        };
+    }
+    if state.is_some_and(|s| s.running.is_some()) {
+        if phase == "Running" {
+            return PodState::Running {
+                node: node.unwrap_or_default(),
+            };
         }
+        return Waiting::state(Phase::Starting, format!("container running, phase {phase}"));
     }
     for c in status.conditions.iter().flatten() {
         if c.type_ == "PodScheduled" && c.status == "False" {
             let reason = c.reason.as_deref().unwrap_or("");
             let message = c.message.as_deref().unwrap_or("");
+            let nominated = status
+                .nominated_node_name
+                .as_deref()
+                .map(|n| format!(" (nominated node {n})"))
+                .unwrap_or_default();
+            let what = format!("not scheduled: {reason}: {message}{nominated}");
             if reason == "Unschedulable" {
-                return PodState::Failed(ErrorBody::new(
-                    ErrorCode::Unschedulable,
-                    format!("runner pod {name}: Unschedulable: {message}"),
-                ));
+                // Autoscalers, Karpenter and preemption schedule such pods later: an error
+                // only if the start timeout ends first.
+                return Waiting::troubled(
+                    Phase::Scheduling,
+                    what,
+                    ErrorBody::new(
+                        ErrorCode::Unschedulable,
+                        format!("runner pod {name}: Unschedulable: {message}"),
+                    ),
+                );
             }
-            return PodState::Waiting(format!("not scheduled: {reason} {message}"));
+            return Waiting::state(Phase::Scheduling, what);
         }
     }
-    let waiting = cs
-        .and_then(|c| c.state.as_ref())
-        .and_then(|s| s.waiting.as_ref())
-        .map(|w| {
-            format!(
-                "container waiting: {} {}",
-                w.reason.as_deref().unwrap_or(""),
-                w.message.as_deref().unwrap_or("")
-            )
-        });
-    let scheduled = pod.spec.as_ref().and_then(|s| s.node_name.as_deref());
-    PodState::Waiting(match (waiting, scheduled) {
-        (Some(w), _) => w.trim().to_string(),
-        (None, Some(node)) => format!("scheduled on {node}, phase {phase}"),
-        (None, None) => format!("not scheduled yet, phase {phase}"),
-    })
+    match node {
+        Some(node) => Waiting::state(
+            Phase::Scheduled,
+            format!("scheduled on {node}, phase {phase}"),
+        ),
+        None => Waiting::state(
+            Phase::Scheduling,
+            format!("not scheduled yet, phase {phase}"),
+        ),
+    }
+}
+
+/// Whether a runtime's start error says the executable does not exist, in the wordings of
+/// runc (containerd, CRI-O), crun, gVisor's runsc and Kata's agent. Commands run through
+/// the wrapper (with `cwd` or `env`) never get here: it finds a missing program itself.
+fn is_not_found(lower: &str) -> bool {
+    lower.contains("executable file not found")
+        || lower.contains("not found in $path")
+        || lower.contains("executable not found")
+        || lower.contains("could not find the executable")
+        || lower.contains("cannot find executable")
+        || (lower.contains("exec") && lower.contains("no such file or directory"))
 }
 
 /// How an exec ended, from its status channel.
@@ -201,9 +296,7 @@ pub fn exec_end(status: Option<&Status>, executable: &str) -> ExecEnd {
         stderr: format!("mcp-run: {executable}: {what}\n"),
         code,
     };
-    if lower.contains("executable file not found")
-        || (lower.contains("exec:") && lower.contains("no such file or directory"))
-    {
+    if is_not_found(&lower) {
         return not_started("command not found", 127);
     }
     if lower.contains("exec:") && lower.contains("permission denied") {
@@ -252,24 +345,37 @@ mod tests {
         );
     }
 
+    fn waiting_pod(reason: &str, message: &str) -> Pod {
+        pod(serde_json::json!({
+            "metadata": {"name": "p"},
+            "spec": {"nodeName": "n", "containers": [{"name": "runner"}]},
+            "status": {"phase": "Pending", "containerStatuses": [{"name": "runner", "image": "i", "imageID": "", "ready": false, "restartCount": 0, "state": {"waiting": {"reason": reason, "message": message}}}]}
+        }))
+    }
+
     #[test]
     fn waiting_reasons_map_to_error_codes() {
-        for (reason, code) in [
-            ("ErrImagePull", ErrorCode::ImagePullFailed),
-            ("ImagePullBackOff", ErrorCode::ImagePullFailed),
-            ("InvalidImageName", ErrorCode::ImagePullFailed),
+        let missing = "rpc error: code = NotFound desc = failed to pull and unpack image \"nope:1\": failed to resolve reference \"nope:1\": nope:1: not found";
+        for (reason, message, code) in [
+            ("ErrImagePull", missing, ErrorCode::ImagePullFailed),
+            (
+                "ImagePullBackOff",
+                "Back-off pulling image \"nope:1\": unauthorized: authentication required",
+                ErrorCode::ImagePullFailed,
+            ),
+            ("InvalidImageName", "nope:1", ErrorCode::ImagePullFailed),
             (
                 "CreateContainerConfigError",
+                "secret \"nope:1\" not found",
                 ErrorCode::ContainerConfigError,
             ),
-            ("RunContainerError", ErrorCode::ContainerConfigError),
+            (
+                "RunContainerError",
+                "nope:1",
+                ErrorCode::ContainerConfigError,
+            ),
         ] {
-            let p = pod(serde_json::json!({
-                "metadata": {"name": "p"},
-                "spec": {"nodeName": "n", "containers": [{"name": "runner"}]},
-                "status": {"phase": "Pending", "containerStatuses": [{"name": "runner", "image": "i", "imageID": "", "ready": false, "restartCount": 0, "state": {"waiting": {"reason": reason, "message": "Back-off pulling image \"nope:1\""}}}]}
-            }));
-            match assess(&p, "runner") {
+            match assess(&waiting_pod(reason, message), "runner") {
                 PodState::Failed(e) => {
                     assert_eq!(e.code, code, "{reason}");
                     assert!(
@@ -281,25 +387,49 @@ mod tests {
                 other => panic!("{reason}: {other:?}"),
             }
         }
-        let creating = pod(serde_json::json!({
-            "metadata": {"name": "p"},
-            "spec": {"nodeName": "n", "containers": [{"name": "runner"}]},
-            "status": {"phase": "Pending", "containerStatuses": [{"name": "runner", "image": "i", "imageID": "", "ready": false, "restartCount": 0, "state": {"waiting": {"reason": "ContainerCreating"}}}]}
-        }));
-        assert!(
-            matches!(assess(&creating, "runner"), PodState::Waiting(w) if w.contains("ContainerCreating"))
-        );
+        // A registry's rate limit or a timeout may heal: the kubelet retries, so do we.
+        for (reason, message) in [
+            (
+                "ErrImagePull",
+                "failed to pull image \"busybox:1.36\": 429 Too Many Requests - toomanyrequests: You have reached your pull rate limit",
+            ),
+            (
+                "ImagePullBackOff",
+                "Back-off pulling image \"busybox:1.36\": dial tcp: i/o timeout",
+            ),
+        ] {
+            match assess(&waiting_pod(reason, message), "runner") {
+                PodState::Waiting(w) => {
+                    assert_eq!(w.phase, Phase::PullingImage);
+                    let p = w.problem.expect("reported if it does not heal");
+                    assert_eq!(p.code, ErrorCode::ImagePullFailed);
+                    assert!(p.message.contains(reason), "{}", p.message);
+                }
+                other => panic!("{reason}: {other:?}"),
+            }
+        }
+        match assess(&waiting_pod("ContainerCreating", ""), "runner") {
+            PodState::Waiting(w) => {
+                assert!(w.what.contains("ContainerCreating"), "{}", w.what);
+                assert_eq!(w.phase, Phase::PullingImage);
+                assert!(w.problem.is_none());
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]
-    fn unschedulable_and_ended_pods_fail() {
+    fn unschedulable_waits_and_ended_pods_fail() {
         let p = pod(serde_json::json!({
             "metadata": {"name": "p"},
             "spec": {"containers": [{"name": "runner"}]},
-            "status": {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/3 nodes are available: 3 Insufficient cpu."}]}
+            "status": {"phase": "Pending", "nominatedNodeName": "big-1", "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/3 nodes are available: 3 Insufficient cpu."}]}
         }));
         match assess(&p, "runner") {
-            PodState::Failed(e) => {
+            PodState::Waiting(w) => {
+                assert_eq!(w.phase, Phase::Scheduling);
+                assert!(w.what.contains("big-1"), "{}", w.what);
+                let e = w.problem.unwrap();
                 assert_eq!(e.code, ErrorCode::Unschedulable);
                 assert!(e.message.contains("Insufficient cpu"));
             }
@@ -320,6 +450,25 @@ mod tests {
         assert!(
             matches!(assess(&p, "runner"), PodState::Failed(e) if e.code == ErrorCode::ContainerConfigError && e.message.contains("keep-alive"))
         );
+        // A container that never started: the runtime's reason and message, even once the
+        // pod's phase is Failed.
+        let p = pod(serde_json::json!({
+            "metadata": {"name": "p"},
+            "spec": {"nodeName": "n", "containers": [{"name": "runner"}]},
+            "status": {"phase": "Failed", "containerStatuses": [{"name": "runner", "image": "i", "imageID": "", "ready": false, "restartCount": 0, "state": {"terminated": {"exitCode": 128, "reason": "StartError", "message": "failed to create containerd task: exec: \"sleep\": executable file not found in $PATH"}}}]}
+        }));
+        match assess(&p, "runner") {
+            PodState::Failed(e) => {
+                assert_eq!(e.code, ErrorCode::ContainerConfigError);
+                assert!(
+                    e.message.contains("StartError")
+                        && e.message.contains("executable file not found"),
+                    "{}",
+                    e.message
+                );
+            }
+            other => panic!("{other:?}"),
+        }
         let p = pod(serde_json::json!({"metadata": {"name": "p"}, "status": {"phase": "Pending"}}));
         assert!(matches!(assess(&p, "runner"), PodState::Waiting(_)));
     }
@@ -415,6 +564,22 @@ mod tests {
                 code: 126
             }
         );
+        // Other runtimes' wordings of "no such program".
+        for m in [
+            "crun: executable file `nope` not found in $PATH: No such file or directory",
+            "OCI runtime exec failed: exec failed: executable not found: \"nope\"",
+            "rpc error: code = Internal desc = Could not find the executable nope",
+            "runsc: cannot find executable \"nope\" in PATH",
+        ] {
+            assert_eq!(
+                exec_end(Some(&internal(m)), "nope"),
+                ExecEnd::NotStarted {
+                    stderr: "mcp-run: nope: command not found\n".into(),
+                    code: 127
+                },
+                "{m}"
+            );
+        }
         assert!(
             matches!(exec_end(Some(&internal("cgroup trouble")), "x"), ExecEnd::Error(m) if m.contains("cgroup trouble"))
         );

@@ -1,53 +1,91 @@
-//! Streaming a running exec: stdout and stderr into the event channel as they arrive, then
-//! the exit mapped from the status channel.
+//! A running exec: the `remotecommand` WebSocket session (v5, or v4 on clusters before
+//! 1.30) driven directly rather than through kube-rs's `AttachedProcess`, because the
+//! backend needs three things that type does not give: pings well inside a load balancer's
+//! 60-second idle timeout (kube-rs pings every 60 s), the negotiated protocol (stdin's end
+//! can only be signalled on v5), and the wrapper's header written before the caller's stdin.
+//!
+//! Output frames become `stdout`/`stderr` events in order as they arrive (awaiting the
+//! bounded event channel: a slow client slows the reading of the socket, and so the
+//! command); the status channel becomes the `exit` event, mapped like the local backend's;
+//! a command killed because its pod went (deleted, evicted, OOM-killed) becomes a
+//! `pod_failed` error that says so.
 
 use std::time::{Duration, Instant};
 
-use bytes::BytesMut;
-use futures_util::FutureExt as _;
-use kube::api::AttachedProcess;
+use bytes::Bytes;
+use futures_util::{Sink, SinkExt as _, Stream, StreamExt as _};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Status;
 use tokio::sync::mpsc;
+use tokio_tungstenite::tungstenite::{self, Message};
 use tokio_util::sync::CancellationToken;
 
 use super::guard::PodGuard;
 use super::pod::CONTAINER;
 use super::status::{self, ExecEnd, PodState};
 use crate::contract::{ErrorCode, Event, ExitInfo};
-use crate::exec::{forward, read_opt};
+
+const STDIN: u8 = 0;
+const STDOUT: u8 = 1;
+const STDERR: u8 = 2;
+const STATUS: u8 = 3;
+/// v5: "this stream ends" (the next byte names the stream).
+const CLOSE: u8 = 255;
+
+/// How often the gateway pings an exec's WebSocket: well inside the 60-second idle timeout
+/// of common load balancers in front of API servers, so silent commands keep their stream.
+pub(super) const PING_INTERVAL: Duration = Duration::from_secs(20);
 
 /// After the exec status arrived, how long output may still trickle in.
 const DRAIN_GRACE: Duration = Duration::from_secs(2);
 
+/// How long the look at the pod after a kill may take.
+const POD_CHECK_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What the exec's stdin carries: the wrapper's header, then the caller's input.
+pub(super) struct Input {
+    /// Whether the exec was opened with a stdin stream.
+    pub open: bool,
+    pub header: Option<Vec<u8>>,
+    pub user: Option<mpsc::Receiver<Bytes>>,
+    /// v5: stdin's end can be signalled. On v4 it cannot without closing the whole stream
+    /// (and losing output), so stdin then stays open until the command ends.
+    pub can_close: bool,
+}
+
 /// Streams the exec's output into the event channel, then its exit; deletes the pod on the
 /// way out (the guard). Killing (timeout, client gone, shutdown) deletes the pod at once.
-pub(super) async fn supervise(
-    mut process: AttachedProcess,
+pub(super) async fn supervise<S>(
+    ws: S,
+    input: Input,
     tx: mpsc::Sender<Event>,
     cancel: CancellationToken,
     mut guard: PodGuard,
     executable: String,
-) {
+) where
+    S: Stream<Item = Result<Message, tungstenite::Error>>
+        + Sink<Message, Error = tungstenite::Error>
+        + Send
+        + Unpin
+        + 'static,
+{
     let started = Instant::now();
-    let mut stdout = process.stdout();
-    let mut stderr = process.stderr();
-    let mut status_rx = match process.take_status() {
-        Some(f) => f.boxed(),
-        None => futures_util::future::ready(None).boxed(),
-    };
-    let (mut out_buf, mut err_buf) = (BytesMut::new(), BytesMut::new());
-    let mut status = None;
+    let (sink, mut frames) = ws.split();
+    let stop_writer = CancellationToken::new();
+    let _stop_writer = stop_writer.clone().drop_guard();
+    tokio::spawn(write_input(sink, input, stop_writer.clone()));
+    let mut status: Option<Option<Status>> = None;
     let mut first_byte = false;
+    let mut transport_error = None;
     let drain = tokio::time::sleep(Duration::MAX / 4);
     tokio::pin!(drain);
 
-    while status.is_none() || stdout.is_some() || stderr.is_some() {
-        tokio::select! {
+    loop {
+        let frame = tokio::select! {
             biased;
             _ = cancel.cancelled() => {
                 // The pod goes now; with it the command and everything it started.
                 let duration = started.elapsed();
-                process.abort();
-                drop(process);
+                drop(frames);
                 guard.delete_now().await;
                 let _ = tx.send(Event::Exit(ExitInfo {
                     code: None,
@@ -57,80 +95,226 @@ pub(super) async fn supervise(
                 })).await;
                 return;
             }
-            n = read_opt(&mut stdout, &mut out_buf) => {
+            _ = &mut drain, if status.is_some() => break,
+            m = frames.next() => m,
+        };
+        let data: Bytes = match frame {
+            Some(Ok(Message::Binary(b))) => b,
+            // Servers send binary frames; a text frame is read the same way.
+            Some(Ok(Message::Text(t))) => Bytes::copy_from_slice(t.as_bytes()),
+            Some(Ok(_)) => continue,
+            Some(Err(e)) => {
+                transport_error = Some(e.to_string());
+                break;
+            }
+            None => break,
+        };
+        let Some((&ch, payload)) = data.split_first() else {
+            continue;
+        };
+        let event = match ch {
+            STDOUT | STDERR if !payload.is_empty() => {
                 mark_first(&mut first_byte, &mut guard);
-                if !forward(n, &mut stdout, &mut out_buf, &tx, &cancel, |data| Event::Stdout { data }).await {
-                    cancel.cancel();
-                }
-                if status.is_some() {
-                    drain.as_mut().reset(tokio::time::Instant::now() + DRAIN_GRACE);
+                let data = data.slice(1..);
+                if ch == STDOUT {
+                    Event::Stdout { data }
+                } else {
+                    Event::Stderr { data }
                 }
             }
-            n = read_opt(&mut stderr, &mut err_buf) => {
-                mark_first(&mut first_byte, &mut guard);
-                if !forward(n, &mut stderr, &mut err_buf, &tx, &cancel, |data| Event::Stderr { data }).await {
-                    cancel.cancel();
-                }
-                if status.is_some() {
-                    drain.as_mut().reset(tokio::time::Instant::now() + DRAIN_GRACE);
-                }
-            }
-            s = &mut status_rx, if status.is_none() => {
-                status = Some(s);
+            STATUS => {
+                // The command ended: stdin it did not read is of no use any more.
+                stop_writer.cancel();
+                status = Some(serde_json::from_slice::<Status>(payload).ok());
                 if let Some(t) = guard.timings.as_mut() {
                     t.mark("exit");
                 }
-                drain.as_mut().reset(tokio::time::Instant::now() + DRAIN_GRACE);
+                drain
+                    .as_mut()
+                    .reset(tokio::time::Instant::now() + DRAIN_GRACE);
+                continue;
             }
-            _ = &mut drain, if status.is_some() => break,
+            _ => continue,
+        };
+        let sent = tokio::select! {
+            r = tx.send(event) => r.is_ok(),
+            _ = cancel.cancelled() => true,
+        };
+        if !sent {
+            // Nobody reads any more: the command goes with its pod.
+            cancel.cancel();
+        }
+        if status.is_some() {
+            drain
+                .as_mut()
+                .reset(tokio::time::Instant::now() + DRAIN_GRACE);
         }
     }
+    drop(frames);
     let duration_ms = started.elapsed().as_millis() as u64;
     let status = status.flatten();
-    let event = match status::exec_end(status.as_ref(), &executable) {
-        ExecEnd::Exit { code, signal } => Event::Exit(ExitInfo {
+    let exit = |code, signal| {
+        Event::Exit(ExitInfo {
             code,
             signal,
             duration_ms,
             timed_out: false,
-        }),
+        })
+    };
+    let event = match status::exec_end(status.as_ref(), &executable) {
+        // A kubelet reports 137 for every process it kills with the pod: look at the pod
+        // before calling it a signal.
+        ExecEnd::Exit {
+            code: None,
+            signal: Some(9),
+        } => match pod_gone(&guard).await {
+            Some(why) => Event::Error {
+                code: ErrorCode::PodFailed,
+                message: format!("the command was killed: {why}"),
+            },
+            None => exit(None, Some(9)),
+        },
+        ExecEnd::Exit { code, signal } => exit(code, signal),
         ExecEnd::NotStarted { stderr, code } => {
             let _ = tx
                 .send(Event::Stderr {
                     data: stderr.into(),
                 })
                 .await;
-            Event::Exit(ExitInfo {
-                code: Some(code),
-                signal: None,
-                duration_ms,
-                timed_out: false,
-            })
+            exit(Some(code), None)
         }
         ExecEnd::Error(message) => {
-            // Say what happened to the pod, when something did.
-            let pod_note = match guard.shared.pods.get_opt(&guard.name).await {
-                Ok(None) => Some(format!("runner pod {} was deleted", guard.name)),
-                Ok(Some(p)) => match status::assess(&p, CONTAINER) {
-                    PodState::Failed(e) => Some(e.message),
-                    _ => None,
-                },
-                Err(_) => None,
+            let message = match transport_error {
+                Some(t) if status.is_none() => format!("{message} ({t})"),
+                _ => message,
             };
-            Event::Error {
-                code: if pod_note.is_some() {
-                    ErrorCode::PodFailed
-                } else {
-                    ErrorCode::BackendError
+            // Say what happened to the pod, when something did.
+            match pod_gone(&guard).await {
+                Some(why) => Event::Error {
+                    code: ErrorCode::PodFailed,
+                    message: format!("{message}: {why}"),
                 },
-                message: match pod_note {
-                    Some(n) => format!("{message}: {n}"),
-                    None => message,
+                None => Event::Error {
+                    code: ErrorCode::BackendError,
+                    message,
                 },
             }
         }
     };
     let _ = tx.send(event).await;
+}
+
+/// What happened to the guard's pod, if it is gone, going, or its container stopped.
+async fn pod_gone(guard: &PodGuard) -> Option<String> {
+    let name = &guard.name;
+    let pod = tokio::time::timeout(POD_CHECK_TIMEOUT, guard.shared.pods.get_opt(name))
+        .await
+        .ok()?
+        .ok()?;
+    let Some(p) = pod else {
+        return Some(format!("runner pod {name} was deleted"));
+    };
+    let limit = p
+        .spec
+        .as_ref()
+        .and_then(|s| s.containers.iter().find(|c| c.name == CONTAINER))
+        .and_then(|c| c.resources.as_ref())
+        .and_then(|r| r.limits.as_ref())
+        .and_then(|l| l.get("memory"))
+        .map(|q| q.0.clone());
+    let terminated = p
+        .status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref())
+        .and_then(|cs| cs.iter().find(|c| c.name == CONTAINER))
+        .and_then(|c| c.state.as_ref())
+        .and_then(|s| s.terminated.as_ref());
+    if let Some(t) = terminated
+        && t.reason.as_deref() == Some("OOMKilled")
+    {
+        return Some(format!(
+            "runner pod {name} ran out of memory (OOMKilled; memory limit {})",
+            limit.as_deref().unwrap_or("none set")
+        ));
+    }
+    let status = p.status.as_ref();
+    if status.and_then(|s| s.reason.as_deref()) == Some("Evicted") {
+        return Some(format!(
+            "runner pod {name} was evicted: {}",
+            status.and_then(|s| s.message.as_deref()).unwrap_or("")
+        ));
+    }
+    if p.metadata.deletion_timestamp.is_some() {
+        return Some(format!("runner pod {name} was deleted"));
+    }
+    match status::assess(&p, CONTAINER) {
+        PodState::Failed(e) => Some(e.message),
+        _ => None,
+    }
+}
+
+/// Writes the exec's stdin: the header, then the caller's input in order, then (v5) its
+/// end; pings throughout. Stops when told, or when the socket fails.
+async fn write_input<W>(mut sink: W, input: Input, stop: CancellationToken)
+where
+    W: Sink<Message, Error = tungstenite::Error> + Unpin,
+{
+    let frame = |ch: u8, data: &[u8]| {
+        let mut v = Vec::with_capacity(data.len() + 1);
+        v.push(ch);
+        v.extend_from_slice(data);
+        Message::Binary(v.into())
+    };
+    let mut ping =
+        tokio::time::interval_at(tokio::time::Instant::now() + PING_INTERVAL, PING_INTERVAL);
+    let Input {
+        open,
+        header,
+        mut user,
+        can_close,
+    } = input;
+    if let Some(h) = header
+        && sink.send(frame(STDIN, &h)).await.is_err()
+    {
+        return;
+    }
+    let mut open = open;
+    loop {
+        if open && user.is_none() {
+            open = false;
+            if can_close
+                && sink
+                    .send(Message::Binary(vec![CLOSE, STDIN].into()))
+                    .await
+                    .is_err()
+            {
+                return;
+            }
+        }
+        let chunk = async {
+            match user.as_mut() {
+                Some(rx) => rx.recv().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = ping.tick() => {
+                if sink.send(Message::Ping(Bytes::new())).await.is_err() {
+                    return;
+                }
+            }
+            c = chunk => match c {
+                Some(b) if b.is_empty() => {}
+                Some(b) => {
+                    if sink.send(frame(STDIN, &b)).await.is_err() {
+                        return;
+                    }
+                }
+                None => user = None,
+            },
+        }
+    }
 }
 
 fn mark_first(seen: &mut bool, guard: &mut PodGuard) {

@@ -136,6 +136,7 @@ pub fn build(req: &PodRequest<'_>, id: &Identity) -> Pod {
         // does not. The pod is never needed beyond its deadline.
         vec!["sleep".into(), req.active_deadline_secs.to_string()]
     });
+    let (run_as_user, run_as_group) = p.run_as();
     let container = Container {
         name: CONTAINER.into(),
         image: Some(p.image().to_string()),
@@ -154,9 +155,9 @@ pub fn build(req: &PodRequest<'_>, id: &Identity) -> Pod {
                 add: None,
             }),
             read_only_root_filesystem: Some(p.read_only_root_filesystem),
-            run_as_user: p.run_as_user,
-            run_as_group: p.run_as_group,
-            run_as_non_root: p.run_as_non_root,
+            run_as_user,
+            run_as_group,
+            run_as_non_root: Some(p.non_root()),
             seccomp_profile: Some(SeccompProfile {
                 type_: "RuntimeDefault".into(),
                 localhost_profile: None,
@@ -195,9 +196,9 @@ pub fn build(req: &PodRequest<'_>, id: &Identity) -> Pod {
             }),
             volumes: workspace::volumes(p),
             security_context: Some(PodSecurityContext {
-                run_as_user: p.run_as_user,
-                run_as_group: p.run_as_group,
-                run_as_non_root: p.run_as_non_root,
+                run_as_user,
+                run_as_group,
+                run_as_non_root: Some(p.non_root()),
                 fs_group: p.fs_group,
                 seccomp_profile: Some(SeccompProfile {
                     type_: "RuntimeDefault".into(),
@@ -304,6 +305,13 @@ mod tests {
         );
         assert_eq!(sc.seccomp_profile.as_ref().unwrap().type_, "RuntimeDefault");
         assert!(c.env.is_none(), "no environment in the pod spec");
+        // Pod Security `restricted`: non-root with a non-zero UID and GID.
+        for (non_root, uid, gid) in [(sc.run_as_non_root, sc.run_as_user, sc.run_as_group), {
+            let psc = spec.security_context.as_ref().unwrap();
+            (psc.run_as_non_root, psc.run_as_user, psc.run_as_group)
+        }] {
+            assert_eq!((non_root, uid, gid), (Some(true), Some(65532), Some(65532)));
+        }
         assert!(pod.metadata.owner_references.is_none());
         assert_eq!(
             pod.metadata.annotations.as_ref().unwrap()[ANNOTATION_EXPIRES],
@@ -392,6 +400,27 @@ mod tests {
         assert_eq!(spec.tolerations.unwrap().len(), 1);
         assert_eq!(spec.security_context.unwrap().run_as_non_root, Some(true));
         assert_eq!(spec.volumes.unwrap()[0].name, "ws");
+    }
+
+    #[test]
+    fn running_as_root_is_an_explicit_opt_out() {
+        let p = Profile {
+            run_as_non_root: Some(false),
+            ..Default::default()
+        };
+        let spec = pod(&p, false).spec.unwrap();
+        let sc = spec.containers[0].security_context.clone().unwrap();
+        assert_eq!(
+            (sc.run_as_non_root, sc.run_as_user, sc.run_as_group),
+            (Some(false), None, None),
+            "the image's user applies"
+        );
+        let p = Profile {
+            run_as_group: Some(2000),
+            ..Default::default()
+        };
+        let sc = pod(&p, false).spec.unwrap().security_context.unwrap();
+        assert_eq!((sc.run_as_user, sc.run_as_group), (Some(65532), Some(2000)));
     }
 
     #[test]

@@ -1,0 +1,148 @@
+#!/usr/bin/env python3
+"""Cold-run latency of the kube backend through the API-server test double, against the
+double's own start delay measured in the same run (docs/performance.md, "Kubernetes backend
+through the double").
+
+    cargo build --bins && cargo test --no-run --test kube_double_serve
+    python3 bench/kube_double_bench.py [--runs 30] [--step-ms 100] [--release]
+
+Starts the double (tests/kube_double_serve.rs) with each simulated lifecycle step taking
+--step-ms, and a gateway on it (`mcp-run serve --backend kube`, no warm pool). Then, in
+alternating order per pair:
+  baseline   the double's own delay: create a pod over HTTPS, watch it until Running, delete
+             it (what any client waits for, without mcp-run)
+  cold run   `run-remote -- true`: create, watch, exec, stream, delete, through the gateway
+Prints p50 and the spread (p10-p90) of each, and of the per-pair difference (the gateway's
+own cost beyond the pod start), as a markdown table.
+"""
+import argparse
+import json
+import os
+import re
+import socket
+import ssl
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def quantiles(xs):
+    xs = sorted(xs)
+    def q(p):
+        return xs[min(len(xs) - 1, int(round(p * (len(xs) - 1))))]
+    return statistics.median(xs), q(0.1), q(0.9)
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def baseline_once(url, token, name, ctx):
+    """Create a pod, watch it to Running, delete it: the double's own start delay."""
+    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    pod = {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+        "spec": {"containers": [{"name": "runner", "image": "busybox:1.36"}]},
+    }
+    base = f"{url}/api/v1/namespaces/default/pods"
+    t = time.perf_counter()
+    req = urllib.request.Request(base, data=json.dumps(pod).encode(), headers=headers, method="POST")
+    created = json.load(urllib.request.urlopen(req, context=ctx))
+    rv = created["metadata"]["resourceVersion"]
+    watch = f"{base}?watch=true&fieldSelector=metadata.name%3D{name}&resourceVersion={rv}"
+    with urllib.request.urlopen(urllib.request.Request(watch, headers=headers), context=ctx) as r:
+        for line in r:
+            ev = json.loads(line)
+            if ev["object"].get("status", {}).get("phase") == "Running":
+                break
+    req = urllib.request.Request(f"{base}/{name}?gracePeriodSeconds=0", headers=headers, method="DELETE")
+    urllib.request.urlopen(req, context=ctx).read()
+    return time.perf_counter() - t
+
+
+def cold_once(run_remote, server):
+    env = dict(os.environ, RUN_REMOTE_SERVER=server)
+    t = time.perf_counter()
+    subprocess.run([run_remote, "--", "true"], env=env, check=True, stdin=subprocess.DEVNULL)
+    return time.perf_counter() - t
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=30)
+    ap.add_argument("--step-ms", type=int, default=100)
+    ap.add_argument("--release", action="store_true", help="use target/release binaries")
+    a = ap.parse_args()
+    profile = "release" if a.release else "debug"
+    bins = os.path.join(ROOT, "target", profile)
+    serve = subprocess.Popen(
+        ["cargo", "test", "-q", "--test", "kube_double_serve", "--", "--ignored", "--nocapture", "serve"],
+        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env=dict(os.environ, KUBE_DOUBLE_STEP_MS=str(a.step_ms)),
+    )
+    info = {}
+    while len(info) < 4:
+        line = serve.stdout.readline()
+        if not line:
+            sys.exit("the double did not start")
+        m = re.match(r"^(KUBECONFIG|TOKEN|URL|CA)=(.*)$", line.strip())
+        if m:
+            info[m.group(1)] = m.group(2)
+    port = free_port()
+    gw = subprocess.Popen(
+        [os.path.join(bins, "mcp-run"), "serve", "--backend", "kube", "--kubeconfig", info["KUBECONFIG"],
+         "--listen", f"127.0.0.1:{port}"],
+        stderr=subprocess.DEVNULL,
+    )
+    server = f"http://127.0.0.1:{port}/raw"
+    ctx = ssl.create_default_context(cafile=info["CA"])
+    try:
+        for _ in range(100):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz").read()
+                break
+            except Exception:
+                time.sleep(0.1)
+        run_remote = os.path.join(bins, "run-remote")
+        cold_once(run_remote, server)  # warm-up: connections, first pod
+        base, cold, diff = [], [], []
+        for i in range(a.runs):
+            if i % 2 == 0:
+                b = baseline_once(info["URL"], info["TOKEN"], f"bench-{i}", ctx)
+                c = cold_once(run_remote, server)
+            else:
+                c = cold_once(run_remote, server)
+                b = baseline_once(info["URL"], info["TOKEN"], f"bench-{i}", ctx)
+            base.append(b * 1000)
+            cold.append(c * 1000)
+            diff.append((c - b) * 1000)
+        rows = [
+            ("double's own start delay: create, watch to Running, delete (baseline)", base),
+            ("`run-remote -- true`, cold (a new pod)", cold),
+            ("difference per pair: the gateway and client beyond the pod start", diff),
+        ]
+        print(f"\n{a.runs} pairs, step delay {a.step_ms} ms, {profile} build\n")
+        print("| what | p50 | p10-p90 | ratio to baseline p50 |")
+        print("|---|---|---|---|")
+        b50 = quantiles(base)[0]
+        for what, xs in rows:
+            p50, p10, p90 = quantiles(xs)
+            ratio = f"{p50 / b50:.2f}" if xs is not diff else "-"
+            print(f"| {what} | {p50:.0f} ms | {p10:.0f}-{p90:.0f} ms | {ratio} |")
+    finally:
+        gw.terminate()
+        gw.wait()
+        serve.stdin.close()
+        serve.wait()
+
+
+if __name__ == "__main__":
+    main()

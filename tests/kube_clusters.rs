@@ -1,0 +1,518 @@
+//! The kube backend against what real clusters do (issue 14), through the double's fault
+//! injection: Pod Security admission, start-up that heals (autoscalers, registry rate
+//! limits, API-server overload and rollouts), pods that go under a running command, stdin,
+//! start-up phases, and what travels where.
+
+mod kube_double;
+mod support;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use bytes::Bytes;
+use kube_double::{DoubleOptions, KubeDouble};
+use mcp_run::contract::{ErrorCode, Event, Phase};
+use mcp_run::exec::kube::KubeExecutor;
+use mcp_run::exec::kube::config::{KubernetesConfig, Profile};
+use mcp_run::exec::{ExecSpec, Executor, Progress, StartOptions};
+use serde_json::json;
+use support::{Gateway, config_file, raw};
+
+const NS: &str = "default";
+
+async fn executor(
+    double: &KubeDouble,
+    start_timeout: u64,
+    profiles: &[(&str, Profile)],
+) -> KubeExecutor {
+    let config = KubernetesConfig {
+        kubeconfig: Some(double.kubeconfig()),
+        pod_start_timeout_secs: start_timeout,
+        ..Default::default()
+    };
+    let mut all: BTreeMap<String, Profile> =
+        BTreeMap::from([("default".into(), Profile::default())]);
+    all.extend(profiles.iter().map(|(n, p)| (n.to_string(), p.clone())));
+    KubeExecutor::connect(config, all, mcp_run::metrics::Metrics::new())
+        .await
+        .expect("connect")
+}
+
+fn spec(argv: &[&str]) -> ExecSpec {
+    ExecSpec {
+        executable: argv[0].into(),
+        args: argv[1..].iter().map(|s| s.to_string()).collect(),
+        cwd: None,
+        env: BTreeMap::new(),
+        timeout: Duration::from_secs(30),
+        profile: None,
+        workspace: None,
+    }
+}
+
+/// Everything a run produced: stdout, stderr, the terminal event.
+struct Outcome {
+    stdout: Vec<u8>,
+    stderr: Vec<u8>,
+    end: Event,
+}
+
+async fn run(
+    ex: &KubeExecutor,
+    spec: ExecSpec,
+    opts: StartOptions,
+) -> Result<Outcome, mcp_run::contract::ErrorBody> {
+    let mut e = ex.start(spec, opts).await?;
+    let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
+    loop {
+        match tokio::time::timeout(Duration::from_secs(30), e.next())
+            .await
+            .expect("events in time")
+        {
+            Some(Event::Stdout { data }) => stdout.extend_from_slice(&data),
+            Some(Event::Stderr { data }) => stderr.extend_from_slice(&data),
+            Some(end) if end.is_terminal() => {
+                return Ok(Outcome {
+                    stdout,
+                    stderr,
+                    end,
+                });
+            }
+            Some(_) => {}
+            None => panic!("no terminal event"),
+        }
+    }
+}
+
+fn exit_code(o: &Outcome) -> Option<i32> {
+    match &o.end {
+        Event::Exit(x) => x.code,
+        _ => None,
+    }
+}
+
+fn slow(step: u64) -> DoubleOptions {
+    DoubleOptions {
+        step_delay: Duration::from_millis(step),
+        ..Default::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn restricted_namespaces_admit_the_default_profile_and_refuse_root() {
+    let mut opts = DoubleOptions::default();
+    opts.namespace_labels.insert(
+        NS.into(),
+        BTreeMap::from([(
+            "pod-security.kubernetes.io/enforce".to_string(),
+            "restricted".to_string(),
+        )]),
+    );
+    let double = KubeDouble::start_with(opts);
+    let root = Profile {
+        run_as_non_root: Some(false),
+        ..Default::default()
+    };
+    // An image whose user is root runs too: the UID comes from the pod.
+    let root_image = Profile {
+        image: Some("registry.example/root-user:1".into()),
+        ..Default::default()
+    };
+    let ex = executor(&double, 10, &[("root", root), ("root-image", root_image)]).await;
+    let o = run(&ex, spec(&["true"]), StartOptions::default())
+        .await
+        .expect("admitted");
+    assert_eq!(exit_code(&o), Some(0));
+    let mut s = spec(&["true"]);
+    s.profile = Some("root-image".into());
+    let o = run(&ex, s, StartOptions::default())
+        .await
+        .expect("runs as 65532");
+    assert_eq!(exit_code(&o), Some(0));
+    let mut s = spec(&["true"]);
+    s.profile = Some("root".into());
+    let err = run(&ex, s, StartOptions::default())
+        .await
+        .err()
+        .expect("refused");
+    assert_eq!(err.code, ErrorCode::StartFailed);
+    assert!(
+        err.message.contains("violates PodSecurity \"restricted:latest\": runAsNonRoot != true (pod must not set securityContext.runAsNonRoot=false; container \"runner\" must not set securityContext.runAsNonRoot=false)"),
+        "{}",
+        err.message
+    );
+}
+
+/// `cwd` and `env` reach the command through the wrapper's stdin header: never in the exec
+/// URL (which API-server audit logs record) nor in the argv.
+#[tokio::test(flavor = "multi_thread")]
+async fn cwd_and_env_travel_on_stdin_not_in_the_url() {
+    let double = KubeDouble::start();
+    let ex = executor(&double, 10, &[]).await;
+    let mut s = spec(&[
+        "sh",
+        "-c",
+        "pwd; printf '%s|' \"$TOKEN\" \"$LINES2\"; ps -o args= -p $$",
+    ]);
+    s.cwd = Some("/tmp".into());
+    s.env = BTreeMap::from([
+        ("TOKEN".to_string(), "hunter2-secret".to_string()),
+        ("LINES2".to_string(), "a\nb\\c".to_string()),
+    ]);
+    let o = run(&ex, s, StartOptions::default()).await.expect("runs");
+    assert_eq!(
+        exit_code(&o),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.starts_with("/tmp\nhunter2-secret|a\nb\\c|"), "{out}");
+    let ps = out
+        .split_once("b\\c|")
+        .map(|(_, ps)| ps)
+        .unwrap_or_default();
+    assert!(ps.starts_with("sh -c pwd"), "{out}");
+    assert!(
+        !ps.contains("hunter2") && !ps.contains("/tmp"),
+        "not in the process's argv: {ps}"
+    );
+    let execs: Vec<String> = double
+        .requests()
+        .into_iter()
+        .filter(|r| r.contains("/exec?"))
+        .collect();
+    assert!(!execs.is_empty());
+    for r in execs {
+        assert!(!r.contains("hunter2") && !r.contains("%2Ftmp"), "{r}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn stdin_is_forwarded_in_order_and_its_end_reaches_the_command() {
+    let double = KubeDouble::start();
+    let ex = executor(&double, 10, &[]).await;
+    for with_env in [false, true] {
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let mut s = spec(&["sh", "-c", "cat; echo end >&2"]);
+        if with_env {
+            s.env.insert("A".into(), "1".into());
+        }
+        let input: Vec<u8> = (0..=255u8).cycle().take(300_000).collect();
+        let feed = input.clone();
+        tokio::spawn(async move {
+            for c in feed.chunks(7_000) {
+                tx.send(Bytes::copy_from_slice(c)).await.unwrap();
+            }
+        });
+        let opts = StartOptions {
+            stdin: Some(rx),
+            ..Default::default()
+        };
+        let o = run(&ex, s, opts).await.expect("runs");
+        assert_eq!(exit_code(&o), Some(0), "with_env {with_env}");
+        assert_eq!(o.stdout.len(), input.len());
+        assert!(
+            o.stdout == input,
+            "byte-exact, in order (with_env {with_env})"
+        );
+        assert_eq!(o.stderr, b"end\n", "cat saw the end of its input");
+    }
+    // Without stdin the command reads an empty input, with or without the wrapper.
+    for with_env in [false, true] {
+        let mut s = spec(&["cat"]);
+        if with_env {
+            s.env.insert("A".into(), "1".into());
+        }
+        let o = run(&ex, s, StartOptions::default()).await.expect("runs");
+        assert_eq!((exit_code(&o), o.stdout.len()), (Some(0), 0));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn start_up_phases_are_reported_in_order() {
+    let double = KubeDouble::start_with(slow(50));
+    let ex = executor(&double, 10, &[]).await;
+    let (progress, mut rx) = Progress::channel();
+    let opts = StartOptions {
+        progress,
+        ..Default::default()
+    };
+    let o = run(&ex, spec(&["true"]), opts).await.expect("runs");
+    assert_eq!(exit_code(&o), Some(0));
+    let mut phases = Vec::new();
+    while let Ok(Event::Phase { phase, message }) = rx.try_recv() {
+        phases.push((phase, message.unwrap_or_default()));
+    }
+    let order: Vec<Phase> = phases.iter().map(|(p, _)| *p).collect();
+    assert_eq!(
+        order,
+        [
+            Phase::Scheduling,
+            Phase::Scheduled,
+            Phase::PullingImage,
+            Phase::Starting,
+            Phase::Running
+        ],
+        "{phases:?}"
+    );
+    assert_eq!(phases[1].1, "double-node-1");
+}
+
+/// Autoscalers schedule later; registries limit pull rates for a while: both heal within the
+/// start timeout, and the caller sees why it waits.
+#[tokio::test(flavor = "multi_thread")]
+async fn unschedulable_and_pull_failures_heal_within_the_start_timeout() {
+    let double = KubeDouble::start_with(slow(100));
+    let ex = executor(&double, 15, &[]).await;
+    double.inject(|f| {
+        f.unschedulable_for = Some(Duration::from_millis(1500));
+        f.pull_failures = 3;
+    });
+    let (progress, mut rx) = Progress::channel();
+    let o = run(
+        &ex,
+        spec(&["true"]),
+        StartOptions {
+            progress,
+            ..Default::default()
+        },
+    )
+    .await
+    .expect("starts once it heals");
+    assert_eq!(exit_code(&o), Some(0));
+    let mut msgs = Vec::new();
+    while let Ok(Event::Phase { phase, message }) = rx.try_recv() {
+        msgs.push(format!("{phase:?}: {}", message.unwrap_or_default()));
+    }
+    let all = msgs.join("\n");
+    assert!(
+        all.contains(
+            "Scheduling: not scheduled: Unschedulable: 0/1 nodes are available: 1 Insufficient cpu."
+        ),
+        "{all}"
+    );
+    assert!(
+        all.contains("PullingImage: ErrImagePull") && all.contains("toomanyrequests"),
+        "{all}"
+    );
+
+    // Still unschedulable when the start timeout ends: the scheduler's message.
+    double.inject(|f| f.unschedulable_for = Some(Duration::from_secs(30)));
+    let ex = executor(&double, 2, &[]).await;
+    let err = run(&ex, spec(&["true"]), StartOptions::default())
+        .await
+        .err()
+        .expect("times out");
+    assert_eq!(err.code, ErrorCode::Unschedulable, "{}", err.message);
+    assert!(
+        err.message.contains("Insufficient cpu") && err.message.contains("pod_start_timeout_secs"),
+        "{}",
+        err.message
+    );
+}
+
+/// 429 with Retry-After, 500s, a create whose answer was lost, watches cut by a load
+/// balancer and resumed from an expired resourceVersion, a slow exec upgrade: the run still
+/// starts, within its budget.
+#[tokio::test(flavor = "multi_thread")]
+async fn api_server_trouble_is_retried_within_the_budget() {
+    let double = KubeDouble::start_with(slow(200));
+    let ex = executor(&double, 20, &[]).await;
+    double.inject(|f| {
+        f.create
+            .push_back(kube_double::ApiError::too_many_requests(1));
+        f.create.push_back(kube_double::ApiError::internal(
+            "etcdserver: leader changed",
+        ));
+        f.watch_cuts = 2;
+        f.gone_on_resume = 1;
+        f.exec_delay = Some(Duration::from_millis(1500));
+    });
+    let t = std::time::Instant::now();
+    let o = run(&ex, spec(&["echo", "ok"]), StartOptions::default())
+        .await
+        .expect("starts");
+    assert_eq!(
+        (exit_code(&o), o.stdout.as_slice()),
+        (Some(0), &b"ok\n"[..])
+    );
+    assert!(
+        t.elapsed() >= Duration::from_secs(1),
+        "Retry-After honoured"
+    );
+    let creates = double
+        .requests()
+        .iter()
+        .filter(|r| r.starts_with("POST /api/v1/namespaces/default/pods"))
+        .count();
+    assert_eq!(creates, 3);
+
+    // The answer of a successful create is lost: the retry's 409 is recognised.
+    double.inject(|f| f.create_lost_answers = 1);
+    let o = run(&ex, spec(&["true"]), StartOptions::default())
+        .await
+        .expect("starts");
+    assert_eq!(exit_code(&o), Some(0));
+
+    // An API server that keeps refusing: a clear error once the budget is spent, not a stall.
+    let ex = executor(&double, 3, &[]).await;
+    double.inject(|f| {
+        for _ in 0..20 {
+            f.create
+                .push_back(kube_double::ApiError::too_many_requests(1));
+        }
+    });
+    let t = std::time::Instant::now();
+    let err = run(&ex, spec(&["true"]), StartOptions::default())
+        .await
+        .err()
+        .expect("gives up");
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    assert_eq!(err.code, ErrorCode::BackendUnavailable);
+    assert!(err.message.contains("TooManyRequests"), "{}", err.message);
+    double.inject(|f| f.create.clear());
+}
+
+/// A pod deleted, evicted or OOM-killed under a running command: `pod_failed` saying so, not
+/// "killed by signal 9".
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pod_going_under_a_running_command_is_pod_failed() {
+    let double = KubeDouble::start();
+    let limited = Profile {
+        resources: Some(serde_json::from_value(json!({"limits": {"memory": "64Mi"}})).unwrap()),
+        ..Default::default()
+    };
+    let ex = executor(&double, 10, &[("limited", limited)]).await;
+    for how in ["deleted", "evicted", "oom"] {
+        let mut s = spec(&["sleep", "30"]);
+        s.profile = Some("limited".into());
+        let mut e = ex.start(s, StartOptions::default()).await.expect("starts");
+        let pod = e.context().pod.clone().unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        match how {
+            "deleted" => double.delete_pod(NS, &pod),
+            "evicted" => double.kill_container(NS, &pod, true),
+            _ => double.kill_container(NS, &pod, false),
+        }
+        let end = loop {
+            match tokio::time::timeout(Duration::from_secs(10), e.next())
+                .await
+                .expect("ends")
+            {
+                Some(ev) if ev.is_terminal() => break ev,
+                Some(_) => {}
+                None => panic!("no end"),
+            }
+        };
+        match end {
+            Event::Error { code, message } => {
+                assert_eq!(code, ErrorCode::PodFailed, "{how}: {message}");
+                let want = match how {
+                    "deleted" => "was deleted",
+                    "evicted" => "was evicted: The node was low on resource: memory",
+                    _ => "OOMKilled; memory limit 64Mi",
+                };
+                assert!(message.contains(want), "{how}: {message}");
+            }
+            other => panic!("{how}: {other:?}"),
+        }
+    }
+    // A command killed by a signal while its pod is fine is still a signal.
+    let o = run(
+        &ex,
+        spec(&["sh", "-c", "kill -9 $$"]),
+        StartOptions::default(),
+    )
+    .await
+    .expect("runs");
+    assert!(
+        matches!(o.end, Event::Exit(x) if x.signal == Some(9)),
+        "{:?}",
+        o.end
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_container_that_cannot_start_reports_the_runtimes_reason() {
+    let double = KubeDouble::start();
+    let broken = Profile {
+        keepalive_command: Some(vec!["no-such-keepalive-mcp-run".into(), "1".into()]),
+        ..Default::default()
+    };
+    let ex = executor(&double, 10, &[("broken", broken)]).await;
+    let mut s = spec(&["true"]);
+    s.profile = Some("broken".into());
+    let err = run(&ex, s, StartOptions::default())
+        .await
+        .err()
+        .expect("fails");
+    assert_eq!(err.code, ErrorCode::ContainerConfigError);
+    assert!(
+        err.message.contains("StartError")
+            && err
+                .message
+                .contains("\"no-such-keepalive-mcp-run\": executable file not found"),
+        "{}",
+        err.message
+    );
+}
+
+/// The same through the gateway: `/raw` answers a refused pod with the admission's text.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_gateway_reports_admission_refusals() {
+    let mut opts = DoubleOptions::default();
+    opts.namespace_labels.insert(
+        NS.into(),
+        BTreeMap::from([(
+            "pod-security.kubernetes.io/enforce".to_string(),
+            "restricted".to_string(),
+        )]),
+    );
+    let double = KubeDouble::start_with(opts);
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config_file(
+        &dir,
+        "profiles:\n  default: {}\n  root:\n    run_as_non_root: false\n",
+    );
+    let gw = Gateway::start(&[
+        "--backend",
+        "kube",
+        "--kubeconfig",
+        double.kubeconfig().to_str().unwrap(),
+        "--config",
+        cfg.to_str().unwrap(),
+    ]);
+    let r = raw(&gw, json!({"executable": "echo", "args": ["hi"]})).await;
+    assert_eq!(r.code(), Some(0), "{r:?}");
+    let r = raw(&gw, json!({"executable": "true", "profile": "root"})).await;
+    let err = r.rejection.expect("refused").error;
+    assert_eq!(err.code.as_str(), "start_failed");
+    assert!(
+        err.message.contains("violates PodSecurity"),
+        "{}",
+        err.message
+    );
+}
+
+/// `/raw` with a stdin body on the kube backend: the shared stdin suite, and with `cwd` (the
+/// wrapper's header first, then the caller's bytes).
+#[tokio::test(flavor = "multi_thread")]
+async fn stdin_through_the_gateway() {
+    let double = KubeDouble::start();
+    let gw = Gateway::start(&[
+        "--backend",
+        "kube",
+        "--kubeconfig",
+        double.kubeconfig().to_str().unwrap(),
+    ]);
+    support::suite::stdin_round_trip(&gw).await;
+    let r = support::raw_stdin(
+        &gw,
+        json!({"executable": "sh", "args": ["-c", "pwd; cat"], "cwd": "/tmp"}),
+        b"line 1\nline 2",
+    )
+    .await;
+    assert_eq!(r.code(), Some(0), "{r:?}");
+    assert_eq!(r.stdout_str(), "/tmp\nline 1\nline 2");
+}

@@ -1,0 +1,40 @@
+//! Serves the API-server test double on its own, for tools outside the test suite
+//! (bench/kube_double_bench.py): `cargo test --test kube_double_serve -- --ignored
+//! --nocapture`. Prints `KUBECONFIG=<path>` (and `TOKEN`, `URL`, `CA`) and serves until its
+//! stdin closes.
+//! `KUBE_DOUBLE_STEP_MS` sets the delay of each simulated lifecycle step (default 20 ms).
+
+mod kube_double;
+
+use std::io::{BufRead as _, Write as _};
+use std::time::Duration;
+
+use kube_double::{DoubleOptions, KubeDouble};
+
+#[test]
+#[ignore = "a server for bench scripts, not a test"]
+fn serve() {
+    let step = std::env::var("KUBE_DOUBLE_STEP_MS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(20);
+    let double = KubeDouble::start_with(DoubleOptions {
+        step_delay: Duration::from_millis(step),
+        ..Default::default()
+    });
+    println!("KUBECONFIG={}", double.kubeconfig().display());
+    println!("TOKEN={}", double.options().token);
+    println!("URL={}", double.url());
+    // The CA of the double's TLS certificate, for clients that do not read the kubeconfig.
+    let ca = std::env::temp_dir().join(format!("kube-double-ca-{}.pem", std::process::id()));
+    std::fs::write(&ca, double.ca_pem()).expect("write the CA");
+    println!("CA={}", ca.display());
+    let _ = std::io::stdout().flush();
+    // Serve until whoever started us closes our stdin.
+    for line in std::io::stdin().lock().lines() {
+        if line.is_err() {
+            break;
+        }
+    }
+    drop(double);
+}
