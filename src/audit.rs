@@ -15,16 +15,74 @@ use crate::redact::Redactor;
 /// The tracing target of audit lines (filter with `RUST_LOG=mcp_run::audit=info`).
 pub const TARGET: &str = "mcp_run::audit";
 
-/// The command line of an audit line: argv as a JSON array, secrets redacted.
+/// The most bytes of one argument an audit line keeps; the rest is replaced by a marker.
+pub const MAX_LOGGED_ARG: usize = 256;
+/// The most arguments an audit line lists.
+pub const MAX_LOGGED_ARGS: usize = 64;
+
+/// `s` cut to at most `max` bytes (at a character boundary), with a marker saying how much
+/// was left out, so that a huge request cannot flood the log.
+pub fn truncate_for_log(s: &str, max: usize) -> std::borrow::Cow<'_, str> {
+    if s.len() <= max {
+        return s.into();
+    }
+    let mut cut = max;
+    while !s.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}…[{} more bytes]", &s[..cut], s.len() - cut).into()
+}
+
+/// The command line of an audit line: argv as a JSON array, secrets redacted, each argument
+/// and the number of arguments bounded ([`MAX_LOGGED_ARG`], [`MAX_LOGGED_ARGS`]).
 pub fn argv_json(executable: &str, args: &[String], redactor: Option<&Redactor>) -> String {
-    let argv: Vec<String> = std::iter::once(executable)
+    let mut argv: Vec<String> = std::iter::once(executable)
         .chain(args.iter().map(String::as_str))
-        .map(|a| match redactor {
-            Some(r) => r.redact_str(a),
-            None => a.to_owned(),
+        .take(MAX_LOGGED_ARGS)
+        .map(|a| {
+            // Redacted first: a secret cut in two would no longer be recognised.
+            let a = match redactor {
+                Some(r) => r.redact_str(a),
+                None => a.to_owned(),
+            };
+            truncate_for_log(&a, MAX_LOGGED_ARG).into_owned()
         })
         .collect();
+    if args.len() + 1 > MAX_LOGGED_ARGS {
+        argv.push(format!(
+            "…[{} more arguments]",
+            args.len() + 1 - MAX_LOGGED_ARGS
+        ));
+    }
     serde_json::to_string(&argv).unwrap_or_default()
+}
+
+/// Refused bearer tokens: at most this many audit lines per window, then one line saying how
+/// many were not logged, so that a flood of bad tokens cannot flood the log.
+const UNAUTHORIZED_PER_WINDOW: u32 = 20;
+const UNAUTHORIZED_WINDOW: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Logs a request refused for its token (rate-limited, see [`UNAUTHORIZED_PER_WINDOW`]).
+pub fn unauthorized(path: &str, client: &str, message: &str) {
+    use std::sync::Mutex;
+    static STATE: Mutex<Option<(Instant, u32, u64)>> = Mutex::new(None);
+    let Ok(mut state) = STATE.lock() else { return };
+    let now = Instant::now();
+    let (start, count, suppressed) = state.get_or_insert((now, 0, 0));
+    if now.duration_since(*start) >= UNAUTHORIZED_WINDOW {
+        if *suppressed > 0 {
+            tracing::info!(target: TARGET, outcome = "unauthorized", suppressed = *suppressed, "{} refused tokens were not logged (at most {UNAUTHORIZED_PER_WINDOW} lines per {} s)", suppressed, UNAUTHORIZED_WINDOW.as_secs());
+        }
+        *start = now;
+        *count = 0;
+        *suppressed = 0;
+    }
+    if *count < UNAUTHORIZED_PER_WINDOW {
+        *count += 1;
+        tracing::info!(target: TARGET, path = %truncate_for_log(path, MAX_LOGGED_ARG), client = %client, outcome = "unauthorized", "{}", message);
+    } else {
+        *suppressed += 1;
+    }
 }
 
 /// Logs a request refused before anything started.

@@ -360,7 +360,7 @@ pub async fn middleware(
         match auth.check(req.headers()) {
             Ok(name) => caller.identity = Some(name),
             Err(e) => {
-                tracing::info!(target: "mcp_run::audit", path = %req.uri().path(), client = %caller.describe(), outcome = "unauthorized", "{}", e.message);
+                crate::audit::unauthorized(req.uri().path(), &caller.describe(), &e.message);
                 metrics.rejected(e.code);
                 return e.into_response();
             }

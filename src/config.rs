@@ -32,6 +32,9 @@ pub enum ConfigError {
     },
 }
 
+/// The host names a gateway answers to by default (`server.allowed_hosts`).
+pub const LOOPBACK_HOSTS: &[&str] = &["localhost", "127.0.0.1", "::1"];
+
 /// Which backend runs commands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -87,6 +90,21 @@ pub struct ServerConfig {
     pub shutdown_grace_secs: u64,
     /// The largest request body accepted, in bytes.
     pub max_body_bytes: usize,
+    /// `Host` (and `Origin`) names every endpoint but the probes and `/metrics` accepts:
+    /// DNS-rebinding protection. `*` accepts any host.
+    pub allowed_hosts: Vec<String>,
+    /// Listen on a non-loopback address without auth (refused otherwise).
+    pub insecure_no_auth: bool,
+    /// Seconds a client has to send a request's headers; also the longest idle time of a
+    /// keep-alive connection between requests.
+    pub header_timeout_secs: u64,
+    /// The longest silence, in seconds, while a request body arrives.
+    pub body_timeout_secs: u64,
+    /// Connections at once; more are answered 503 and closed.
+    pub max_connections: usize,
+    /// Connections at once that have not made an authenticated request yet (any request
+    /// when auth is off).
+    pub max_unauthenticated_connections: usize,
 }
 
 impl Default for ServerConfig {
@@ -97,6 +115,12 @@ impl Default for ServerConfig {
             keepalive_secs: 15,
             shutdown_grace_secs: 30,
             max_body_bytes: 1024 * 1024,
+            allowed_hosts: LOOPBACK_HOSTS.iter().map(|s| s.to_string()).collect(),
+            insecure_no_auth: false,
+            header_timeout_secs: 10,
+            body_timeout_secs: 30,
+            max_connections: 512,
+            max_unauthenticated_connections: 128,
         }
     }
 }
@@ -124,6 +148,7 @@ impl Config {
             })?
         };
         config.source = path.map(Path::to_owned);
+        config.move_deprecated()?;
         config.validate()?;
         config.ensure_default_profile();
         Ok(config)
@@ -161,6 +186,31 @@ impl Config {
             return Err(invalid(
                 "profiles",
                 "must contain a `default` profile".into(),
+            ));
+        }
+        for (field, v) in [
+            (
+                "server.header_timeout_secs",
+                self.server.header_timeout_secs as usize,
+            ),
+            (
+                "server.body_timeout_secs",
+                self.server.body_timeout_secs as usize,
+            ),
+            ("server.max_connections", self.server.max_connections),
+            (
+                "server.max_unauthenticated_connections",
+                self.server.max_unauthenticated_connections,
+            ),
+        ] {
+            if v == 0 {
+                return Err(invalid(field, "must be at least 1".into()));
+            }
+        }
+        if self.server.allowed_hosts.is_empty() {
+            return Err(invalid(
+                "server.allowed_hosts",
+                "must name at least one host (`*` accepts any)".into(),
             ));
         }
         self.mcp.validate().map_err(|(f, m)| invalid(f, m))?;
@@ -206,6 +256,28 @@ impl Config {
                     ),
                 ));
             }
+        }
+        Ok(())
+    }
+
+    /// Moves `mcp.allowed_hosts` (deprecated) to `server.allowed_hosts`.
+    fn move_deprecated(&mut self) -> Result<(), ConfigError> {
+        if let Some(hosts) = self.mcp.allowed_hosts.take() {
+            if self.server.allowed_hosts != ServerConfig::default().allowed_hosts {
+                return Err(ConfigError::Invalid {
+                    path: self.source.clone(),
+                    field: "mcp.allowed_hosts".into(),
+                    message: "is the old name of `server.allowed_hosts`: set only that one".into(),
+                });
+            }
+            tracing::warn!(
+                "`mcp.allowed_hosts` is deprecated: `server.allowed_hosts` now covers every endpoint"
+            );
+            self.server.allowed_hosts = if hosts.is_empty() {
+                vec!["*".into()]
+            } else {
+                hosts
+            };
         }
         Ok(())
     }

@@ -408,6 +408,9 @@ pub enum ErrorCode {
     Unauthorized,
     /// The execution policy forbids the request (403).
     PolicyViolation,
+    /// The `Host` or `Origin` header names a host the gateway does not serve (403): DNS
+    /// rebinding protection (`server.allowed_hosts`).
+    ForbiddenHost,
     /// Too many executions at once, or rate limited (429).
     TooManyRequests,
     /// Not found (404).
@@ -461,6 +464,7 @@ impl ErrorCode {
             ErrorCode::UnsupportedMediaType => "unsupported_media_type",
             ErrorCode::Unauthorized => "unauthorized",
             ErrorCode::PolicyViolation => "policy_violation",
+            ErrorCode::ForbiddenHost => "forbidden_host",
             ErrorCode::TooManyRequests => "too_many_requests",
             ErrorCode::NotFound => "not_found",
             ErrorCode::MethodNotAllowed => "method_not_allowed",
@@ -488,7 +492,7 @@ impl ErrorCode {
         match self {
             ErrorCode::InvalidRequest | ErrorCode::UnknownProfile | ErrorCode::HashMismatch => 400,
             ErrorCode::Unauthorized => 401,
-            ErrorCode::PolicyViolation => 403,
+            ErrorCode::PolicyViolation | ErrorCode::ForbiddenHost => 403,
             ErrorCode::NotFound | ErrorCode::UnknownWorkspace => 404,
             ErrorCode::WorkspaceIncomplete => 409,
             ErrorCode::MethodNotAllowed => 405,

@@ -4,6 +4,9 @@
 
 use serde::{Deserialize, Serialize};
 
+/// The default of `limits.max_concurrent_executions`.
+pub const DEFAULT_MAX_CONCURRENT_EXECUTIONS: usize = 64;
+
 /// Limits applied to every execution (`limits:` in the configuration file).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -12,7 +15,7 @@ pub struct Limits {
     pub default_timeout_secs: u64,
     /// The largest `timeout_secs` a request may ask for.
     pub max_timeout_secs: u64,
-    /// Executions at once over every front end; more get 429. Absent: no limit.
+    /// Executions at once over every front end; more get 429. Default 64; `null`: no limit.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_concurrent_executions: Option<usize>,
     /// Executions a client (auth identity, else address) may start: a token bucket.
@@ -31,7 +34,9 @@ impl Default for Limits {
         Self {
             default_timeout_secs: 600,
             max_timeout_secs: 3600,
-            max_concurrent_executions: None,
+            // Sized for the chart's 256 MiB: a stalled stream holds about 1 MiB
+            // (docs/policy.md#memory-per-stream).
+            max_concurrent_executions: Some(DEFAULT_MAX_CONCURRENT_EXECUTIONS),
             rate_limit: None,
             allow_stdin: true,
             max_stdin_bytes: 1 << 30,

@@ -75,7 +75,63 @@ pub struct EnvRules {
     pub allow: Vec<String>,
     /// A request may never set variables matching one of these (checked first).
     pub deny: Vec<String>,
+    /// Variables that change which code a program runs (loader, shell, interpreter hooks,
+    /// `PATH`): refused whenever `executables.allow` restricts executables, since any of them
+    /// walks around an allow list. Absent: [`INJECTION_VARS`]; `[]` turns the check off.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub injection_vars: Option<Vec<String>>,
 }
+
+/// The default of `policy.env.injection_vars` (docs/policy.md explains each group).
+pub const INJECTION_VARS: &[&str] = &[
+    // Program lookup and the dynamic loader.
+    "PATH",
+    "LD_*",
+    "DYLD_*",
+    "GCONV_PATH",
+    "HOSTALIASES",
+    "LOCALDOMAIN",
+    "RES_OPTIONS",
+    "MALLOC_*",
+    "GLIBC_TUNABLES",
+    // Shells.
+    "BASH_ENV",
+    "ENV",
+    "BASH_FUNC_*",
+    "SHELLOPTS",
+    "BASHOPTS",
+    "PS4",
+    "PROMPT_COMMAND",
+    "IFS",
+    "CDPATH",
+    "ZDOTDIR",
+    // Interpreters and runtimes.
+    "PYTHONSTARTUP",
+    "PYTHONPATH",
+    "PYTHONHOME",
+    "PYTHONUSERBASE",
+    "PERL5LIB",
+    "PERL5OPT",
+    "PERLLIB",
+    "RUBYOPT",
+    "RUBYLIB",
+    "NODE_OPTIONS",
+    "NODE_PATH",
+    "JAVA_TOOL_OPTIONS",
+    "_JAVA_OPTIONS",
+    "JDK_JAVA_OPTIONS",
+    "CLASSPATH",
+    // Helper programs that tools start by name.
+    "GIT_*",
+    "SSH_ASKPASS",
+    "PAGER",
+    "MANPAGER",
+    "EDITOR",
+    "VISUAL",
+    "BROWSER",
+    "LESSOPEN",
+    "LESSCLOSE",
+];
 
 /// Working directories.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
@@ -233,7 +289,12 @@ impl ArgRules {
 
 impl EnvRules {
     fn validate(&self, base: &str) -> Result<(), PolicyConfigError> {
-        for (list, entries) in [("allow", &self.allow), ("deny", &self.deny)] {
+        let injection = self.injection_vars.as_deref().unwrap_or_default();
+        for (list, entries) in [
+            ("allow", &self.allow[..]),
+            ("deny", &self.deny[..]),
+            ("injection_vars", injection),
+        ] {
             for (i, p) in entries.iter().enumerate() {
                 let ok = !p.is_empty()
                     && p.bytes()
@@ -432,6 +493,24 @@ impl Policy {
                 return Err(violation(format!(
                     "environment variable {name} is not in {field}.allow"
                 )));
+            }
+        }
+        let (exe_field, exes) = &eff.executables;
+        if !exes.allow.is_empty() {
+            let custom = env.injection_vars.as_deref();
+            for name in s.env_names {
+                let hit = match custom {
+                    Some(list) => list
+                        .iter()
+                        .find(|p| glob_match(p, name))
+                        .map(String::as_str),
+                    None => INJECTION_VARS.iter().copied().find(|p| glob_match(p, name)),
+                };
+                if let Some(p) = hit {
+                    return Err(violation(format!(
+                        "environment variable {name} can change which program runs, so it is refused while {exe_field}.allow restricts executables ({field}.injection_vars entry {p:?})"
+                    )));
+                }
             }
         }
 
@@ -702,6 +781,36 @@ mod tests {
             m.contains("policy.env.deny entry \"GIT_SSH_COMMAND\""),
             "{m}"
         );
+    }
+
+    #[test]
+    fn injection_vars_are_refused_under_an_allow_list() {
+        let p = policy("executables: {allow: [ls, echo]}");
+        let mut s = subject("ls");
+        for name in [
+            "LD_PRELOAD",
+            "PATH",
+            "BASH_ENV",
+            "NODE_OPTIONS",
+            "GIT_SSH_COMMAND",
+        ] {
+            let names = [name];
+            let mut t = s;
+            t.env_names = &names;
+            let m = denied(&p, t);
+            assert!(m.contains(name) && m.contains("injection_vars"), "{m}");
+        }
+        s.env_names = &["LANG"];
+        assert!(p.check(&s).is_ok());
+        // Without an allow list nothing is restricted, so neither are these.
+        let open = policy("executables: {deny: [rm]}");
+        s.env_names = &["LD_PRELOAD"];
+        assert!(open.check(&s).is_ok());
+        // The list is the operator's to change.
+        let custom = policy("executables: {allow: [ls]}\nenv: {injection_vars: [FOO_*]}");
+        assert!(custom.check(&s).is_ok());
+        s.env_names = &["FOO_BAR"];
+        assert!(denied(&custom, s).contains("FOO_*"));
     }
 
     #[test]

@@ -293,6 +293,49 @@ impl EventFilter for RedactFilter {
     }
 }
 
+/// The redaction applied to every log line, whoever writes it (the gateway, rmcp's debug
+/// log of tool arguments, hyper): set once the configuration is loaded.
+static LOG_REDACTOR: std::sync::OnceLock<Arc<Redactor>> = std::sync::OnceLock::new();
+
+/// Redacts log lines with `r` from now on.
+pub fn redact_logs(r: Arc<Redactor>) {
+    let _ = LOG_REDACTOR.set(r);
+}
+
+/// A `tracing_subscriber` writer for stderr that redacts each log line as a whole (a line is
+/// formatted into one buffer, so a secret is never split between writes).
+pub fn log_writer() -> LogLine {
+    LogLine(Vec::new())
+}
+
+/// One log line on its way to stderr.
+pub struct LogLine(Vec<u8>);
+
+impl std::io::Write for LogLine {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        let line = std::mem::take(&mut self.0);
+        if line.is_empty() {
+            return Ok(());
+        }
+        let out = match LOG_REDACTOR.get() {
+            Some(r) => r.redact(&line),
+            None => line,
+        };
+        std::io::Write::write_all(&mut std::io::stderr().lock(), &out)
+    }
+}
+
+impl Drop for LogLine {
+    fn drop(&mut self) {
+        let _ = std::io::Write::flush(self);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -256,7 +256,12 @@ impl Runner {
             profile: req.profile.clone(),
             ..RunRequest::default()
         };
-        let started = self.start_inner(req, caller, io).await;
+        let mut started = self.start_inner(req, caller, io).await;
+        // A refusal may quote the request (a policy rule, a profile name, an env name): it
+        // leaves the gateway, so it is redacted like the output.
+        if let (Err(e), Some(r)) = (&mut started, &self.redactor) {
+            e.message = r.redact_str(&e.message);
+        }
         if let Err(e) = &started {
             self.metrics.rejected(e.code);
             self.audit_rejected(&audit, caller, e);
@@ -330,7 +335,7 @@ impl Runner {
             .with_timeout(timeout)
             .tracked(self.tracker.token())
             .observed(self.metrics.execution_started(self.executor.name()))
-            .hold(slot))
+            .hold_while_running(slot))
     }
 
     /// How many executions are running.

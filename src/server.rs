@@ -30,15 +30,15 @@ pub struct AppState {
     pub mcp: McpSettings,
     /// Bearer tokens for every path but the probes and metrics; `None`: auth off.
     pub auth: Option<Arc<crate::auth::Auth>>,
+    /// Host/Origin and declared-length checks in front of everything.
+    pub guard: Arc<crate::guard::Guard>,
 }
 
 /// How `/mcp` is served.
 #[derive(Clone)]
 pub struct McpSettings {
-    /// The `mcp:` section (result budget, output store, ...).
+    /// The `mcp:` section (result budget, output store, session limits, ...).
     pub config: crate::mcp::McpConfig,
-    /// Accepted `Host` headers (DNS-rebinding protection); empty accepts any.
-    pub allowed_hosts: Vec<String>,
     /// Ends every MCP session (at shutdown, once running commands were drained).
     pub stop: tokio_util::sync::CancellationToken,
     /// Operator-declared CLI tools served next to `run_network_tool`.
@@ -85,18 +85,30 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         )
         .with_tools(state.mcp.tools.clone())
         .with_templates(state.mcp.templates.clone(), "/".into());
-        let mut config = StreamableHttpServerConfig::default()
-            .with_allowed_hosts(state.mcp.allowed_hosts.clone());
-        if state.mcp.allowed_hosts.is_empty() {
-            config = config.disable_allowed_hosts();
-        }
+        // Host and Origin are checked for every endpoint by `guard`, with JSON errors.
+        let mut config = StreamableHttpServerConfig::default().disable_allowed_hosts();
         config.cancellation_token = state.mcp.stop.clone();
         config.max_request_body_bytes = max_body_bytes;
-        StreamableHttpService::new(
-            move || Ok(service.clone()),
-            Arc::new(LocalSessionManager::default()),
-            config,
-        )
+        let mut sessions = LocalSessionManager::default();
+        sessions.session_config.keep_alive =
+            Some(Duration::from_secs(state.mcp.config.session_idle_secs));
+        let sessions = Arc::new(sessions);
+        let guard = Arc::new(crate::mcp_http::McpGuard::new(
+            sessions.clone(),
+            state.mcp.config.max_sessions,
+            state.mcp.config.max_sessions_per_client,
+            max_body_bytes,
+        ));
+        tower::ServiceBuilder::new()
+            .layer(axum::middleware::from_fn_with_state(
+                guard,
+                crate::mcp_http::middleware,
+            ))
+            .service(StreamableHttpService::new(
+                move || Ok(service.clone()),
+                sessions,
+                config,
+            ))
     };
     let workspaces = match state.runner.workspaces() {
         Some(store) => {
@@ -121,6 +133,11 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         })
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .layer(axum::Extension(HeadLimit(max_body_bytes)))
+        // Inside auth: a request that gets here frees its connection from the cap on
+        // unauthenticated connections.
+        .layer(axum::middleware::from_fn(
+            crate::connections::mark_authenticated,
+        ))
         .layer(axum::middleware::from_fn_with_state(
             crate::auth::Gate {
                 auth: state.auth.clone(),
@@ -128,38 +145,37 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
             },
             crate::auth::middleware,
         ))
+        // Outermost: a request for a foreign host or with an oversized body goes no further.
+        .layer(axum::middleware::from_fn_with_state(
+            state.guard.clone(),
+            crate::guard::middleware,
+        ))
         .with_state(state)
 }
 
-/// Serves `router` on `listener` until `shutdown` fires, then drains: new connections are
-/// refused, running commands get `grace` to finish, then they are killed.
+/// Serves `router` on `listener` until `shutdown` fires, then drains: the listener stays
+/// open (new executions get `503 shutting_down`), running commands get `grace` to finish,
+/// then they are killed, and connections are closed (see [`crate::connections`]).
+#[allow(clippy::too_many_arguments)] // each is a distinct piece of the start-up; no bundle reads better
 pub async fn serve(
     listener: TcpListener,
     router: Router,
     runner: Arc<Runner>,
+    limits: crate::connections::ConnectionLimits,
+    auth_on: bool,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     grace: Duration,
     drained: tokio_util::sync::CancellationToken,
 ) -> std::io::Result<()> {
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    // The client address is the rate-limit key of callers without a token.
-    let app = router.into_make_service_with_connect_info::<std::net::SocketAddr>();
-    let server = axum::serve(listener, app).with_graceful_shutdown(async move {
-        shutdown.await;
-        let _ = tx.send(());
-    });
+    let metrics = runner.metrics().clone();
     let drain = async move {
-        if rx.await.is_ok() {
-            tracing::info!(running = runner.in_flight(), "shutting down");
-            runner.shutdown(grace).await;
-        }
+        shutdown.await;
+        tracing::info!(running = runner.in_flight(), "shutting down");
+        runner.shutdown(grace).await;
         // Long-lived connections (MCP sessions) end now, so that the server can stop.
         drained.cancel();
     };
-    // The server future ends when every connection has closed, which is after the runner
-    // ended the streams; both must finish.
-    let (served, ()) = tokio::join!(server.into_future(), drain);
-    served
+    crate::connections::run(listener, router, limits, auth_on, metrics, drain).await
 }
 
 async fn capabilities(State(state): State<AppState>) -> Response {
@@ -222,6 +238,14 @@ pub fn parse_request(
             )
         }
     })?;
+    // serde would also take an array for a struct (`["echo",["x"]]`): only the documented
+    // object is a request.
+    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(ErrorBody::new(
+            ErrorCode::InvalidRequest,
+            "the request body must be a JSON object such as {\"executable\": \"echo\", \"args\": [\"hi\"]}",
+        ));
+    }
     serde_json::from_slice::<RunRequest>(&body)
         .map_err(|e| ErrorBody::new(ErrorCode::InvalidRequest, format!("invalid request: {e}")))
 }

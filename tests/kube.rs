@@ -130,7 +130,7 @@ async fn the_pod_is_deleted_on_every_path() {
         .unwrap();
     let body = json!({"executable": "sh", "args": ["-c", "echo up; sleep 300"]}).to_string();
     let req = format!(
-        "POST /raw HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        "POST /raw HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     );
     sock.write_all(req.as_bytes()).await.unwrap();

@@ -49,7 +49,7 @@ async fn disconnect_kills_the_process_group() {
     let body =
         json!({"executable": "sh", "args": ["-c", "sleep 300 & echo $$ $!; wait"]}).to_string();
     let req = format!(
-        "POST /raw HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        "POST /raw HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     );
     sock.write_all(req.as_bytes()).await.unwrap();
@@ -386,7 +386,7 @@ async fn slow_client_back_pressures_the_command() {
         .await
         .unwrap();
     let req = format!(
-        "POST /raw HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        "POST /raw HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     );
     sock.write_all(req.as_bytes()).await.unwrap();

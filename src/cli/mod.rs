@@ -15,7 +15,8 @@ pub fn init_logging(default_level: &str, json: bool) {
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::stderr().is_terminal())
-        .with_writer(std::io::stderr);
+        // Secrets are redacted from every line, whichever crate logs it.
+        .with_writer(crate::redact::log_writer);
     if json {
         builder.json().init();
     } else {

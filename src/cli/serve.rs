@@ -47,6 +47,9 @@ pub enum Command {
     /// Serve MCP on stdin/stdout (logs on stderr), for agents that start their MCP servers
     /// as child processes.
     Stdio(StdioArgs),
+    /// Internal: started by the gateway, kills what its commands left once it is gone.
+    #[command(name = "reap-on-exit", hide = true)]
+    ReapOnExit { prefix: String },
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell) on stdout.
     Completions {
         #[arg(value_enum)]
@@ -59,6 +62,10 @@ pub struct ServeArgs {
     /// Address to listen on [default: 127.0.0.1:8080, or `server.listen` in the config file].
     #[arg(long, value_name = "ADDR")]
     pub listen: Option<SocketAddr>,
+    /// Allow a non-loopback `--listen` address without auth tokens (`server.insecure_no_auth`):
+    /// anyone who can reach the port can then run commands.
+    #[arg(long)]
+    pub insecure_no_auth: bool,
     /// Log format on stderr.
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
@@ -191,6 +198,7 @@ pub fn main() -> ExitCode {
             super::init_logging("info", json_logs);
             run_serve(args)
         }
+        Command::ReapOnExit { prefix } => return crate::exec::reaper::run(&prefix),
         Command::Stdio(args) => {
             // stdout carries the protocol: logs go to stderr, quietly by default.
             json_logs = args.log_format == LogFormat::Json;
@@ -252,7 +260,8 @@ pub async fn build_executor(
         BackendKind::Local => Arc::new(
             LocalExecutor::new(&config.local.inherit_env)
                 .with_profiles(config.profiles.keys().cloned())
-                .with_workspace_dir(config.workspaces.local_dir()),
+                .with_workspace_dir(config.workspaces.local_dir())
+                .with_reaper(),
         ),
         BackendKind::Remote => {
             let url = config.remote.server.as_deref().context(
@@ -306,6 +315,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(listen) = args.listen {
         config.server.listen = listen;
     }
+    config.server.insecure_no_auth |= args.insecure_no_auth;
     block_on(serve(config))
 }
 
@@ -324,6 +334,9 @@ pub struct App {
     pub runner: Arc<Runner>,
     /// Fired once running commands were drained at shutdown: ends the MCP sessions.
     pub drained: tokio_util::sync::CancellationToken,
+    /// Whether bearer tokens are required (connections then count as unauthenticated until
+    /// a request passed auth).
+    pub auth_on: bool,
 }
 
 /// Builds the whole gateway from its configuration: backend, runner, auth, router. `serve`
@@ -341,7 +354,6 @@ pub async fn app(config: &Config) -> anyhow::Result<App> {
         capabilities,
         mcp: McpSettings {
             config: config.mcp.clone(),
-            allowed_hosts: config.mcp.allowed_hosts.clone(),
             stop: drained.clone(),
             tools: Arc::new(config.tools.clone()),
             templates,
@@ -349,7 +361,12 @@ pub async fn app(config: &Config) -> anyhow::Result<App> {
         auth: crate::auth::Auth::load(&config.auth, |k| std::env::var(k).ok())
             .map_err(anyhow::Error::msg)?
             .map(Arc::new),
+        guard: Arc::new(
+            crate::guard::Guard::new(&config.server.allowed_hosts, config.server.max_body_bytes)
+                .with_metrics(runner.metrics().clone()),
+        ),
     };
+    check_exposure(config, state.auth.is_some())?;
     if let Some(auth) = &state.auth {
         auth.watch(Duration::from_secs(config.auth.reload_secs));
         tracing::info!(
@@ -358,6 +375,7 @@ pub async fn app(config: &Config) -> anyhow::Result<App> {
         );
     }
     Ok(App {
+        auth_on: state.auth.is_some(),
         router: server::router(state, config.server.max_body_bytes),
         runner,
         drained,
@@ -370,6 +388,7 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
         router,
         runner,
         drained,
+        auth_on,
     } = app(&config).await?;
     let listener = tokio::net::TcpListener::bind(config.server.listen)
         .await
@@ -380,12 +399,39 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
         listener,
         router,
         runner,
+        crate::connections::ConnectionLimits {
+            max_connections: config.server.max_connections,
+            max_unauthenticated: config.server.max_unauthenticated_connections,
+            header_timeout: Duration::from_secs(config.server.header_timeout_secs),
+            body_timeout: Duration::from_secs(config.server.body_timeout_secs),
+        },
+        auth_on,
         shutdown_signal(),
         config.shutdown_grace(),
         drained,
     )
     .await?;
     tracing::info!("stopped");
+    Ok(())
+}
+
+/// Refuses to serve a non-loopback address without auth unless the operator said so.
+fn check_exposure(config: &Config, auth: bool) -> anyhow::Result<()> {
+    let addr = config.server.listen.ip();
+    if auth || addr.is_loopback() {
+        return Ok(());
+    }
+    if !config.server.insecure_no_auth {
+        anyhow::bail!(
+            "refusing to listen on {addr} without auth: anyone who reaches it could run commands. \
+             Configure tokens (`auth:`, MCP_RUN_AUTH_TOKENS), listen on a loopback address, or pass \
+             --insecure-no-auth (`server.insecure_no_auth: true`) if something else guards the port"
+        );
+    }
+    tracing::warn!(
+        %addr,
+        "listening on a non-loopback address WITHOUT auth (--insecure-no-auth): anyone who can reach this port can run commands"
+    );
     Ok(())
 }
 
@@ -410,6 +456,9 @@ pub fn build_runner(
     } else {
         None
     };
+    if let Some(r) = &redactor {
+        crate::redact::redact_logs(r.clone());
+    }
     Ok(Runner::new(executor, config.limits.clone())
         .with_workspaces(workspaces)
         .with_metrics(metrics)

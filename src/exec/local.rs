@@ -20,7 +20,7 @@ use tokio::process::{Child, ChildStdin, Command};
 use tokio::sync::mpsc;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
-use super::{EVENT_BUFFER, ExecSpec, Execution, Executor, StartOptions, forward, read_opt};
+use super::{EVENT_BUFFER, ExecSpec, Execution, Executor, StartOptions, read_opt};
 use crate::contract::{ErrorBody, ErrorCode, Event, ExitInfo, RunContext};
 
 /// The local backend's section of the configuration (`local:`).
@@ -66,10 +66,17 @@ const PIPE_SIZE: nix::libc::c_int = 1024 * 1024;
 /// After the main process exited, how long to wait for its pipes to close.
 const DRAIN_GRACE: Duration = Duration::from_secs(2);
 
+pub use super::reaper::{RUN_TAG_VAR, kill_tagged};
+
 /// Runs commands as local child processes.
 pub struct LocalExecutor {
     base_env: Vec<(String, String)>,
+    /// The gateway's own `PATH`: bare executable names are looked up there, never in the
+    /// request's `PATH` (which would let a request pick what an allowed name runs).
+    path: Option<std::ffi::OsString>,
     host: String,
+    /// Kills what commands left behind if the gateway dies without cleaning up.
+    _reaper: Option<super::reaper::Reaper>,
     /// Profile names requests may give. Profiles describe pods; here they only select the
     /// policy's per-profile overrides.
     profiles: Vec<String>,
@@ -90,6 +97,8 @@ impl LocalExecutor {
             .unwrap_or_else(|| "localhost".into());
         Self {
             base_env,
+            path: std::env::var_os("PATH"),
+            _reaper: None,
             host,
             profiles: vec!["default".into()],
             workspace_dir: std::env::temp_dir(),
@@ -125,6 +134,19 @@ impl LocalExecutor {
             )
         })?);
         self.spawn(&spec, cancel, stdin, Some(tree))
+    }
+
+    /// Starts the reaper process ([`super::reaper`]) so that descendants of commands die
+    /// even when the gateway is SIGKILLed; without it (it could not start) only the direct
+    /// children do.
+    pub fn with_reaper(mut self) -> Self {
+        match super::reaper::spawn() {
+            Ok(r) => self._reaper = Some(r),
+            Err(e) => tracing::warn!(
+                "cannot start the reaper process ({e}): if the gateway is killed, processes that commands started in the background may survive it"
+            ),
+        }
+        self
     }
 
     /// Accepts these profile names (the configuration's `profiles`) besides `default`.
@@ -170,11 +192,28 @@ impl LocalExecutor {
                 ));
             }
         }
-        let mut cmd = Command::new(&spec.executable);
-        cmd.args(&spec.args)
+        let program = if spec.executable.contains('/') {
+            std::path::PathBuf::from(&spec.executable)
+        } else {
+            match lookup(&spec.executable, self.path.as_deref()) {
+                Some(p) => p,
+                None => {
+                    return Ok(Execution::finished(
+                        self.context(None),
+                        format!("mcp-run: {}: command not found\n", spec.executable),
+                        127,
+                    ));
+                }
+            }
+        };
+        let tag = next_tag();
+        let mut cmd = Command::new(&program);
+        cmd.arg0(&spec.executable)
+            .args(&spec.args)
             .env_clear()
             .envs(self.base_env.iter().map(|(k, v)| (k, v)))
             .envs(&spec.env)
+            .env(RUN_TAG_VAR, &tag)
             .stdin(if stdin.is_some() {
                 Stdio::piped()
             } else {
@@ -187,6 +226,19 @@ impl LocalExecutor {
         if let Some(cwd) = &spec.cwd {
             cmd.current_dir(cwd);
         }
+        let gateway = nix::unistd::getpid();
+        // SAFETY: only async-signal-safe calls (prctl, getppid) between fork and exec.
+        unsafe {
+            cmd.pre_exec(move || {
+                // The command dies with the gateway, even on SIGKILL (no cleanup runs then).
+                nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
+                if nix::unistd::getppid() != gateway {
+                    // The gateway died before the line above: nobody would kill us.
+                    return Err(std::io::Error::other("the gateway is gone"));
+                }
+                Ok(())
+            });
+        }
         let mut child = match cmd.spawn() {
             Ok(child) => child,
             Err(e) => {
@@ -198,6 +250,12 @@ impl LocalExecutor {
                     }
                     _ if e.raw_os_error() == Some(nix::libc::EISDIR) => {
                         (126, "is a directory".to_owned())
+                    }
+                    _ if e.raw_os_error() == Some(nix::libc::E2BIG) => {
+                        return Err(ErrorBody::new(
+                            ErrorCode::PayloadTooLarge,
+                            "the arguments and environment are over the operating system's limit (E2BIG)",
+                        ));
                     }
                     _ => {
                         return Err(ErrorBody::new(
@@ -229,7 +287,7 @@ impl LocalExecutor {
         if let (Some(pipe), Some(input)) = (child.stdin.take(), stdin) {
             tokio::spawn(feed_stdin(pipe, input, fed.clone()));
         }
-        tokio::spawn(supervise(child, tx, cancel.clone(), fed.drop_guard()));
+        tokio::spawn(supervise(child, tx, cancel.clone(), fed.drop_guard(), tag));
         let mut context = self.context(pid);
         let rx = match tree {
             Some(tree) => {
@@ -247,6 +305,70 @@ impl LocalExecutor {
 /// user's pipe quota).
 fn enlarge_pipe(pipe: &impl std::os::fd::AsFd) {
     let _ = nix::fcntl::fcntl(pipe, nix::fcntl::FcntlArg::F_SETPIPE_SZ(PIPE_SIZE));
+}
+
+/// Linux's limit on one argument or environment string (`MAX_ARG_STRLEN`, 32 pages).
+const MAX_ARG_STRLEN: usize = 32 * 4096;
+
+impl LocalExecutor {
+    /// What `execve` would refuse with E2BIG, refused before anything starts: one string over
+    /// [`MAX_ARG_STRLEN`] (400), or argv and environment together over `ARG_MAX` (413).
+    fn check_exec_size(&self, spec: &ExecSpec) -> Result<(), ErrorBody> {
+        let args = std::iter::once(&spec.executable).chain(&spec.args);
+        if let Some((i, a)) = args
+            .clone()
+            .enumerate()
+            .find(|(_, a)| a.len() + 1 > MAX_ARG_STRLEN)
+        {
+            let which = if i == 0 {
+                "executable".to_owned()
+            } else {
+                format!("args[{}]", i - 1)
+            };
+            return Err(ErrorBody::new(
+                ErrorCode::InvalidRequest,
+                format!(
+                    "{which} is {} bytes, over the operating system's limit of {} bytes for one argument",
+                    a.len(),
+                    MAX_ARG_STRLEN - 1
+                ),
+            ));
+        }
+        let env = self.base_env.iter().map(|(k, v)| (k, v)).chain(&spec.env);
+        if let Some((k, _)) = env
+            .clone()
+            .find(|(k, v)| k.len() + v.len() + 2 > MAX_ARG_STRLEN)
+        {
+            return Err(ErrorBody::new(
+                ErrorCode::InvalidRequest,
+                format!(
+                    "environment variable {k} is over the operating system's limit of {} bytes for one variable",
+                    MAX_ARG_STRLEN - 1
+                ),
+            ));
+        }
+        // What the kernel counts: each string with its NUL, and a pointer to each.
+        let ptr = std::mem::size_of::<usize>();
+        let total: usize = args.map(|a| a.len() + 1 + ptr).sum::<usize>()
+            + env.map(|(k, v)| k.len() + v.len() + 2 + ptr).sum::<usize>()
+            + RUN_TAG_VAR.len()
+            + 32
+            + ptr;
+        // SAFETY: sysconf has no preconditions.
+        let arg_max = unsafe { nix::libc::sysconf(nix::libc::_SC_ARG_MAX) };
+        let arg_max = usize::try_from(arg_max)
+            .unwrap_or(128 * 1024)
+            .max(128 * 1024);
+        if total > arg_max {
+            return Err(ErrorBody::new(
+                ErrorCode::PayloadTooLarge,
+                format!(
+                    "the arguments and environment take {total} bytes, over the operating system's limit of {arg_max} (ARG_MAX)"
+                ),
+            ));
+        }
+        Ok(())
+    }
 }
 
 fn io_reason(e: &std::io::Error) -> String {
@@ -283,6 +405,7 @@ impl Executor for LocalExecutor {
 
     /// Profiles are the configured names (`default` always).
     fn check(&self, spec: &ExecSpec) -> Result<(), ErrorBody> {
+        self.check_exec_size(spec)?;
         match spec.profile.as_deref() {
             None => Ok(()),
             Some(p) if self.profiles.iter().any(|n| n == p) => Ok(()),
@@ -320,6 +443,24 @@ impl Executor for LocalExecutor {
     }
 }
 
+/// Looks a bare program name up in `path` (the gateway's `PATH`), as `execvp` would.
+fn lookup(name: &str, path: Option<&std::ffi::OsStr>) -> Option<std::path::PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    std::env::split_paths(path?)
+        .filter(|dir| !dir.as_os_str().is_empty())
+        .map(|dir| dir.join(name))
+        .find(|p| {
+            std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        })
+}
+
+/// A tag unique to one command of this gateway: `GATEWAY_PID.N`.
+fn next_tag() -> String {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!("{}.{n}", std::process::id())
+}
+
 /// Kills the whole process group of a command; it is gone already when this fails.
 fn kill_group(pgid: Option<u32>) {
     if let Some(pid) = pgid.and_then(|p| i32::try_from(p).ok()) {
@@ -351,13 +492,49 @@ async fn feed_stdin(
     }
 }
 
+/// Kills a command's group and whatever escaped it, off the async threads.
+fn kill_all(pgid: Option<u32>, tag: &str) {
+    kill_group(pgid);
+    let tag = tag.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let n = kill_tagged(&tag, true);
+        if n > 0 {
+            tracing::debug!(
+                killed = n,
+                "killed processes that had left the command's group"
+            );
+        }
+    });
+}
+
+/// One read from a pipe as an event; `None` at EOF or on error (the pipe is then closed).
+fn chunk<R>(
+    n: std::io::Result<usize>,
+    pipe: &mut Option<R>,
+    buf: &mut BytesMut,
+    make: impl FnOnce(bytes::Bytes) -> Event,
+) -> Option<Event> {
+    match n {
+        Ok(0) | Err(_) => {
+            *pipe = None;
+            None
+        }
+        Ok(_) => Some(make(buf.split().freeze())),
+    }
+}
+
 /// Reads both pipes into the event channel until the command ended and its pipes closed,
 /// then reports the exit. Owns the child, so the child is always reaped.
+///
+/// At most one event waits for the consumer, and waiting for it is one branch of the loop
+/// among the others: a consumer that stops reading holds the pipes (back-pressure) but never
+/// keeps the kill, the reaping or the exit from happening.
 async fn supervise(
     mut child: Child,
     tx: mpsc::Sender<Event>,
     cancel: CancellationToken,
     _stdin_stop: DropGuard,
+    tag: String,
 ) {
     let started = Instant::now();
     let pgid = child.id();
@@ -365,38 +542,54 @@ async fn supervise(
     let mut stderr = child.stderr.take();
     let mut out_buf = BytesMut::new();
     let mut err_buf = BytesMut::new();
+    let mut pending: Option<Event> = None;
+    let mut gone = false;
     let mut status = None;
     let mut duration = Duration::ZERO;
     let mut killed = false;
     let drain_deadline = tokio::time::sleep(Duration::MAX / 4);
     tokio::pin!(drain_deadline);
 
-    while status.is_none() || stdout.is_some() || stderr.is_some() {
+    while status.is_none() || stdout.is_some() || stderr.is_some() || pending.is_some() {
         tokio::select! {
             _ = cancel.cancelled(), if !killed => {
-                kill_group(pgid);
+                kill_all(pgid, &tag);
                 killed = true;
             }
-            n = read_opt(&mut stdout, &mut out_buf) => {
-                if !forward(n, &mut stdout, &mut out_buf, &tx, |data| Event::Stdout { data }).await {
-                    cancel.cancel();
+            permit = tx.reserve(), if pending.is_some() => {
+                match permit {
+                    Ok(permit) => {
+                        if let Some(event) = pending.take() {
+                            permit.send(event);
+                        }
+                        if status.is_some() {
+                            drain_deadline.as_mut().reset(tokio::time::Instant::now() + DRAIN_GRACE);
+                        }
+                    }
+                    Err(_) => {
+                        // The consumer is gone: kill, and drop the output from now on.
+                        pending = None;
+                        gone = true;
+                        cancel.cancel();
+                    }
                 }
             }
-            n = read_opt(&mut stderr, &mut err_buf) => {
-                if !forward(n, &mut stderr, &mut err_buf, &tx, |data| Event::Stderr { data }).await {
-                    cancel.cancel();
-                }
+            n = read_opt(&mut stdout, &mut out_buf), if pending.is_none() => {
+                pending = chunk(n, &mut stdout, &mut out_buf, |data| Event::Stdout { data }).filter(|_| !gone);
+            }
+            n = read_opt(&mut stderr, &mut err_buf), if pending.is_none() => {
+                pending = chunk(n, &mut stderr, &mut err_buf, |data| Event::Stderr { data }).filter(|_| !gone);
             }
             s = child.wait(), if status.is_none() => {
                 duration = started.elapsed();
                 status = Some(s);
-                // Whatever the command left running in its group goes with it: nothing is
-                // orphaned, and its pipes close so that the drain below ends.
-                kill_group(pgid);
+                // Whatever the command left running goes with it: nothing is orphaned, and
+                // its pipes close so that the drain below ends.
+                kill_all(pgid, &tag);
                 drain_deadline.as_mut().reset(tokio::time::Instant::now() + DRAIN_GRACE);
             }
-            _ = &mut drain_deadline, if status.is_some() => {
-                // A process that left the group still holds a pipe: stop reading.
+            _ = &mut drain_deadline, if status.is_some() && pending.is_none() => {
+                // A process that escaped the kill still holds a pipe: stop reading.
                 break;
             }
         }
@@ -472,7 +665,12 @@ mod tests {
         let (_, err, info) = run(s).await;
         assert_eq!(info.code, Some(125));
         assert!(String::from_utf8_lossy(&err).contains("/nonexistent/dir"));
-        let (_, _, info) = run(spec("/etc/hostname", &[])).await;
+        // A file without execute permission (not /etc/hostname: some systems mark it
+        // executable, and then it runs as a script, as with env(1)).
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("data");
+        std::fs::write(&file, "x\n").unwrap();
+        let (_, _, info) = run(spec(file.to_str().unwrap(), &[])).await;
         assert_eq!(info.code, Some(126));
     }
 

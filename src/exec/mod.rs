@@ -15,6 +15,7 @@
 
 pub mod kube;
 pub mod local;
+pub mod reaper;
 pub mod remote;
 
 use std::collections::BTreeMap;
@@ -170,7 +171,9 @@ pub struct Execution {
     events: mpsc::Receiver<Event>,
     cancel: CancellationToken,
     _cancel_on_drop: DropGuard,
-    deadline: Option<Pin<Box<Sleep>>>,
+    /// Fired by the timeout's watchdog task, which kills the command whether or not anyone
+    /// polls this execution (a client that stopped reading must not stop the timeout).
+    timeout_fired: Option<CancellationToken>,
     /// After the timeout fired, how long to wait for the backend's `exit` before giving up.
     kill_grace: Option<Pin<Box<Sleep>>>,
     timed_out: bool,
@@ -214,7 +217,7 @@ impl Execution {
             events,
             _cancel_on_drop: cancel.clone().drop_guard(),
             cancel,
-            deadline: None,
+            timeout_fired: None,
             kill_grace: None,
             timed_out: false,
             finished: false,
@@ -246,8 +249,35 @@ impl Execution {
     }
 
     /// Kills the command after `timeout`; its `exit` event then says `timed_out: true`.
+    /// A task watches the clock, so the kill happens even while nobody reads the events.
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
-        self.deadline = Some(Box::pin(tokio::time::sleep(timeout)));
+        let fired = CancellationToken::new();
+        let cancel = self.cancel.clone();
+        let watchdog = fired.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = tokio::time::sleep(timeout) => {
+                    tracing::debug!("timeout reached, killing the command");
+                    watchdog.cancel();
+                    cancel.cancel();
+                }
+                // Ended, dropped or killed otherwise: nothing left to time.
+                _ = cancel.cancelled() => {}
+            }
+        });
+        self.timeout_fired = Some(fired);
+        self
+    }
+
+    /// Keeps `guard` until the command is killed (timeout, shutdown, client gone) or the
+    /// execution is dropped, whichever comes first: a concurrency slot is given back when the
+    /// command is gone even if a stalled client still holds the stream.
+    pub fn hold_while_running(self, guard: impl Send + 'static) -> Self {
+        let cancel = self.cancel.clone();
+        tokio::spawn(async move {
+            cancel.cancelled().await;
+            drop(guard);
+        });
         self
     }
 
@@ -327,7 +357,9 @@ impl Execution {
                 ev = self.events.recv() => {
                     let ev = match ev {
                         Some(Event::Exit(mut info)) => {
-                            info.timed_out |= self.timed_out;
+                            // The watchdog marks the timeout before it kills.
+                            info.timed_out |= self.timed_out
+                                || self.timeout_fired.as_ref().is_some_and(|t| t.is_cancelled());
                             Event::Exit(info)
                         }
                         Some(ev) => ev,
@@ -339,8 +371,7 @@ impl Execution {
                     self.finished = ev.is_terminal();
                     return Some(ev);
                 }
-                _ = sleep_opt(&mut self.deadline), if !self.timed_out => {
-                    tracing::debug!("timeout reached, killing the command");
+                _ = fired_opt(&self.timeout_fired), if !self.timed_out => {
                     self.timed_out = true;
                     self.kill_grace = Some(Box::pin(tokio::time::sleep(KILL_GRACE)));
                     self.cancel.cancel();
@@ -367,6 +398,14 @@ async fn sleep_opt(timer: &mut Option<Pin<Box<Sleep>>>) {
     }
 }
 
+/// Waits for an optional token; an absent token never fires.
+async fn fired_opt(token: &Option<CancellationToken>) {
+    match token {
+        Some(t) => t.cancelled().await,
+        None => std::future::pending().await,
+    }
+}
+
 /// Reads one chunk from a pipe, or waits forever when the pipe is closed already.
 pub(crate) async fn read_opt<R: AsyncRead + Unpin>(
     pipe: &mut Option<R>,
@@ -382,12 +421,15 @@ pub(crate) async fn read_opt<R: AsyncRead + Unpin>(
 }
 
 /// Sends what was read; closes the pipe at EOF or on error. Returns false when the
-/// consumer is gone.
+/// consumer is gone. Waiting for a consumer that does not read ends when `cancel` fires
+/// (the chunk is then dropped: the command is being killed and its output abandoned), so
+/// that a stalled client cannot keep the kill from happening.
 pub(crate) async fn forward<R>(
     n: std::io::Result<usize>,
     pipe: &mut Option<R>,
     buf: &mut BytesMut,
     tx: &mpsc::Sender<Event>,
+    cancel: &CancellationToken,
     make: impl FnOnce(bytes::Bytes) -> Event,
 ) -> bool {
     match n {
@@ -395,7 +437,14 @@ pub(crate) async fn forward<R>(
             *pipe = None;
             true
         }
-        Ok(_) => tx.send(make(buf.split().freeze())).await.is_ok(),
+        Ok(_) => {
+            let event = make(buf.split().freeze());
+            tokio::select! {
+                biased;
+                sent = tx.send(event) => sent.is_ok(),
+                _ = cancel.cancelled() => true,
+            }
+        }
     }
 }
 

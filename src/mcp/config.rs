@@ -25,9 +25,16 @@ pub struct McpConfig {
     pub max_stdin_bytes: usize,
     /// Where and for how long full outputs are kept.
     pub output_store: OutputStoreConfig,
-    /// `Host` headers `/mcp` accepts (DNS-rebinding protection for gateways on a
-    /// workstation); an empty list accepts any host, for a gateway behind a Service.
-    pub allowed_hosts: Vec<String>,
+    /// Deprecated alias of `server.allowed_hosts` (which covers every endpoint since);
+    /// `[]` means any host. Moved there when the file is loaded.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub allowed_hosts: Option<Vec<String>>,
+    /// Open sessions of `/mcp` at most; an `initialize` over it gets 429.
+    pub max_sessions: usize,
+    /// Open sessions per client (token name, else address) at most.
+    pub max_sessions_per_client: usize,
+    /// A session that sees no request for this many seconds is closed.
+    pub session_idle_secs: u64,
 }
 
 /// The store of full outputs (`mcp-run://runs/{id}/{stream}`).
@@ -62,7 +69,10 @@ impl Default for McpConfig {
             max_result_chars: 200_000,
             max_stdin_bytes: 1 << 20,
             output_store: OutputStoreConfig::default(),
-            allowed_hosts: vec!["localhost".into(), "127.0.0.1".into(), "::1".into()],
+            allowed_hosts: None,
+            max_sessions: 256,
+            max_sessions_per_client: 16,
+            session_idle_secs: 120,
         }
     }
 }
@@ -70,6 +80,18 @@ impl Default for McpConfig {
 impl McpConfig {
     /// Checks the section; errors name the field (under `mcp.`) and what is wrong.
     pub fn validate(&self) -> Result<(), (&'static str, String)> {
+        for (field, v) in [
+            ("mcp.max_sessions", self.max_sessions as u64),
+            (
+                "mcp.max_sessions_per_client",
+                self.max_sessions_per_client as u64,
+            ),
+            ("mcp.session_idle_secs", self.session_idle_secs),
+        ] {
+            if v == 0 {
+                return Err((field, "must be at least 1".into()));
+            }
+        }
         if self.max_output_bytes < 1024 {
             return Err(("mcp.max_output_bytes", "must be at least 1024".into()));
         }

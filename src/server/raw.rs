@@ -45,6 +45,7 @@ pub struct HeadLimit(pub usize);
 pub(super) async fn raw(
     State(state): State<AppState>,
     caller: Option<axum::Extension<Caller>>,
+    peer_closed: Option<axum::Extension<crate::connections::PeerClosed>>,
     axum::Extension(HeadLimit(head_limit)): axum::Extension<HeadLimit>,
     request: Request,
 ) -> Response {
@@ -59,16 +60,22 @@ pub(super) async fn raw(
     };
     let (req, stdin) = match parsed {
         Ok(p) => p,
-        Err(e) => {
+        Err(mut e) => {
+            // serde's messages quote the offending value.
+            if let Some(r) = state.runner.redactor() {
+                e.message = r.redact_str(&e.message);
+            }
             state.runner.metrics().rejected(e.code);
             return e.into_response();
         }
     };
-    // Logged below: secrets in the command line are redacted like the output.
-    let command = match state.runner.redactor() {
-        Some(r) => r.redact_str(&req.command_line()),
-        None => req.command_line(),
-    };
+    // Logged below: secrets in the command line are redacted like the output, and a huge
+    // command line is cut.
+    let command = crate::audit::argv_json(
+        &req.executable,
+        &req.args,
+        state.runner.redactor().map(|r| r.as_ref()),
+    );
     // Dropped with the response (or here, when the start fails): ends the stdin pump.
     let (stdin_rx, stdin_guard) = match stdin {
         Some(s) => (Some(s.rx), Some(s.guard)),
@@ -109,11 +116,19 @@ pub(super) async fn raw(
             Stage::Phase(phase, start, phases)
         }
     };
+    // Watched while the stream lives: the client's EOF starts probing (see `Run::step`).
+    let streaming = CancellationToken::new();
+    let peer = peer_closed
+        .and_then(|p| p.0.watch(streaming.clone()))
+        .unwrap_or_default();
     let run = Run {
         stage,
         keepalive: state.keepalive,
         stdin: stdin_guard,
         command,
+        peer,
+        probing: false,
+        _watching: streaming.drop_guard(),
     };
     let mut resp = Response::new(Body::from_stream(events(run)));
     let h = resp.headers_mut();
@@ -352,7 +367,16 @@ struct Run {
     keepalive: Duration,
     stdin: Option<StdinGuard>,
     command: String,
+    /// Cancelled at the client's EOF (a half-close, or a client that is gone).
+    peer: CancellationToken,
+    /// After that EOF, short keep-alives find out which: writing to a gone client fails at once.
+    probing: bool,
+    /// Ends the EOF watcher with the stream.
+    _watching: DropGuard,
 }
+
+/// How often a stream whose client sent EOF is probed with a keep-alive.
+const CLOSED_PEER_PROBE: Duration = Duration::from_millis(200);
 
 /// The NDJSON body of a run: phases (with progress), `started`, output, keep-alives while
 /// silent, one terminal event. The execution lives inside the stream, so a client that goes
@@ -418,6 +442,11 @@ impl Run {
                     return Some(event.to_line());
                 }
                 Stage::Running(mut execution) => {
+                    let wait = if self.probing {
+                        CLOSED_PEER_PROBE
+                    } else {
+                        self.keepalive
+                    };
                     let abort = self.stdin.as_mut().and_then(|s| s.abort.as_mut());
                     let event = tokio::select! {
                         biased;
@@ -436,7 +465,12 @@ impl Run {
                                 continue;
                             }
                         },
-                        next = tokio::time::timeout(self.keepalive, execution.next()) => match next {
+                        () = self.peer.cancelled(), if !self.probing => {
+                            self.probing = true;
+                            self.stage = Stage::Running(execution);
+                            Event::Keepalive
+                        }
+                        next = tokio::time::timeout(wait, execution.next()) => match next {
                             Ok(Some(event)) => {
                                 if !event.is_terminal() {
                                     self.stage = Stage::Running(execution);
@@ -489,6 +523,9 @@ mod tests {
             keepalive: Duration::from_secs(60),
             stdin: None,
             command: "x".into(),
+            peer: CancellationToken::new(),
+            probing: false,
+            _watching: CancellationToken::new().drop_guard(),
         }
     }
 

@@ -5,6 +5,7 @@
 #![allow(dead_code)]
 
 pub mod suite;
+pub mod wire;
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;

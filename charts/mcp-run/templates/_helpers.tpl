@@ -76,6 +76,19 @@ app.kubernetes.io/managed-by: mcp-run
 {{- define "mcp-run.config" -}}
 {{- $cfg := deepCopy .Values.config }}
 {{- $server := merge (dict "listen" (printf "0.0.0.0:%d" (int .Values.containerPort)) "backend" "kube") (default dict $cfg.server) }}
+{{- /* The gateway answers only to the names it is reached by (DNS-rebinding protection): the
+     Service's names, and loopback for port-forwards; config.server.allowed_hosts replaces
+     the list (add an ingress host there, or `*`). */}}
+{{- if not (hasKey $server "allowed_hosts") }}
+{{- $svc := include "mcp-run.fullname" . }}
+{{- $ns := .Release.Namespace }}
+{{- $_ := set $server "allowed_hosts" (list $svc (printf "%s.%s" $svc $ns) (printf "%s.%s.svc" $svc $ns) (printf "%s.%s.svc.cluster.local" $svc $ns) "localhost" "127.0.0.1" "::1") }}
+{{- end }}
+{{- /* Without tokens the gateway refuses a non-loopback listener unless told: with
+     auth.enabled false the chart says so (NetworkPolicies are then the only guard). */}}
+{{- if not .Values.auth.enabled }}
+{{- $_ := set $server "insecure_no_auth" true }}
+{{- end }}
 {{- $kube := merge (dict "namespace" (include "mcp-run.runnerNamespace" .) "instance" .Release.Name) (default dict $cfg.kubernetes) }}
 {{- $_ := set $cfg "server" $server }}
 {{- $_ := set $cfg "kubernetes" $kube }}

@@ -59,7 +59,7 @@ pub(super) async fn supervise(
             }
             n = read_opt(&mut stdout, &mut out_buf) => {
                 mark_first(&mut first_byte, &mut guard);
-                if !forward(n, &mut stdout, &mut out_buf, &tx, |data| Event::Stdout { data }).await {
+                if !forward(n, &mut stdout, &mut out_buf, &tx, &cancel, |data| Event::Stdout { data }).await {
                     cancel.cancel();
                 }
                 if status.is_some() {
@@ -68,7 +68,7 @@ pub(super) async fn supervise(
             }
             n = read_opt(&mut stderr, &mut err_buf) => {
                 mark_first(&mut first_byte, &mut guard);
-                if !forward(n, &mut stderr, &mut err_buf, &tx, |data| Event::Stderr { data }).await {
+                if !forward(n, &mut stderr, &mut err_buf, &tx, &cancel, |data| Event::Stderr { data }).await {
                     cancel.cancel();
                 }
                 if status.is_some() {

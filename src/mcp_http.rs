@@ -1,0 +1,267 @@
+//! What `/mcp` needs around rmcp's streamable-HTTP service, whatever the client does:
+//! - a body that is not JSON gets a JSON-RPC parse error (-32700), a JSON value that is not
+//!   a request object or batch an invalid-request error (-32600), not rmcp's plain text;
+//! - a request that reuses the id of one still running in the same session is refused
+//!   (409, JSON-RPC -32600) instead of leaving both waiting;
+//! - sessions are bounded: in total and per client (address, or token name), so that a
+//!   flood of `initialize` cannot take the gateway's memory;
+//! - every other error rmcp answers in plain text becomes the gateway's JSON error body.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use futures_util::StreamExt;
+use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
+
+use crate::contract::{ErrorBody, ErrorCode};
+
+/// The header that names an MCP session.
+const SESSION_HEADER: &str = "mcp-session-id";
+
+/// The state of the `/mcp` guard.
+pub struct McpGuard {
+    sessions: Arc<LocalSessionManager>,
+    max_sessions: usize,
+    max_per_client: usize,
+    max_body_bytes: usize,
+    /// `(session, id)` of requests being answered.
+    in_flight: Mutex<HashSet<(String, String)>>,
+    /// Session ids by client, pruned of ended sessions when the client opens another.
+    by_client: tokio::sync::Mutex<HashMap<String, Vec<String>>>,
+}
+
+impl McpGuard {
+    pub fn new(
+        sessions: Arc<LocalSessionManager>,
+        max_sessions: usize,
+        max_per_client: usize,
+        max_body_bytes: usize,
+    ) -> Self {
+        Self {
+            sessions,
+            max_sessions,
+            max_per_client,
+            max_body_bytes,
+            in_flight: Mutex::default(),
+            by_client: tokio::sync::Mutex::default(),
+        }
+    }
+}
+
+/// A JSON-RPC error answer (no result), with an HTTP status.
+fn rpc_error(status: StatusCode, id: serde_json::Value, code: i64, message: &str) -> Response {
+    let body = serde_json::json!({
+        "jsonrpc": "2.0",
+        "id": id,
+        "error": {"code": code, "message": message},
+    });
+    (status, axum::Json(body)).into_response()
+}
+
+/// Removes `(session, id)` from the in-flight set when the answer is over (or dropped).
+struct InFlight(Arc<McpGuard>, (String, String));
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if let Ok(mut set) = self.0.in_flight.lock() {
+            set.remove(&self.1);
+        }
+    }
+}
+
+/// The middleware in front of rmcp's service.
+pub async fn middleware(State(guard): State<Arc<McpGuard>>, req: Request, next: Next) -> Response {
+    if req.method() != axum::http::Method::POST {
+        return json_errors(next.run(req).await).await;
+    }
+    let (parts, body) = req.into_parts();
+    let bytes = match axum::body::to_bytes(body, guard.max_body_bytes).await {
+        Ok(b) => b,
+        Err(_) => {
+            return ErrorBody::new(
+                ErrorCode::PayloadTooLarge,
+                "the request body is larger than the server accepts, or did not arrive",
+            )
+            .into_response();
+        }
+    };
+    let message: serde_json::Value = match serde_json::from_slice(&bytes) {
+        Ok(v) => v,
+        Err(e) => {
+            return rpc_error(
+                StatusCode::BAD_REQUEST,
+                serde_json::Value::Null,
+                -32700,
+                &format!("Parse error: the body is not JSON ({e})"),
+            );
+        }
+    };
+    if !(message.is_object() || message.is_array()) {
+        return rpc_error(
+            StatusCode::BAD_REQUEST,
+            serde_json::Value::Null,
+            -32600,
+            "Invalid Request: a JSON-RPC message is an object",
+        );
+    }
+    let session = parts
+        .headers
+        .get(SESSION_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let is_request = message.get("method").is_some();
+    let mut hold = None;
+    match (&session, message.get("id")) {
+        (Some(session), Some(id)) if is_request => {
+            let key = (session.clone(), id.to_string());
+            let fresh = guard
+                .in_flight
+                .lock()
+                .map(|mut set| set.insert(key.clone()))
+                .unwrap_or(true);
+            if !fresh {
+                return rpc_error(
+                    StatusCode::CONFLICT,
+                    id.clone(),
+                    -32600,
+                    "Invalid Request: a request with this id is still being answered in this session; use a new id",
+                );
+            }
+            hold = Some(InFlight(guard.clone(), key));
+        }
+        (None, _) if message.get("method").and_then(|m| m.as_str()) == Some("initialize") => {
+            if let Some(refusal) = admit_session(&guard, &parts).await {
+                return refusal;
+            }
+        }
+        _ => {}
+    }
+    let client = client_key(&parts);
+    let resp = next
+        .run(Request::from_parts(parts, Body::from(bytes)))
+        .await;
+    if session.is_none()
+        && let Some(id) = resp
+            .headers()
+            .get(SESSION_HEADER)
+            .and_then(|v| v.to_str().ok())
+    {
+        guard
+            .by_client
+            .lock()
+            .await
+            .entry(client)
+            .or_default()
+            .push(id.to_owned());
+    }
+    let resp = json_errors(resp).await;
+    match hold {
+        None => resp,
+        Some(hold) => {
+            let (parts, body) = resp.into_parts();
+            let stream = body.into_data_stream().map(move |chunk| {
+                let _ = &hold;
+                chunk
+            });
+            Response::from_parts(parts, Body::from_stream(stream))
+        }
+    }
+}
+
+/// The rate-limit style key of a client: its token name, else its address.
+fn client_key(parts: &axum::http::request::Parts) -> String {
+    parts
+        .extensions
+        .get::<crate::auth::Caller>()
+        .map(|c| c.describe())
+        .unwrap_or_default()
+}
+
+/// Refuses a new session over the total or the client's cap.
+async fn admit_session(guard: &McpGuard, parts: &axum::http::request::Parts) -> Option<Response> {
+    let live = guard.sessions.sessions.read().await;
+    if live.len() >= guard.max_sessions {
+        return Some(
+            ErrorBody::new(
+                ErrorCode::TooManyRequests,
+                format!(
+                    "{} MCP sessions are open, the gateway's maximum (mcp.max_sessions); retry later",
+                    live.len()
+                ),
+            )
+            .retry_after(5)
+            .into_response(),
+        );
+    }
+    let mut by_client = guard.by_client.lock().await;
+    let mine = by_client.entry(client_key(parts)).or_default();
+    mine.retain(|id| live.keys().any(|k| k.as_ref() == id.as_str()));
+    if mine.len() >= guard.max_per_client {
+        return Some(
+            ErrorBody::new(
+                ErrorCode::TooManyRequests,
+                format!(
+                    "this client has {} MCP sessions open, the maximum per client (mcp.max_sessions_per_client); close one (DELETE /mcp) or retry later",
+                    mine.len()
+                ),
+            )
+            .retry_after(5)
+            .into_response(),
+        );
+    }
+    by_client.retain(|_, ids| !ids.is_empty());
+    None
+}
+
+/// rmcp answers some errors in plain text: those become the gateway's JSON error body.
+async fn json_errors(resp: Response) -> Response {
+    let status = resp.status();
+    let is_json = resp
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.contains("json"));
+    if status.as_u16() < 400 || is_json {
+        return resp;
+    }
+    let (parts, body) = resp.into_parts();
+    let text = axum::body::to_bytes(body, 64 * 1024)
+        .await
+        .unwrap_or_else(|_| Bytes::new());
+    let code = match status.as_u16() {
+        401 => ErrorCode::Unauthorized,
+        403 => ErrorCode::ForbiddenHost,
+        404 => ErrorCode::NotFound,
+        405 => ErrorCode::MethodNotAllowed,
+        413 => ErrorCode::PayloadTooLarge,
+        415 => ErrorCode::UnsupportedMediaType,
+        429 => ErrorCode::TooManyRequests,
+        s if s < 500 => ErrorCode::InvalidRequest,
+        _ => ErrorCode::Internal,
+    };
+    let message = String::from_utf8_lossy(&text).trim().to_owned();
+    let message = if message.is_empty() {
+        status.canonical_reason().unwrap_or("error").to_owned()
+    } else {
+        message
+    };
+    let body = crate::contract::ErrorResponse {
+        error: ErrorBody::new(code, message),
+    };
+    let mut out = (status, axum::Json(body)).into_response();
+    for (name, value) in parts.headers.iter() {
+        if name != header::CONTENT_TYPE && name != header::CONTENT_LENGTH {
+            out.headers_mut().insert(name.clone(), value.clone());
+        }
+    }
+    out.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    out
+}

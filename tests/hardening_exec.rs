@@ -1,0 +1,234 @@
+//! Issue 15, through the real binary: executions whose limits hold whatever the client does
+//! (stalled readers) and that nothing outlives (timeouts, gateway death), and allow lists
+//! that the request's environment cannot walk around.
+
+mod support;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use support::wire::{self, exchange, post_raw};
+use support::{Gateway, config_file, pid_alive, wait_until};
+
+/// The NDJSON events of a whole `/raw` answer.
+fn events(a: &wire::Answer) -> Vec<Value> {
+    assert_eq!(a.status, 200, "{}", a.text());
+    a.body
+        .split(|&b| b == b'\n')
+        .filter(|l| !l.is_empty())
+        .map(|l| serde_json::from_slice(l).expect("event"))
+        .collect()
+}
+
+fn stdout_of(evs: &[Value]) -> String {
+    let mut out = Vec::new();
+    for e in evs {
+        if let Ok(mcp_run::contract::Event::Stdout { data }) = serde_json::from_value(e.clone()) {
+            out.extend_from_slice(&data);
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn run(gw: &Gateway, body: Value) -> Vec<Value> {
+    events(&exchange(gw, &post_raw(&wire::addr(gw), &body.to_string())))
+}
+
+/// Starts a run and reads its answer only up to the `started` event (the pid), then stops
+/// reading: a client that stalls, with its socket open.
+fn start_and_stall(gw: &Gateway, body: Value) -> (TcpStream, i32) {
+    let mut s = wire::connect(gw);
+    s.write_all(&post_raw(&wire::addr(gw), &body.to_string()))
+        .unwrap();
+    let mut seen = Vec::new();
+    let re = regex::Regex::new(r#""pid":(\d+)"#).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut buf = [0u8; 256];
+    loop {
+        assert!(Instant::now() < deadline, "no started event");
+        let n = s.read(&mut buf).expect("read");
+        assert!(n > 0, "closed: {}", String::from_utf8_lossy(&seen));
+        seen.extend_from_slice(&buf[..n]);
+        if let Some(c) = re.captures(&String::from_utf8_lossy(&seen)) {
+            return (s, c[1].parse().unwrap());
+        }
+    }
+}
+
+fn gateway_with(yaml: &str) -> (Gateway, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config_file(&dir, yaml);
+    (Gateway::start(&["--config", cfg.to_str().unwrap()]), dir)
+}
+
+/// A fake program named `name` in a new directory, printing `EVIL`.
+fn fake_program(dir: &std::path::Path, name: &str) -> String {
+    use std::os::unix::fs::PermissionsExt;
+    let bin = dir.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let p = bin.join(name);
+    std::fs::write(&p, "#!/bin/sh\necho EVIL\n").unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    bin.to_str().unwrap().to_string()
+}
+
+#[test]
+fn the_request_environment_cannot_walk_around_an_allow_list() {
+    let (gw, dir) = gateway_with("policy:\n  executables:\n    allow: [echo, ls, cat]\n");
+    let evil_path = fake_program(dir.path(), "echo");
+    for env in [
+        json!({"PATH": evil_path}),
+        json!({"LD_PRELOAD": "/tmp/evil.so"}),
+        json!({"BASH_ENV": "/tmp/x"}),
+        json!({"NODE_OPTIONS": "--require /tmp/x"}),
+    ] {
+        let body = json!({"executable": "echo", "args": ["hi"], "env": env});
+        let a = exchange(&gw, &post_raw(&wire::addr(&gw), &body.to_string()));
+        assert_eq!(
+            (a.status, a.code()),
+            (403, "policy_violation".into()),
+            "{env}: {}",
+            a.text()
+        );
+        assert!(a.text().contains("injection_vars"), "{}", a.text());
+    }
+    // A harmless variable still goes through.
+    let evs = run(
+        &gw,
+        json!({"executable": "echo", "args": ["hi"], "env": {"LANG": "C"}}),
+    );
+    assert_eq!(stdout_of(&evs), "hi\n");
+}
+
+#[test]
+fn bare_names_are_looked_up_in_the_gateways_path() {
+    let gw = Gateway::start(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let evil_path = fake_program(dir.path(), "echo");
+    // Without a policy PATH may be set, and the command sees it, but `echo` is the
+    // gateway's echo.
+    let evs = run(
+        &gw,
+        json!({"executable": "echo", "args": ["hi"], "env": {"PATH": evil_path}}),
+    );
+    assert_eq!(stdout_of(&evs), "hi\n", "{evs:?}");
+}
+
+/// A client that reads the `started` event and then nothing: the timeout still kills the
+/// command, the concurrency slot comes back, and SIGTERM still stops the gateway.
+#[test]
+fn a_stalled_reader_defeats_neither_timeout_nor_slot_nor_shutdown() {
+    let (mut gw, _dir) = gateway_with(
+        "limits:\n  max_concurrent_executions: 1\nserver:\n  shutdown_grace_secs: 1\n",
+    );
+    let (stalled, pid) = start_and_stall(&gw, json!({"executable": "yes", "timeout_secs": 2}));
+    assert!(pid_alive(pid));
+    assert!(
+        wait_until(Duration::from_secs(15), || !pid_alive(pid)),
+        "`yes` outlived its 2 s timeout behind a stalled client"
+    );
+    // The slot is free again: a new command runs (not 429).
+    let mut last = String::new();
+    let freed = wait_until(Duration::from_secs(10), || {
+        let a = exchange(&gw, &post_raw(&wire::addr(&gw), r#"{"executable":"true"}"#));
+        last = a.text();
+        a.status == 200
+    });
+    assert!(freed, "the slot stayed taken: {last}");
+
+    let t = Instant::now();
+    let status = gw.terminate();
+    assert!(
+        status.is_some(),
+        "the gateway did not exit while a client stalled"
+    );
+    assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
+    drop(stalled);
+}
+
+/// `setsid` leaves the process group; the command's end still kills it.
+#[test]
+fn escaped_descendants_die_with_the_run() {
+    let gw = Gateway::start(&[]);
+    let evs = run(
+        &gw,
+        json!({"executable": "sh", "args": ["-c", "setsid sleep 300 & echo $!; sleep 300"], "timeout_secs": 1}),
+    );
+    let pid: i32 = stdout_of(&evs).trim().parse().expect("pid");
+    assert!(
+        evs.iter()
+            .any(|e| e["type"] == "exit" && e["timed_out"] == true),
+        "{evs:?}"
+    );
+    assert!(
+        wait_until(Duration::from_secs(10), || !pid_alive(pid)),
+        "setsid'd descendant {pid} survived the timeout"
+    );
+    // And after a normal exit.
+    let evs = run(
+        &gw,
+        json!({"executable": "sh", "args": ["-c", "setsid sleep 300 & echo $!"]}),
+    );
+    let pid: i32 = stdout_of(&evs).trim().parse().expect("pid");
+    assert!(
+        wait_until(Duration::from_secs(10), || !pid_alive(pid)),
+        "setsid'd descendant {pid} survived the exit"
+    );
+}
+
+/// SIGKILL of the gateway: no cleanup code runs, the commands die anyway.
+#[test]
+fn commands_die_with_a_killed_gateway() {
+    let gw = Gateway::start(&[]);
+    let mut pids = Vec::new();
+    let mut streams = Vec::new();
+    for _ in 0..3 {
+        let (s, pid) = start_and_stall(&gw, json!({"executable": "sleep", "args": ["300"]}));
+        pids.push(pid);
+        streams.push(s);
+    }
+    // A grandchild, in the group and out of it: the reaper process gets those.
+    for script in [
+        "sleep 300 & echo $!; wait",
+        "setsid sleep 300 & echo $!; wait",
+    ] {
+        let mut s = wire::connect(&gw);
+        s.write_all(&post_raw(
+            &wire::addr(&gw),
+            &json!({"executable": "sh", "args": ["-c", script]}).to_string(),
+        ))
+        .unwrap();
+        let mut seen = String::new();
+        let mut buf = [0u8; 512];
+        let re = regex::Regex::new(r#""type":"stdout","data":"([^"]+)""#).unwrap();
+        let pid = loop {
+            let n = s.read(&mut buf).expect("read");
+            assert!(n > 0, "{seen}");
+            seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+            if let Some(c) = re.captures(&seen) {
+                use base64::Engine as _;
+                let out = base64::engine::general_purpose::STANDARD
+                    .decode(&c[1])
+                    .unwrap();
+                break String::from_utf8(out)
+                    .unwrap()
+                    .trim()
+                    .parse::<i32>()
+                    .unwrap();
+            }
+        };
+        pids.push(pid);
+        streams.push(s);
+    }
+    let gpid = gw.pid().unwrap() as i32;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(gpid), nix::sys::signal::SIGKILL).unwrap();
+    assert!(
+        wait_until(Duration::from_secs(10), || pids
+            .iter()
+            .all(|p| !pid_alive(*p))),
+        "commands outlived the gateway: {:?}",
+        pids.iter().filter(|p| pid_alive(**p)).collect::<Vec<_>>()
+    );
+}
