@@ -225,7 +225,7 @@ fn a_symlink_leaving_the_tree_is_refused_before_anything_is_sent() {
     std::os::unix::fs::symlink("/etc/passwd", tree.path().join("escape")).unwrap();
     let out = run_remote(&gw, dir.path(), tree.path(), &["--workspace", "--", "true"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(66), "{stderr}");
+    assert_eq!(out.status.code(), Some(125), "{stderr}");
     assert_eq!(stderr.lines().count(), 1, "{stderr}");
     assert!(
         stderr.contains("escape") && stderr.contains("outside"),

@@ -119,7 +119,7 @@ async fn the_tree_is_placed_in_fresh_and_warm_pods() {
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&sync.stderr);
-    assert_eq!(sync.status.code(), Some(65), "{stderr}");
+    assert_eq!(sync.status.code(), Some(125), "{stderr}");
     assert!(stderr.contains("workspace_path"), "{stderr}");
     let r = raw(
         &gw,

@@ -365,7 +365,7 @@ async fn the_cache_keeps_its_bound_and_run_remote_uploads_again_after_eviction()
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(65), "{stderr}");
+    assert_eq!(out.status.code(), Some(125), "{stderr}");
     assert!(stderr.contains("payload_too_large"), "{stderr}");
     let _ = std::io::stderr().flush();
 }
