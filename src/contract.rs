@@ -263,6 +263,9 @@ impl ExitInfo {
 }
 
 /// One line of the NDJSON stream of `POST /raw`.
+// `Started` (with the context) is the large variant; it is sent once per run, so boxing it
+// would only move an allocation onto every run for nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Event {
