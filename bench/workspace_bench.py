@@ -232,7 +232,7 @@ def main():
     size = make_tree(tree, a.files, a.size_mb)
     print(f"tree: {a.files} files, {size / 1e6:.1f} MB (plus 200 ignored files)", file=sys.stderr)
     ssh, sshd = start_sshd(tmp)
-    baseline_name = "tar -c | ssh localhost tar -x" if ssh else "tar -c | tar -x (no sshd)"
+    baseline_name = "tar -c \\| ssh localhost tar -x" if ssh else "tar -c \\| tar -x (no sshd)"
     gw = Gateway(tmp)
     try:
         # First run: fresh gateway cache and client hash cache each time.
