@@ -7,6 +7,8 @@
 //! `--flag value`; an array repeats the flag for each element; null or empty omitted. An
 //! undeclared flag, a wrong type, a missing required flag, or a positional argument that
 //! looks like a flag is rejected before anything runs.
+//!
+//! Size: about 430 lines of code; the rest are unit tests of the flag conversion rules.
 
 use std::collections::{BTreeMap, HashSet};
 

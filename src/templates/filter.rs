@@ -3,6 +3,8 @@
 //! Lines are kept byte for byte (CR, invalid UTF-8 and a last line without a newline
 //! included); matching uses `regex::bytes`, so a line with invalid UTF-8 still matches on its
 //! valid parts, and an invalid sequence matches only patterns that accept any byte.
+//!
+//! Size: about 460 lines of code; the rest are unit tests of the generic rules, one per rule.
 
 use std::sync::LazyLock;
 
