@@ -20,7 +20,7 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 cargo build --locked --quiet --bin mcp-run
-bin="$root/target/debug/mcp-run"
+bin="${CARGO_TARGET_DIR:-$root/target}/debug/mcp-run"
 work="$(mktemp -d)"
 port="$(.venv/bin/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 # A declared CLI tool too, so that its schema meets the strict check.
