@@ -477,6 +477,17 @@ async fn exec_falls_back_to_v4() {
         double.requests().iter().any(|r| r.contains("/exec?")),
         "exec went through the double"
     );
+    // stdin on v4: the bytes arrive in order, but v4 cannot signal their end
+    // (docs/kubernetes.md), so the command reads a known length instead of reading to EOF.
+    let data: Vec<u8> = (0..200_000u32).map(|i| (i * 7 % 251) as u8).collect();
+    let r = support::raw_stdin(
+        &gw,
+        json!({"executable": "head", "args": ["-c", data.len().to_string()]}),
+        &data,
+    )
+    .await;
+    assert_eq!(r.code(), Some(0), "{r:?}");
+    assert!(r.stdout == data, "{} bytes back", r.stdout.len());
 }
 
 /// MCP on the Kubernetes backend: the capabilities say isolated pods, namespace and
