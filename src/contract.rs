@@ -540,6 +540,21 @@ pub struct ErrorBody {
 }
 
 impl ErrorBody {
+    /// The error a gateway's failed answer carries: its JSON error body, or a protocol error
+    /// naming the status when the body is not one (a proxy's page, an old gateway).
+    pub fn from_answer(status: impl std::fmt::Display, body: &str) -> ErrorBody {
+        match serde_json::from_str::<ErrorResponse>(body) {
+            Ok(r) => r.error,
+            Err(_) => ErrorBody::new(
+                ErrorCode::ProtocolError,
+                format!(
+                    "the gateway answered {status} without an error body: {}",
+                    body.trim()
+                ),
+            ),
+        }
+    }
+
     pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
         Self {
             code,

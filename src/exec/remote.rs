@@ -14,8 +14,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{EVENT_BUFFER, ExecSpec, Execution, Executor, StartOptions};
 use crate::contract::{
-    ErrorBody, ErrorCode, ErrorResponse, Event, ExitInfo, PROGRESS_HEADER, RunRequest,
-    STDIN_CONTENT_TYPE,
+    ErrorBody, ErrorCode, Event, ExitInfo, PROGRESS_HEADER, RunRequest, STDIN_CONTENT_TYPE,
 };
 
 /// The remote backend's section of the configuration (`remote:`).
@@ -168,17 +167,10 @@ impl RemoteExecutor {
         };
         let status = resp.status();
         if !status.is_success() {
-            let text = resp.text().await.unwrap_or_default();
-            return Err(match serde_json::from_str::<ErrorResponse>(&text) {
-                Ok(r) => r.error,
-                Err(_) => ErrorBody::new(
-                    ErrorCode::ProtocolError,
-                    format!(
-                        "the gateway answered {status} without an error body: {}",
-                        text.trim()
-                    ),
-                ),
-            });
+            return Err(ErrorBody::from_answer(
+                status,
+                &resp.text().await.unwrap_or_default(),
+            ));
         }
         let mut lines = Lines {
             body: Box::pin(resp.bytes_stream()),

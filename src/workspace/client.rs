@@ -12,7 +12,7 @@ use futures_util::StreamExt as _;
 use super::manifest::{PostResponse, UploadResponse};
 use super::tarball::ChannelWriter;
 use super::walk::{HashCache, Walked, walk};
-use crate::contract::{ChangedFile, ErrorBody, ErrorCode, ErrorResponse};
+use crate::contract::{ChangedFile, ErrorBody, ErrorCode};
 
 /// Contents per upload request, by uncompressed size (one larger file is a request alone).
 const BUNDLE_BYTES: u64 = 16 * 1024 * 1024;
@@ -59,17 +59,7 @@ fn unreachable(url: &reqwest::Url, e: &reqwest::Error) -> ErrorBody {
 /// The error body of a failed answer, or a protocol error naming the status.
 async fn error_of(resp: reqwest::Response) -> ErrorBody {
     let status = resp.status();
-    let text = resp.text().await.unwrap_or_default();
-    match serde_json::from_str::<ErrorResponse>(&text) {
-        Ok(r) => r.error,
-        Err(_) => ErrorBody::new(
-            ErrorCode::ProtocolError,
-            format!(
-                "the gateway answered {status} without an error body: {}",
-                text.trim()
-            ),
-        ),
-    }
+    ErrorBody::from_answer(status, &resp.text().await.unwrap_or_default())
 }
 
 /// A JSON answer (reqwest is built without its `json` feature).
