@@ -91,14 +91,10 @@ async fn disconnect_kills_the_process_group() {
 /// 50 MB of random bytes from a local file through `run-remote -- cat`, compared by hash.
 #[test]
 fn run_remote_cat_is_byte_exact() {
-    use rand::RngCore;
     use sha2::Digest;
     let gw = Gateway::start(&[]);
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("blob");
-    let mut data = vec![0u8; 50 * 1024 * 1024 + 7];
-    rand::rng().fill_bytes(&mut data);
-    std::fs::write(&path, &data).unwrap();
+    let (path, data) = support::random_file(dir.path(), 50 * 1024 * 1024 + 7);
     let out = gw
         .run_remote()
         .arg("--")

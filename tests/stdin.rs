@@ -251,14 +251,10 @@ async fn progress_opt_in_keeps_the_answers_of_a_backend_without_phases() {
 /// `sha256sum`; empty stdin is EOF at once.
 #[test]
 fn run_remote_i_is_byte_exact() {
-    use rand::RngCore;
     use sha2::Digest;
     let gw = Gateway::start(&[]);
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("blob");
-    let mut data = vec![0u8; 50 * 1024 * 1024 + 7];
-    rand::rng().fill_bytes(&mut data);
-    std::fs::write(&path, &data).unwrap();
+    let (path, data) = support::random_file(dir.path(), 50 * 1024 * 1024 + 7);
     let run = |flag: &str, cmd: &[&str], input: std::process::Stdio| {
         let out = gw
             .run_remote()

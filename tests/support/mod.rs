@@ -365,3 +365,13 @@ pub fn config_file(dir: &tempfile::TempDir, yaml: &str) -> PathBuf {
         .unwrap();
     path
 }
+
+/// A file of `len` random bytes in `dir`, and its bytes (for byte-exact round trips).
+pub fn random_file(dir: &std::path::Path, len: usize) -> (std::path::PathBuf, Vec<u8>) {
+    use rand::RngCore;
+    let path = dir.join("blob");
+    let mut data = vec![0u8; len];
+    rand::rng().fill_bytes(&mut data);
+    std::fs::write(&path, &data).unwrap();
+    (path, data)
+}
