@@ -20,6 +20,7 @@ What it checks:
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import pathlib
@@ -39,7 +40,8 @@ NAMESPACE = "mcp-run"
 
 # (what the render is for, values file or None for defaults, output file)
 RENDERS = [
-    ("default", None, ROOT / "manifests" / "mcp-run.yaml"),
+    ("default", None, None),
+    ("ci/manifests-values.yaml", CHART / "ci" / "manifests-values.yaml", ROOT / "manifests" / "mcp-run.yaml"),
     ("full", CHART / "ci" / "full-values.yaml", ROOT / "tests" / "fixtures" / "chart-full.yaml"),
 ]
 
@@ -216,6 +218,32 @@ def check_gateway_config(checks: Checks, what: str, objects: list[dict]) -> None
             checks.ok(f"{what}: gateway config has only known sections")
 
 
+def check_auth_default(checks: Checks, chart: helm.Chart) -> None:
+    """Auth is on by default: with no tokens given, the chart generates one (48 random
+    characters, a new one per render since `helm template` cannot look the live Secret up)
+    into the Secret the gateway mounts."""
+    tokens = []
+    for _ in range(2):
+        objects = [o for o in yaml.safe_load_all(render(chart, None, "default")) if o]
+        secrets = [o for o in objects if o["kind"] == "Secret"]
+        deployment = next(o for o in objects if o["kind"] == "Deployment")
+        volumes = deployment["spec"]["template"]["spec"]["volumes"]
+        mounted = [v["secret"]["secretName"] for v in volumes if "secret" in v]
+        if len(secrets) != 1 or mounted != [secrets[0]["metadata"]["name"]]:
+            checks.fail("default auth", f"expected one mounted token Secret, got {mounted}")
+            return
+        annotations = secrets[0]["metadata"].get("annotations", {})
+        if annotations.get("mcp-run.dev/token") != "generated":
+            checks.fail("default auth", "the Secret is not marked as generated")
+            return
+        tokens.append(base64.b64decode(secrets[0]["data"]["tokens"]).decode())
+    if all(len(t) == 49 and t.endswith("\n") and t[:-1].isalnum() for t in tokens) \
+            and tokens[0] != tokens[1]:
+        checks.ok("default values: auth on, a generated 48-character token Secret mounted")
+    else:
+        checks.fail("default auth", "the generated tokens are not 48 random characters")
+
+
 def main() -> int:
     write = "--write" in sys.argv[1:]
     checks = Checks()
@@ -269,6 +297,8 @@ def main() -> int:
                         "`.venv/bin/python .ci/chart-check.py --write` and commit")
         else:
             checks.ok(f"{rel} is identical to the chart's render")
+
+    check_auth_default(checks, chart)
 
     for why, override in BAD_VALUES:
         try:

@@ -89,6 +89,11 @@ helm upgrade --install "$RELEASE" charts/mcp-run \
   --set-string "config.profiles.default.image=$RUNNER_IMAGE" \
   --wait --timeout 5m
 kubectl -n "$NAMESPACE" rollout status "deployment/$RELEASE" --timeout=180s
+# Auth is on by default: the chart generated a token into its Secret.
+TOKEN="$(kubectl -n "$NAMESPACE" get secret "$RELEASE-auth" -o jsonpath='{.data.tokens}' \
+  | base64 -d | head -n 1)"
+[ -n "$TOKEN" ] || fail "the chart generated no auth token"
+AUTH=(-H "authorization: Bearer $TOKEN")
 
 log "port-forward to service/$RELEASE on $BASE"
 kubectl -n "$NAMESPACE" port-forward "service/$RELEASE" "$PORT:8080" \
@@ -103,7 +108,10 @@ done
 curl -fsS "$BASE/healthz"; echo
 
 log "run-remote"
-export RUN_REMOTE_SERVER="$BASE/raw"
+export RUN_REMOTE_SERVER="$BASE/raw" RUN_REMOTE_TOKEN="$TOKEN"
+code="$(curl -sS -o /dev/null -w '%{http_code}' -H 'content-type: application/json' \
+  -d '{"executable":"true"}' "$BASE/raw")"
+[ "$code" = 401 ] || fail "a request without the token got $code, not 401"
 out="$("$RUN_REMOTE" -- echo hello-from-kind)"
 [ "$out" = "hello-from-kind" ] || fail "run-remote printed '$out'"
 status=0
@@ -111,7 +119,7 @@ status=0
 [ "$status" -eq 7 ] || fail "run-remote exited $status, expected 7"
 grep -qx to-stderr "$WORK/stderr" || fail "stderr was not streamed"
 # The pod context: the command ran in a runner pod of the runner namespace.
-curl -fsS -H 'content-type: application/json' \
+curl -fsS "${AUTH[@]}" -H 'content-type: application/json' \
   -d '{"executable":"true"}' "$BASE/raw" >"$WORK/raw.ndjson"
 jq -e -s '.[0].type == "started" and .[0].context.backend == "kubernetes"
           and .[0].context.namespace == "'"$NAMESPACE"'" and (.[0].context.pod | length > 0)
@@ -119,7 +127,7 @@ jq -e -s '.[0].type == "started" and .[0].context.backend == "kubernetes"
   || fail "unexpected /raw stream: $(cat "$WORK/raw.ndjson")"
 
 log "e2e suite through the Service"
-MCP_RUN_E2E_GATEWAY="$BASE/raw" MCP_RUN_E2E_IMAGE="$RUNNER_IMAGE" \
+MCP_RUN_E2E_GATEWAY="$BASE/raw" MCP_RUN_E2E_TOKEN="$TOKEN" MCP_RUN_E2E_IMAGE="$RUNNER_IMAGE" \
   cargo test --locked --test e2e -- --nocapture
 
 log "MCP over streamable HTTP"
@@ -127,7 +135,7 @@ log "MCP over streamable HTTP"
 # server-sent events.
 SESSION=""
 mcp() {
-  local headers=(-H 'content-type: application/json'
+  local headers=("${AUTH[@]}" -H 'content-type: application/json'
                  -H 'accept: application/json, text/event-stream')
   [ -n "$SESSION" ] && headers+=(-H "mcp-session-id: $SESSION" -H 'mcp-protocol-version: 2025-06-18')
   curl -fsS -D "$WORK/mcp.headers" "${headers[@]}" -d "$1" "$BASE/mcp" >"$WORK/mcp.body"
@@ -174,6 +182,7 @@ log "graceful shutdown: a running command outlives the replacement of the gatewa
 kill "$PF_PID" 2>/dev/null || true
 PF_PID=""
 kubectl -n "$NAMESPACE" run drain --image="$IMAGE" --image-pull-policy=Never --restart=Never \
+  --env="RUN_REMOTE_TOKEN=$TOKEN" \
   --command -- /usr/local/bin/run-remote --server "http://$RELEASE.$NAMESPACE.svc:8080/raw" \
   -- sh -c 'sleep 20; echo survived'
 runner=""

@@ -10,7 +10,8 @@
 //!   `MCP_RUN_E2E_IMAGE` (default `busybox:1.36`), namespace `MCP_RUN_E2E_NAMESPACE` (default:
 //!   the context's).
 //! - With `MCP_RUN_E2E_GATEWAY=http://host:port/raw` it tests an installed gateway instead
-//!   (e2e/kind.sh does, through a port-forward to the Helm-installed Service).
+//!   (e2e/kind.sh does, through a port-forward to the Helm-installed Service), sending the
+//!   bearer token `MCP_RUN_E2E_TOKEN` when set.
 //! - It ends by checking that no runner pod of the gateway is left in the namespace.
 
 #[path = "../tests/support/mod.rs"]
@@ -90,7 +91,12 @@ async fn suite_against_a_real_cluster((client, context_ns): (kube::Client, Strin
     let instance = format!("e2e-{}", std::process::id());
     let (gw, selector) = match std::env::var("MCP_RUN_E2E_GATEWAY") {
         Ok(url) => (
-            Gateway::external(&url, "kubernetes"),
+            {
+                let mut gw = Gateway::external(&url, "kubernetes");
+                // An installed gateway asks for a token when its auth is on (the chart's default).
+                gw.token = std::env::var("MCP_RUN_E2E_TOKEN").ok();
+                gw
+            },
             "app.kubernetes.io/managed-by=mcp-run,app.kubernetes.io/component=runner".to_string(),
         ),
         Err(_) => {

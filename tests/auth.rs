@@ -137,6 +137,19 @@ async fn auth_on_protects_raw_mcp_and_capabilities_but_not_probes() {
     );
 }
 
+/// The whole behavioural suite through a gateway that asks for a token, as the e2e suite
+/// meets a Helm-installed gateway (auth is on by default there): the harness sends it on
+/// every request and to run-remote.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn behavioural_suite_with_a_token() {
+    let (mut gw, _dir) = with_tokens("");
+    gw.token = Some(TOKEN_CI.into());
+    support::suite::run_all(&gw).await;
+    // And the same gateway refuses the harness without it.
+    gw.token = None;
+    assert_eq!(raw(&gw, json!({"executable": "true"})).await.status, 401);
+}
+
 #[tokio::test]
 async fn auth_off_needs_no_token() {
     let gw = Gateway::start(&[]);

@@ -404,7 +404,23 @@ fn default_manifests_parse_strictly_and_are_hardened() {
             "{ns}"
         );
     }
-    // Defaults: no warm pool, so no patch; no auth Secret; no ServiceMonitor.
+    // Defaults: no warm pool, so no patch; no ServiceMonitor; auth on, with the token from
+    // the Secret `mcp-run-auth` that the user creates (none in the file, which is published).
+    let pod = i.deployments[0]
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .spec
+        .as_ref()
+        .unwrap();
+    let secret_volumes: Vec<&str> = pod
+        .volumes
+        .iter()
+        .flatten()
+        .filter_map(|v| v.secret.as_ref()?.secret_name.as_deref())
+        .collect();
+    assert_eq!(secret_volumes, ["mcp-run-auth"]);
     let verbs: Vec<&String> = i.roles[0]
         .rules
         .as_ref()
@@ -505,12 +521,13 @@ fn the_gateway_accepts_the_rendered_config() {
             .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(c.kubernetes.instance, "mcp-run", "the release name");
         assert_eq!(c.server.backend, mcp_run::config::BackendKind::Kube);
+        // Auth is on in both: the gateway refuses to start without its tokens.
+        assert!(c.auth.required);
+        assert!(!c.server.insecure_no_auth);
     }
-    // With auth on (the full values), the gateway refuses to start without its tokens.
     let full = full();
     let text = &full.config_maps[0].data.as_ref().unwrap()["config.yaml"];
     let c = mcp_run::config::Config::parse(text, None).unwrap();
-    assert!(c.auth.required);
     assert_eq!(c.tools.len(), 1);
     assert!(c.templates.contains_key("make"));
     assert!(!c.policy.executables.deny.is_empty());

@@ -36,6 +36,8 @@ pub struct Gateway {
     pub log: Arc<Mutex<String>>,
     /// Backend name expected in `started` contexts.
     pub backend: String,
+    /// Bearer token sent with every request (an installed gateway with auth on).
+    pub token: Option<String>,
 }
 
 impl Gateway {
@@ -105,6 +107,7 @@ impl Gateway {
             base: format!("http://{addr}"),
             log,
             backend: if kube { "kubernetes" } else { "local" }.into(),
+            token: None,
         }
     }
 
@@ -119,6 +122,15 @@ impl Gateway {
             base,
             log: Arc::new(Mutex::new(String::new())),
             backend: backend.into(),
+            token: None,
+        }
+    }
+
+    /// `req` with this gateway's bearer token, if it has one.
+    pub fn authorized(&self, req: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        match &self.token {
+            Some(token) => req.bearer_auth(token),
+            None => req,
         }
     }
 
@@ -143,6 +155,9 @@ impl Gateway {
             .env("RUN_REMOTE_SERVER", self.raw_url())
             .current_dir("/")
             .stdin(Stdio::null());
+        if let Some(token) = &self.token {
+            cmd.env("RUN_REMOTE_TOKEN", token);
+        }
         cmd
     }
 
@@ -187,8 +202,7 @@ pub async fn terminate(mut gw: Gateway) -> (Option<std::process::ExitStatus>, Ga
 
 /// `GET path` on the gateway, as JSON.
 pub async fn get_json(gw: &Gateway, path: &str) -> serde_json::Value {
-    http()
-        .get(gw.url(path))
+    gw.authorized(http().get(gw.url(path)))
         .send()
         .await
         .expect("GET")
@@ -240,8 +254,8 @@ pub async fn raw(gw: &Gateway, body: serde_json::Value) -> RawRun {
 
 /// POSTs raw bytes with a content type to `/raw` and collects the answer.
 pub async fn raw_bytes(gw: &Gateway, body: Vec<u8>, content_type: &str) -> RawRun {
-    let resp = http()
-        .post(gw.raw_url())
+    let resp = gw
+        .authorized(http().post(gw.raw_url()))
         .header("content-type", content_type)
         .body(body)
         .send()
@@ -320,8 +334,7 @@ pub async fn raw_stdin_streamed(
         Some((Ok(chunk), input))
     });
     use futures_util::StreamExt;
-    http()
-        .post(gw.raw_url())
+    gw.authorized(http().post(gw.raw_url()))
         .header("content-type", mcp_run::contract::STDIN_CONTENT_TYPE)
         .body(reqwest::Body::wrap_stream(first.chain(rest)))
         .send()
