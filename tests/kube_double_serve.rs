@@ -2,7 +2,9 @@
 //! (bench/kube_double_bench.py): `cargo test --test kube_double_serve -- --ignored
 //! --nocapture`. Prints `KUBECONFIG=<path>` (and `TOKEN`, `URL`, `CA`) and serves until its
 //! stdin closes.
-//! `KUBE_DOUBLE_STEP_MS` sets the delay of each simulated lifecycle step (default 20 ms).
+//! `KUBE_DOUBLE_STEP_MS` sets the delay of each simulated lifecycle step (default 20 ms);
+//! `KUBE_DOUBLE_DENY=NS/RESOURCE/SUBRESOURCE/VERB,...` makes SelfSubjectAccessReview answer
+//! "no" for those (`KubeDouble::deny`), for `kubectl auth can-i`.
 
 mod kube_double;
 
@@ -22,6 +24,14 @@ fn serve() {
         step_delay: Duration::from_millis(step),
         ..Default::default()
     });
+    for rule in std::env::var("KUBE_DOUBLE_DENY")
+        .unwrap_or_default()
+        .split(',')
+    {
+        if let [ns, resource, sub, verb] = rule.split('/').collect::<Vec<_>>()[..] {
+            double.deny(ns, resource, sub, verb);
+        }
+    }
     println!("KUBECONFIG={}", double.kubeconfig().display());
     println!("TOKEN={}", double.options().token);
     println!("URL={}", double.url());

@@ -1,5 +1,5 @@
 //! Admission and fault injection: Pod Security per namespace label with the plugin's texts,
-//! JSON only (415 for protobuf), text frames read like binary ones, broken watches, and
+//! JSON only (415 for protobuf, but for kubectl's protobuf SelfSubjectAccessReview), text frames read like binary ones, broken watches, and
 //! containers that cannot start.
 
 use super::ws::*;
@@ -66,6 +66,57 @@ async fn protobuf_bodies_are_415() {
     .await;
     assert_eq!(code, 415, "{body}");
     assert_eq!(body["reason"], "UnsupportedMediaType");
+}
+
+/// kubectl (`auth can-i`) sends its SelfSubjectAccessReview as protobuf, which a real API
+/// server reads: so does the double, for that one type.
+#[tokio::test]
+async fn kubectls_protobuf_access_review_is_read() {
+    let d = KubeDouble::start();
+    d.deny("default", "pods", "exec", "create");
+    let c = reqwest::Client::builder()
+        .tls_backend_preconfigured(
+            kube_double::tls::client_config(&[b"http/1.1"])
+                .as_ref()
+                .clone(),
+        )
+        .build()
+        .expect("client");
+    for (sub, allowed) in [("exec", false), ("", true)] {
+        let mut attrs = vec![(1, "default"), (2, "create"), (5, "pods")];
+        if !sub.is_empty() {
+            attrs.push((6, sub));
+        }
+        let r = c
+            .post(format!(
+                "{}/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
+                d.url()
+            ))
+            .bearer_auth(&d.options().token)
+            .header("content-type", "application/vnd.kubernetes.protobuf")
+            .header("accept", "application/vnd.kubernetes.protobuf, */*")
+            .body(kube_double::protobuf::encode_ssar(&attrs))
+            .send()
+            .await
+            .expect("request");
+        assert_eq!(r.status().as_u16(), 201);
+        let v: Value = r.json().await.expect("JSON answer");
+        assert_eq!(v["status"]["allowed"], allowed, "{sub}: {v}");
+        assert_eq!(v["spec"]["resourceAttributes"]["resource"], "pods");
+    }
+    // Garbage in the envelope is a 400, not a guess.
+    let r = c
+        .post(format!(
+            "{}/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
+            d.url()
+        ))
+        .bearer_auth(&d.options().token)
+        .header("content-type", "application/vnd.kubernetes.protobuf")
+        .body(b"k8s\0\x12\x7f".to_vec())
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(r.status().as_u16(), 400);
 }
 
 #[tokio::test]

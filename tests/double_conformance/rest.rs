@@ -486,3 +486,112 @@ async fn self_subject_access_review() {
         .expect("ssar");
     assert!(r.status.unwrap().allowed);
 }
+
+/// `kubectl get` asks for server-side printed Tables: pod columns and STATUS as the API
+/// server's printer makes them, for get, list and watch (definitions in the first event only).
+#[tokio::test]
+async fn tables_for_kubectl_get() {
+    let d = KubeDouble::start();
+    let api: Api<Pod> = Api::default_namespaced(client(&d).await);
+    api.create(&PostParams::default(), &pod("tbl", "busybox"))
+        .await
+        .expect("create");
+    running(&api, "tbl").await;
+    let c = reqwest::Client::builder()
+        .tls_backend_preconfigured(
+            kube_double::tls::client_config(&[b"http/1.1"])
+                .as_ref()
+                .clone(),
+        )
+        .build()
+        .expect("client");
+    let accept = "application/json;as=Table;v=v1;g=meta.k8s.io,application/json;as=Table;v=v1beta1;g=meta.k8s.io,application/json";
+    let get = |path: String| {
+        c.get(format!("{}{path}", d.url()))
+            .bearer_auth(&d.options().token)
+            .header("accept", accept)
+            .send()
+    };
+    let list: Value = get("/api/v1/namespaces/default/pods".into())
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(list["kind"], "Table");
+    let names: Vec<&str> = list["columnDefinitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "Name",
+            "Ready",
+            "Status",
+            "Restarts",
+            "Age",
+            "IP",
+            "Node",
+            "Nominated Node",
+            "Readiness Gates"
+        ]
+    );
+    let cells = &list["rows"][0]["cells"];
+    assert_eq!(cells[0], "tbl");
+    assert_eq!(cells[1], "1/1");
+    assert_eq!(cells[2], "Running");
+    assert_eq!(cells[6], "double-node-1");
+    assert_eq!(list["rows"][0]["object"]["kind"], "PartialObjectMetadata");
+    let one: Value = get("/api/v1/namespaces/default/pods/tbl?includeObject=Object".into())
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(one["rows"][0]["object"]["kind"], "Pod");
+    assert_eq!(one["rows"][0]["object"]["status"]["phase"], "Running");
+    // Without the Table media type first, plain objects as before.
+    let plain: Value = c
+        .get(format!("{}/api/v1/namespaces/default/pods/tbl", d.url()))
+        .bearer_auth(&d.options().token)
+        .header("accept", "application/json")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(plain["kind"], "Pod");
+
+    // A watch: the first event has the column definitions, later ones do not.
+    let mut w = get("/api/v1/namespaces/default/pods?watch=true".into())
+        .await
+        .unwrap()
+        .bytes_stream();
+    let mut buf = Vec::new();
+    let first = loop {
+        buf.extend_from_slice(&w.next().await.unwrap().unwrap());
+        if let Some(i) = buf.iter().position(|b| *b == b'\n') {
+            let line: Value = serde_json::from_slice(&buf[..i]).unwrap();
+            buf.drain(..=i);
+            break line;
+        }
+    };
+    assert_eq!(first["type"], "ADDED");
+    assert!(first["object"]["columnDefinitions"].is_array());
+    api.delete("tbl", &DeleteParams::default().grace_period(1))
+        .await
+        .expect("delete");
+    let next = loop {
+        if let Some(i) = buf.iter().position(|b| *b == b'\n') {
+            break serde_json::from_slice::<Value>(&buf[..i]).unwrap();
+        }
+        buf.extend_from_slice(&w.next().await.unwrap().unwrap());
+    };
+    assert_eq!(next["type"], "MODIFIED");
+    assert!(next["object"]["columnDefinitions"].is_null());
+    assert_eq!(next["object"]["rows"][0]["cells"][2], "Terminating");
+}

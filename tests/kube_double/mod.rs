@@ -15,7 +15,13 @@
 //! process.
 //!
 //! ## Served
-//! - `GET /version`, `/livez`, `/readyz`, `/healthz`, `/api`, `/apis` (minimal discovery).
+//! - `GET /version`, `/livez`, `/readyz`, `/healthz`, `/api`, `/apis`, `/api/v1`,
+//!   `/apis/authorization.k8s.io/v1` (minimal discovery, enough for kubectl).
+//! - Bodies are JSON; a protobuf body is 415 `UnsupportedMediaType`, except kubectl's protobuf
+//!   SelfSubjectAccessReview, which is read (`protobuf.rs`).
+//! - `kubectl get` without `-o` asks for server-side printing: pods are then answered as a
+//!   `meta.k8s.io/v1` `Table` (get, list and watch) with the API server's pod columns and
+//!   STATUS (`table.rs`).
 //! - Namespaced pods (`/api/v1/namespaces/{ns}/pods[/{name}]`) and all-namespace list/watch
 //!   (`/api/v1/pods`):
 //!   * `POST`: `generateName` gets a random 5-character suffix from the API server's alphabet;
@@ -131,9 +137,11 @@ mod delete;
 mod exec;
 mod kubelet;
 mod pods;
+pub mod protobuf;
 mod selector;
 mod server;
 mod status;
+mod table;
 pub mod tls;
 mod watch;
 

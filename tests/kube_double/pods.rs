@@ -261,11 +261,20 @@ pub async fn create(
 pub async fn get(
     State(shared): State<Arc<Shared>>,
     Path((ns, name)): Path<(String, String)>,
+    RawQuery(raw): RawQuery,
+    headers: HeaderMap,
 ) -> Res {
     let st = shared.lock();
-    match st.pods.get(&key(&ns, &name)) {
-        Some(p) => Ok(pod_response(StatusCode::OK, p)),
-        None => Err(ApiError::not_found("pods", &name)),
+    let Some(p) = st.pods.get(&key(&ns, &name)) else {
+        return Err(ApiError::not_found("pods", &name));
+    };
+    let q = parse_query(raw.as_deref());
+    match super::table::requested(&headers, &q) {
+        Some(include) => Ok(json_response(
+            StatusCode::OK,
+            &super::table::table(&[to_value(p)], include, None, true),
+        )),
+        None => Ok(pod_response(StatusCode::OK, p)),
     }
 }
 

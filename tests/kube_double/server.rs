@@ -6,7 +6,7 @@ use std::sync::Arc;
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::{Request, State};
-use axum::http::{StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
@@ -14,7 +14,9 @@ use serde_json::{Value, json};
 
 use super::Shared;
 use super::status::{ApiError, json_response};
-use super::{delete, exec, pods, watch};
+use super::{delete, exec, pods, protobuf, watch};
+
+const SSAR_PATH: &str = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews";
 
 pub fn router(shared: Arc<Shared>) -> Router {
     Router::new()
@@ -26,9 +28,10 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/apis", get(api_groups))
         .route("/api/v1", get(core_resources))
         .route(
-            "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
-            post(ssar),
+            "/apis/authorization.k8s.io/v1",
+            get(authorization_resources),
         )
+        .route(SSAR_PATH, post(ssar))
         .route("/api/v1/pods", get(watch::list_all))
         .route(
             "/api/v1/namespaces/{ns}/pods",
@@ -72,7 +75,10 @@ async fn gate(State(shared): State<Arc<Shared>>, req: Request, next: Next) -> Re
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .unwrap_or("");
-    if content_type.starts_with("application/vnd.kubernetes.protobuf") {
+    // ... except for the SelfSubjectAccessReview that kubectl sends as protobuf (protobuf.rs).
+    if content_type.starts_with("application/vnd.kubernetes.protobuf")
+        && req.uri().path() != SSAR_PATH
+    {
         return ApiError::unsupported_media_type(content_type).into_response();
     }
     next.run(req).await
@@ -157,9 +163,34 @@ async fn core_resources() -> Response {
     )
 }
 
+async fn authorization_resources() -> Response {
+    json_response(
+        StatusCode::OK,
+        &json!({
+            "kind": "APIResourceList",
+            "apiVersion": "v1",
+            "groupVersion": "authorization.k8s.io/v1",
+            "resources": [
+                {"name": "selfsubjectaccessreviews", "singularName": "selfsubjectaccessreview",
+                 "namespaced": false, "kind": "SelfSubjectAccessReview", "verbs": ["create"]}
+            ]
+        }),
+    )
+}
+
 /// SelfSubjectAccessReview: echoes the spec with `status.allowed`, as the authorizer answers.
-async fn ssar(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
-    let review: Value = match serde_json::from_slice(&body) {
+/// JSON or (kubectl) protobuf.
+async fn ssar(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
+    let protobuf = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|c| c.starts_with("application/vnd.kubernetes.protobuf"));
+    let review = if protobuf {
+        protobuf::self_subject_access_review(&body)
+    } else {
+        serde_json::from_slice::<Value>(&body).map_err(|e| e.to_string())
+    };
+    let review = match review {
         Ok(v) => v,
         Err(e) => {
             return ApiError::bad_request(format!("the object provided is unrecognized: {e}"))
@@ -200,10 +231,8 @@ async fn ssar(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
 }
 
 fn ssar_answer(review: &Value, allowed: bool) -> Response {
-    let mut status = json!({"allowed": allowed});
-    if !allowed {
-        status["reason"] = json!("denied by the test double");
-    }
+    // RBAC denies with no reason ("no opinion" from every authorizer): kubectl prints "no".
+    let status = json!({"allowed": allowed});
     json_response(
         StatusCode::CREATED,
         &json!({

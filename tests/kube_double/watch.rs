@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, RawQuery, State};
-use axum::http::{StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 use tokio::sync::broadcast::error::RecvError;
@@ -15,30 +15,45 @@ use super::pods::{Res, to_value};
 use super::selector::Selector;
 use super::server::{first, flag, parse_query};
 use super::status::{ApiError, json_response};
-use super::{Event, EventKind, Shared, State as St};
+use super::{Event, EventKind, Shared, State as St, table};
 pub async fn list(
     State(shared): State<Arc<Shared>>,
     Path(ns): Path<String>,
     RawQuery(raw): RawQuery,
+    headers: HeaderMap,
 ) -> Res {
-    list_or_watch(shared, Some(ns), raw)
+    list_or_watch(shared, Some(ns), raw, &headers)
 }
 
-pub async fn list_all(State(shared): State<Arc<Shared>>, RawQuery(raw): RawQuery) -> Res {
-    list_or_watch(shared, None, raw)
+pub async fn list_all(
+    State(shared): State<Arc<Shared>>,
+    RawQuery(raw): RawQuery,
+    headers: HeaderMap,
+) -> Res {
+    list_or_watch(shared, None, raw, &headers)
 }
 
-pub(super) fn list_or_watch(shared: Arc<Shared>, ns: Option<String>, raw: Option<String>) -> Res {
+pub(super) fn list_or_watch(
+    shared: Arc<Shared>,
+    ns: Option<String>,
+    raw: Option<String>,
+    headers: &HeaderMap,
+) -> Res {
     let q = parse_query(raw.as_deref());
     let sel = Selector::parse(first(&q, "labelSelector"), first(&q, "fieldSelector"))?;
+    let table = table::requested(headers, &q);
     if flag(&q, "watch") {
-        return watch(shared, ns, sel, &q);
+        return watch(shared, ns, sel, &q, table);
     }
     let st = shared.lock();
-    let items: Vec<Value> = matching(&st, ns.as_deref(), &sel)
-        .into_iter()
-        .map(list_item)
-        .collect();
+    let items = matching(&st, ns.as_deref(), &sel);
+    if let Some(include) = table {
+        return Ok(json_response(
+            StatusCode::OK,
+            &table::table(&items, include, Some(st.rv), true),
+        ));
+    }
+    let items: Vec<Value> = items.into_iter().map(list_item).collect();
     Ok(json_response(
         StatusCode::OK,
         &json!({
@@ -70,6 +85,46 @@ pub(super) fn matching(st: &St, ns: Option<&str>, sel: &Selector) -> Vec<Value> 
 
 // ---------------------------------------------------------------------------------------------
 // watch
+
+/// Renders watch events as objects, or as Tables for `kubectl get -w` (column definitions in
+/// the first event only).
+pub(super) struct Printer {
+    table: Option<table::Include>,
+    headers_sent: bool,
+}
+
+impl Printer {
+    fn line(&mut self, kind: &str, object: &Value) -> Bytes {
+        let Some(include) = self.table else {
+            return event_line(kind, object);
+        };
+        let rv = object
+            .pointer("/metadata/resourceVersion")
+            .and_then(Value::as_str)
+            .and_then(|r| r.parse().ok());
+        let t = table::table(
+            std::slice::from_ref(object),
+            include,
+            rv,
+            !self.headers_sent,
+        );
+        self.headers_sent = true;
+        event_line(kind, &t)
+    }
+
+    fn bookmark(&mut self, rv: u64, initial_end: bool) -> Bytes {
+        match self.table {
+            None => bookmark_line(rv, initial_end),
+            Some(include) => {
+                let mut t = table::table(&[], include, Some(rv), false);
+                if initial_end {
+                    t["metadata"]["annotations"] = json!({"k8s.io/initial-events-end": "true"});
+                }
+                event_line("BOOKMARK", &t)
+            }
+        }
+    }
+}
 
 pub(super) fn event_line(kind: &str, object: &Value) -> Bytes {
     let mut s = json!({"type": kind, "object": object}).to_string();
@@ -118,7 +173,12 @@ pub(super) fn watch(
     ns: Option<String>,
     sel: Selector,
     q: &[(String, String)],
+    table: Option<table::Include>,
 ) -> Res {
+    let mut printer = Printer {
+        table,
+        headers_sent: false,
+    };
     let timeout = match first(q, "timeoutSeconds") {
         Some(t) => Duration::from_secs(t.parse::<u64>().map_err(|_| {
             ApiError::bad_request(format!("invalid value for timeoutSeconds: {t:?}"))
@@ -152,10 +212,10 @@ pub(super) fn watch(
         }
         if requested.is_empty() || requested == "0" || send_initial {
             for v in matching(&st, ns.as_deref(), &sel) {
-                initial.push(event_line("ADDED", &v));
+                initial.push(printer.line("ADDED", &v));
             }
             if send_initial {
-                initial.push(bookmark_line(st.rv, true));
+                initial.push(printer.bookmark(st.rv, true));
             }
         } else {
             let rv: u64 = requested.parse().map_err(|_| {
@@ -174,7 +234,7 @@ pub(super) fn watch(
             }
             for ev in st.history.iter().filter(|e| e.rv > rv) {
                 if let Some((kind, obj)) = translate(ev, ns.as_deref(), &sel) {
-                    initial.push(event_line(kind, obj));
+                    initial.push(printer.line(kind, obj));
                 }
             }
         }
@@ -188,6 +248,7 @@ pub(super) fn watch(
         timeout,
         bookmarks,
         last_rv: start_rv,
+        printer,
     };
     Ok(stream_response(initial, Some(live), cut))
 }
@@ -200,6 +261,7 @@ pub(super) struct LiveWatch {
     timeout: Duration,
     bookmarks: bool,
     last_rv: u64,
+    printer: Printer,
 }
 
 /// A chunked JSON stream: the initial lines, then live events until the timeout, the client
@@ -232,13 +294,13 @@ pub(super) fn stream_response(initial: Vec<Bytes>, live: Option<LiveWatch>, cut:
                 _ = tx.closed() => return,
                 _ = tick.tick(), if w.bookmarks => {
                     let rv = w.shared.lock().rv.max(w.last_rv);
-                    bookmark_line(rv, false)
+                    w.printer.bookmark(rv, false)
                 }
                 ev = w.rx.recv() => match ev {
                     Ok(ev) => {
                         w.last_rv = ev.rv;
                         match translate(&ev, w.ns.as_deref(), &w.sel) {
-                            Some((kind, obj)) => event_line(kind, obj),
+                            Some((kind, obj)) => w.printer.line(kind, obj),
                             None => continue,
                         }
                     }

@@ -1,0 +1,239 @@
+#!/usr/bin/env python3
+"""A real kubectl against the API-server test double (tests/kube_double), as a platform
+engineer would try it: run, get -o yaml/json, get -w, wait, exec (stdout and stderr apart, the
+exit code, a 20 MB binary round trip both ways, stdin), auth can-i, delete.
+
+Usage: kubectl-conformance.py KUBECTL SERVE_BINARY
+SERVE_BINARY is the built test binary of tests/kube_double_serve.rs; it serves the double and
+prints KUBECONFIG=... until its stdin closes. Every divergence found here is a bug of the double
+(fixed in tests/kube_double, not worked around here). Standard library only.
+"""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+STEP_TIMEOUT = 30
+failures = []
+
+
+def check(ok, what, detail=""):
+    if ok:
+        print(f"kubectl-conformance: ok: {what}")
+    else:
+        failures.append(what)
+        print(f"kubectl-conformance: FAIL: {what}" + (f"\n{detail}" if detail else ""), file=sys.stderr)
+
+
+def main():
+    kubectl, serve_bin = sys.argv[1], sys.argv[2]
+    work = tempfile.mkdtemp(prefix="kubectl-conformance-")
+    server = subprocess.Popen(
+        [serve_bin, "--ignored", "--nocapture", "--exact", "serve"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=dict(os.environ, KUBE_DOUBLE_DENY="kube-system/pods//delete"),
+    )
+    try:
+        kubeconfig = None
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            line = server.stdout.readline()
+            if not line:
+                break
+            if line.startswith("KUBECONFIG="):
+                kubeconfig = line.strip().split("=", 1)[1]
+                break
+        if kubeconfig is None:
+            sys.exit("kubectl-conformance: the double did not start")
+        # Drain the server's output so that it never blocks on a full pipe.
+        threading.Thread(target=server.stdout.read, daemon=True).start()
+        env = dict(os.environ, KUBECONFIG=kubeconfig, KUBECACHEDIR=os.path.join(work, "cache"))
+        run_checks(kubectl, env, work)
+    finally:
+        server.stdin.close()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    if failures:
+        sys.exit(f"kubectl-conformance: {len(failures)} failed: {'; '.join(failures)}")
+    print("kubectl-conformance: all passed")
+
+
+def kc(kubectl, env, *args, stdin=None, text=True):
+    return subprocess.run(
+        [kubectl, *args],
+        env=env,
+        input=stdin,
+        capture_output=True,
+        text=text,
+        timeout=STEP_TIMEOUT,
+    )
+
+
+def run_checks(kubectl, env, work):
+    def k(*args, **kw):
+        return kc(kubectl, env, *args, **kw)
+
+    r = k("version", "-o", "json")
+    server_version = json.loads(r.stdout or "{}").get("serverVersion", {}).get("gitVersion")
+    check(r.returncode == 0 and server_version, "version reaches the server over TLS", r.stderr)
+
+    r = k("auth", "can-i", "create", "pods")
+    check(r.returncode == 0 and r.stdout.strip() == "yes", "auth can-i create pods", r.stdout + r.stderr)
+    r = k("auth", "can-i", "create", "pods", "--subresource=exec")
+    check(r.returncode == 0 and r.stdout.strip() == "yes", "auth can-i create pods/exec", r.stdout + r.stderr)
+    # The double denies this one (KUBE_DOUBLE_DENY below): the review's fields arrived.
+    r = k("auth", "can-i", "delete", "pods", "-n", "kube-system")
+    check(r.returncode == 1 and r.stdout.strip() == "no", "auth can-i: a denied verb is no", r.stdout + r.stderr)
+
+    # The watch starts before the pod exists, so it sees it appear and change.
+    watch = subprocess.Popen(
+        [kubectl, "get", "pods", "-w", "--output-watch-events",
+         "-o", "jsonpath={.type} {.object.metadata.name} {.object.status.phase}{\"\\n\"}"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    watch_default = subprocess.Popen(
+        [kubectl, "get", "pods", "-w"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(1)
+
+    r = k("run", "conf", "--image=busybox:1.36", "--restart=Never", "--", "sleep", "3600")
+    check(r.returncode == 0 and "pod/conf created" in r.stdout, "run", r.stdout + r.stderr)
+
+    r = k("wait", "--for=condition=Ready", "pod/conf", "--timeout=20s")
+    check(r.returncode == 0 and "condition met" in r.stdout, "wait --for=condition=Ready", r.stdout + r.stderr)
+
+    r = k("get", "pod", "conf", "-o", "yaml")
+    check(
+        r.returncode == 0 and "name: conf" in r.stdout and "phase: Running" in r.stdout
+        and "image: busybox:1.36" in r.stdout,
+        "get -o yaml",
+        r.stdout + r.stderr,
+    )
+    r = k("get", "pod", "conf", "-o", "json")
+    pod = json.loads(r.stdout) if r.returncode == 0 else {}
+    check(
+        pod.get("spec", {}).get("containers", [{}])[0].get("command") is None
+        and pod.get("spec", {}).get("containers", [{}])[0].get("args") == ["sleep", "3600"]
+        and pod.get("status", {}).get("phase") == "Running",
+        "get -o json: args as given, Running",
+        r.stdout + r.stderr,
+    )
+    r = k("get", "pods")
+    rows = [l.split() for l in r.stdout.splitlines()]
+    check(
+        r.returncode == 0 and rows[:1] == [["NAME", "READY", "STATUS", "RESTARTS", "AGE"]]
+        and rows[1][:4] == ["conf", "1/1", "Running", "0"],
+        "get (server-side table)",
+        r.stdout + r.stderr,
+    )
+    r = k("get", "pod", "conf", "-o", "wide")
+    rows = [l.split() for l in r.stdout.splitlines()]
+    check(
+        r.returncode == 0 and rows[0][5:7] == ["IP", "NODE"] and rows[1][6] == "double-node-1",
+        "get -o wide",
+        r.stdout + r.stderr,
+    )
+
+    # exec: stdout and stderr apart, and the exit code.
+    r = k("exec", "conf", "--", "sh", "-c", "echo out; echo err >&2; exit 7")
+    check(
+        r.returncode == 7 and r.stdout == "out\n" and r.stderr.startswith("err\n")
+        and "command terminated with exit code 7" in r.stderr,
+        "exec: stdout, stderr and exit code 7",
+        f"rc={r.returncode} stdout={r.stdout!r} stderr={r.stderr!r}",
+    )
+    r = k("exec", "conf", "--", "true")
+    check(r.returncode == 0 and r.stdout == "" and r.stderr == "", "exec: exit 0", repr(r))
+    r = k("exec", "conf", "--", "no-such-program-kubectl-conformance")
+    check(
+        r.returncode != 0 and "executable file not found" in r.stderr,
+        "exec: a missing executable is an error",
+        f"rc={r.returncode} stderr={r.stderr!r}",
+    )
+    r = k("exec", "conf", "-c", "nope", "--", "true")
+    check(r.returncode != 0 and "container nope is not valid" in r.stderr, "exec: unknown container", r.stderr)
+
+    # 20 MB of random bytes, out and in, byte-exact.
+    blob = os.urandom(20 * 1024 * 1024)
+    want = hashlib.sha256(blob).hexdigest()
+    path = os.path.join(work, "blob")
+    with open(path, "wb") as f:
+        f.write(blob)
+    t = time.monotonic()
+    r = k("exec", "conf", "--", "cat", path, text=False)
+    got = hashlib.sha256(r.stdout).hexdigest()
+    check(
+        r.returncode == 0 and len(r.stdout) == len(blob) and got == want,
+        f"exec: 20 MB binary out, byte-exact ({time.monotonic() - t:.1f} s)",
+        f"rc={r.returncode} len={len(r.stdout)} stderr={r.stderr[-300:]!r}",
+    )
+    t = time.monotonic()
+    r = k("exec", "-i", "conf", "--", "cat", stdin=blob, text=False)
+    check(
+        r.returncode == 0 and len(r.stdout) == len(blob) and hashlib.sha256(r.stdout).hexdigest() == want,
+        f"exec -i: 20 MB binary in and out, byte-exact ({time.monotonic() - t:.1f} s)",
+        f"rc={r.returncode} len={len(r.stdout)} stderr={r.stderr[-300:]!r}",
+    )
+    r = k("exec", "-i", "conf", "--", "sha256sum", stdin=blob, text=False)
+    check(
+        r.returncode == 0 and r.stdout.decode().split()[0] == want,
+        "exec -i: the command sees the end of stdin (sha256sum of 20 MB)",
+        f"rc={r.returncode} stdout={r.stdout[:200]!r} stderr={r.stderr[-300:]!r}",
+    )
+    r = k("exec", "-i", "conf", "--", "sh", "-c", "read a; echo got:$a; cat >&2", stdin="hello\nrest\n")
+    check(
+        r.returncode == 0 and r.stdout == "got:hello\n" and r.stderr == "rest\n",
+        "exec -i: stdin read line by line",
+        f"rc={r.returncode} stdout={r.stdout!r} stderr={r.stderr!r}",
+    )
+
+    r = k("delete", "pod", "conf", "--now")
+    check(r.returncode == 0 and 'pod "conf" deleted' in r.stdout, "delete --now (waits until gone)", r.stdout + r.stderr)
+    r = k("get", "pod", "conf")
+    check(
+        r.returncode == 1 and 'Error from server (NotFound): pods "conf" not found' in r.stderr,
+        "get after delete: NotFound",
+        r.stdout + r.stderr,
+    )
+
+    # The watches saw the pod come, run and go; then they are stopped.
+    time.sleep(0.5)
+    for w in (watch, watch_default):
+        w.terminate()
+    out, err = watch.communicate(timeout=10)
+    lines = [l for l in out.splitlines() if l.strip()]
+    check(
+        any(l.startswith("ADDED") and "conf Pending" in l for l in lines)
+        and any(l.startswith("MODIFIED") and "conf Running" in l for l in lines)
+        and any(l.startswith("DELETED") and "conf" in l for l in lines),
+        "get -w --output-watch-events: ADDED Pending, MODIFIED Running, DELETED",
+        out + err,
+    )
+    out, err = watch_default.communicate(timeout=10)
+    statuses = [l.split()[2] for l in out.splitlines()[1:] if l.startswith("conf ")]
+    check(
+        out.startswith("NAME") and "Running" in statuses and "Terminating" in statuses,
+        "get -w (table): sees the pod run, then terminate",
+        out + err,
+    )
+
+
+if __name__ == "__main__":
+    main()
