@@ -59,10 +59,11 @@ fn every_failure_line_survives_and_the_output_shrinks() {
     let catalog = Catalog::builtin();
     let mut covered = std::collections::BTreeSet::new();
     let mut lost = Vec::new();
-    println!(
-        "| fixture | template | exit | raw bytes | filtered bytes | filtered/raw | failure lines kept / needed |"
-    );
-    println!("|---|---|---|---:|---:|---:|---:|");
+    let mut too_big = Vec::new();
+    let mut table = vec![
+        "| fixture | template | exit | raw bytes | filtered bytes | filtered/raw | failure lines kept / needed |".to_owned(),
+        "|---|---|---|---:|---:|---:|---:|".to_owned(),
+    ];
     for f in fixtures() {
         let t = catalog
             .get(&f.template)
@@ -92,16 +93,40 @@ fn every_failure_line_survives_and_the_output_shrinks() {
         }
         let raw = f.stdout.len() + f.stderr.len();
         let filtered = out.output.len() + err.output.len();
-        println!(
+        // The target of docs/templates.md: a failing run over 10 KB keeps at most 10%.
+        if f.exit != 0 && raw > 10_000 && filtered * 10 > raw {
+            too_big.push(format!("{}: {filtered} of {raw} bytes", f.name));
+        }
+        table.push(format!(
             "| {} | {} | {} | {raw} | {filtered} | {:.1}% | {kept_needed} / {} |",
             f.name,
             f.template,
             f.exit,
             100.0 * filtered as f64 / raw as f64,
             f.must_keep.len()
-        );
+        ));
     }
+    println!("{}", table.join("\n"));
     assert!(lost.is_empty(), "lines lost:\n{}", lost.join("\n"));
+    assert!(
+        too_big.is_empty(),
+        "failing runs over 10 KB above 10%:\n{}",
+        too_big.join("\n")
+    );
+    // docs/templates.md shows this very table: a rerun that contradicts it fails.
+    let doc =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/templates.md"))
+            .unwrap();
+    let documented: Vec<&str> = doc
+        .lines()
+        .skip_while(|l| !l.starts_with("| fixture | template |"))
+        .take_while(|l| l.starts_with('|'))
+        .collect();
+    assert_eq!(
+        documented,
+        table.iter().map(String::as_str).collect::<Vec<_>>(),
+        "docs/templates.md's table differs from this run (printed above)"
+    );
     assert_eq!(
         covered,
         catalog.names().into_iter().collect(),

@@ -118,11 +118,20 @@ static LIBRARY_FRAME: LazyLock<Regex> = LazyLock::new(|| {
     .unwrap_or_else(|e| unreachable!("built-in regex: {e}"))
 });
 
-/// A caret line under a source line in a code frame (`   |     ^^^`, `  ~~~~`): it and the
-/// line it marks are kept on a failure, the frame's other context lines are not.
+/// A caret line under a source line in a code frame (`   |     ^^^`, `  ~~~~`): the line it
+/// marks is kept on a failure, the frame's other context lines are not. The caret line itself
+/// is kept when it underlines a span (`^^^^`, `~~~~`: which expression); a single `^` only
+/// gives a column, which the failure's location (`file:line:col`) already says.
 static CARET: LazyLock<Regex> = LazyLock::new(|| {
     Regex::new(r"^\s*(\d+\s*)?\|?\s*[\^~]+\s*$")
         .unwrap_or_else(|e| unreachable!("built-in regex: {e}"))
+});
+
+/// A source line of a code frame (`  12 | code`, `> 12 | code`, `  12| code`): the program's
+/// text, not a report, so never error-shaped itself (`throw new Error(...)`) and never "the
+/// source line under a location"; it is kept only as the line a caret or a template marks.
+static CODE_LINE: LazyLock<Regex> = LazyLock::new(|| {
+    Regex::new(r"^\s*>?\s*\d+\s*\|").unwrap_or_else(|e| unreachable!("built-in regex: {e}"))
 });
 
 /// Kept lines shorter than this (trimmed) are kept however often they repeat (code-frame
@@ -271,7 +280,11 @@ impl StreamFilter {
         if self.template.include.is_match(text) {
             why = Some(Why::Include);
         }
-        let failure = ERROR_SHAPED.is_match(text);
+        // Source text and library stack frames are not failure reports, whatever words they
+        // contain (`throw new Error(`, `at Resolver._throwModNotFoundError (node_modules/..)`).
+        let code = memchr::memchr(b'|', text).is_some() && CODE_LINE.is_match(text);
+        let library = text.trim_ascii_start().starts_with(b"at ") && LIBRARY_FRAME.is_match(text);
+        let failure = !code && !library && ERROR_SHAPED.is_match(text);
         // Locations matter only near a failure: most lines skip the pattern.
         let near = self.window > 0 || self.block > 0 || self.after_failure;
         let location = !failure && near && LOCATION.is_match(text);
@@ -299,7 +312,11 @@ impl StreamFilter {
                 keep_failure = true;
             }
         }
-        if self.after_location && !blank && text.first().is_some_and(|b| *b == b' ' || *b == b'\t')
+        if self.after_location
+            && !blank
+            && !code
+            && !FRAME.is_match(text)
+            && text.first().is_some_and(|b| *b == b' ' || *b == b'\t')
         {
             // The source line under a location (`test_x.py:1: in <module>` / `    import x`).
             keep_failure = true;
@@ -316,14 +333,17 @@ impl StreamFilter {
             }
         }
         if memchr::memchr2(b'^', b'~', text).is_some() && CARET.is_match(text) {
-            keep_failure = true;
+            // A single `^` is a column (in the location too); a span says which expression.
+            if memchr::memchr2_iter(b'^', b'~', text).nth(1).is_some() {
+                keep_failure = true;
+            }
             if let Some(p) = self.previous.take() {
                 let l = std::mem::take(&mut self.previous_line);
                 self.candidate(p, Why::Failure, &l);
                 self.previous_line = l;
             }
         }
-        if keep_failure && !failure && LIBRARY_FRAME.is_match(text) {
+        if library {
             keep_failure = false;
         }
         if keep_failure && why.is_none() {
@@ -662,12 +682,64 @@ mod rule_tests {
         let k = kept(&t("^NEVER$", None), &out, 1);
         assert!(k.contains("  |     ^ expected `u64`, found `u32`\n"), "{k}");
         assert!(k.contains("    unknown sku: B\n"), "{k}");
+        // The marked line stays; its single `^` is only a column and goes.
         assert!(
-            k.contains("    > 4 |     throw new Error(`unknown`);\n        |           ^\n"),
+            k.contains("    > 4 |     throw new Error(`unknown`);\n"),
             "{k}"
         );
+        assert!(!k.contains("|           ^"), "{k}");
         assert!(!k.contains("      3 |") && !k.contains("      5 |"), "{k}");
         assert!(!k.contains("step 3 fine"), "{k}");
+    }
+
+    #[test]
+    fn a_caret_span_is_kept_a_single_caret_is_a_column() {
+        let out = format!(
+            "{}src/a.ts:3:7 - error TS2322: Type 'string' is not assignable\n\n3 const x: number = \"s\";\n        ~\n\nsrc/b.ts:4:1 - error TS2339: Property 'fullName'\n\n4 user.fullName;\n       ~~~~~~~~\n{}",
+            noise(),
+            noise()
+        );
+        let k = kept(&t("^NEVER$", None), &out, 1);
+        assert!(k.contains("3 const x: number = \"s\";\n"), "{k}");
+        assert!(!k.contains("        ~\n"), "{k}");
+        assert!(k.contains("4 user.fullName;\n       ~~~~~~~~\n"), "{k}");
+    }
+
+    #[test]
+    fn code_frames_are_source_not_reports() {
+        // Vitest's frame under its location: only the marked line; a context line that says
+        // `Error` is program text, not a failure.
+        let out = format!(
+            "{}Error: unknown sku: B\n ❯ price vt/cart.test.ts:5:11\n      3| function price(sku) {{\n      4|   if (bad) throw new Error(\"x\");\n      5|     throw new Error(`unknown`);\n       |           ^\n      6|   }}\n{}",
+            noise(),
+            noise()
+        );
+        let k = kept(&t("^NEVER$", None), &out, 1);
+        assert!(
+            k.contains("Error: unknown sku: B\n ❯ price vt/cart.test.ts:5:11\n      5|     throw new Error(`unknown`);\n"),
+            "{k}"
+        );
+        assert!(
+            !k.contains("3| function") && !k.contains("4|") && !k.contains("6|"),
+            "{k}"
+        );
+        assert!(!k.contains("       |"), "{k}");
+    }
+
+    #[test]
+    fn library_frames_are_left_out_even_when_error_shaped() {
+        let out = format!(
+            "{}  ● Test suite failed to run\n\n    Cannot find module './x.json'\n\n      at Resolver._throwModNotFoundError (node_modules/jest-resolve/build/index.js:1031:11)\n      at Object.require (jt/config.test.js:1:13)\n{}",
+            noise(),
+            noise()
+        );
+        let k = kept(&t("^NEVER$", None), &out, 1);
+        assert!(!k.contains("node_modules/"), "{k}");
+        assert!(
+            k.contains("      at Object.require (jt/config.test.js:1:13)\n"),
+            "{k}"
+        );
+        assert!(k.contains("    Cannot find module './x.json'\n"), "{k}");
     }
 
     #[test]
