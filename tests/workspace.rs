@@ -88,6 +88,24 @@ fn leftover_runs(dir: &tempfile::TempDir) -> Vec<PathBuf> {
         .unwrap_or_default()
 }
 
+/// The files and symlinks (relative paths) of the trees the gateway keeps between runs,
+/// after checking there are at most `local_idle_trees` (2) of them.
+fn idle_tree_files(dir: &tempfile::TempDir) -> std::collections::BTreeSet<String> {
+    let trees = leftover_runs(dir);
+    assert!(trees.len() <= 2, "{trees:?}");
+    let mut files = std::collections::BTreeSet::new();
+    for t in trees {
+        for e in walkdir::WalkDir::new(&t).min_depth(1) {
+            let e = e.unwrap();
+            if !e.file_type().is_dir() {
+                let rel = e.path().strip_prefix(&t).unwrap();
+                files.insert(rel.to_str().unwrap().to_owned());
+            }
+        }
+    }
+    files
+}
+
 #[test]
 fn the_runner_gets_exactly_the_tree_in_the_same_relative_directory() {
     let dir = tempfile::tempdir().unwrap();
@@ -121,9 +139,13 @@ fn the_runner_gets_exactly_the_tree_in_the_same_relative_directory() {
     let mut got: Vec<&str> = lines.collect();
     got.sort();
     assert_eq!(got, expected);
-    assert!(
-        leftover_runs(&dir).is_empty(),
-        "the run's directory is removed"
+    // The tree is kept for the next run, holding nothing but the workspace.
+    let mut files: Vec<String> = want.keys().cloned().collect();
+    files.push("lib/link".into());
+    assert_eq!(
+        idle_tree_files(&dir),
+        files.into_iter().collect(),
+        "the idle tree holds the workspace"
     );
 }
 
@@ -213,7 +235,11 @@ fn uploads_are_incremental_and_results_come_back() {
         "{stderr}"
     );
     assert_eq!(std::fs::read(r.join("out/two")).unwrap(), b"2\n");
-    assert!(leftover_runs(&dir).is_empty());
+    let kept = idle_tree_files(&dir);
+    // (out/r.txt and lib/bin.dat came back into the caller's tree: part of the last manifest.)
+    for f in ["out/two", "out/r.log", "other.txt"] {
+        assert!(!kept.contains(f), "the runs' output is not kept: {kept:?}");
+    }
 }
 
 #[test]
@@ -268,7 +294,8 @@ fn concurrent_runs_each_get_a_clean_copy() {
         assert_eq!(String::from_utf8_lossy(&out.stdout), want);
     }
     assert!(!a.path().join("marker").exists());
-    assert!(leftover_runs(&dir).is_empty());
+    let kept = idle_tree_files(&dir);
+    assert!(kept.iter().all(|f| f == "name"), "{kept:?}");
 }
 
 #[test]
@@ -316,5 +343,126 @@ fn a_remote_backend_gateway_forwards_workspaces_and_results() {
             .trim(),
         "5"
     );
+    let kept = idle_tree_files(&dir);
+    assert!(!kept.contains("lib/r.out"), "{kept:?}");
+}
+
+/// The tree kept between runs: an unchanged rerun reuses its files (same inodes), and
+/// whatever a run did to the tree (in-place edits with the mtime put back, new files,
+/// deletions, chmods, hard links, a file replaced by a directory, an unreadable directory)
+/// is gone before the next run, which sees exactly its manifest again.
+#[test]
+fn a_rerun_reuses_the_tree_and_sees_exactly_its_manifest() {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = gateway(&dir, "");
+    let (tree, want) = sample_tree();
+    let r = tree.path();
+    let listing = r#"pwd; find . \( -type f -o -type l \) | sort | while read -r f; do
+        if [ -L "$f" ]; then echo "L $f $(readlink "$f")"; else echo "F $f $(stat -c %a "$f") $(sha256sum < "$f" | cut -c1-64)"; fi; done;
+        find . -type d | sort | while read -r d; do echo "D $d $(stat -c %a "$d")"; done; stat -c %i run.sh"#;
+    let list = || {
+        let out = run_remote(
+            &gw,
+            dir.path(),
+            r,
+            &["--workspace", "--", "sh", "-c", listing],
+        );
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8(out.stdout).unwrap();
+        let mut lines: Vec<String> = text.lines().map(str::to_owned).collect();
+        let inode = lines.pop().unwrap();
+        let pwd = lines.remove(0);
+        (pwd, lines, inode)
+    };
+    let (pwd, first, inode) = list();
+    let mut expected: Vec<String> = want
+        .iter()
+        .map(|(p, (mode, data))| {
+            format!("F ./{p} {mode:o} {}", mcp_run::workspace::hash_bytes(data))
+        })
+        .collect();
+    expected.push("L ./lib/link ../run.sh".into());
+    for d in [".", "./lib", "./lib/a", "./lib/a/b"] {
+        expected.push(format!("D {d} {}", if d == "." { 700 } else { 755 }));
+    }
+    expected.sort();
+    let mut sorted = first.clone();
+    sorted.sort();
+    assert_eq!(sorted, expected);
+    let (pwd2, second, inode2) = list();
+    assert_eq!(
+        (&pwd2, &second, &inode2),
+        (&pwd, &first, &inode),
+        "reused as is"
+    );
+
+    // A run that does everything it can to the tree, putting mtimes back where it edits.
+    let vandal = r#"set -e
+        t=$(stat -c %y lib/bin.dat)
+        printf 'XXXXX' | dd of=lib/bin.dat conv=notrunc 2>/dev/null; touch -d "$t" lib/bin.dat
+        test "$(stat -c %y lib/bin.dat)" = "$t"
+        printf 'x' >> .gitignore
+        chmod 600 run.sh
+        rm 'untracked new.txt'
+        ln lib/.gitignore hard
+        rm -r lib/a && echo file > lib/a
+        mkdir -p new/deep && echo n > new/deep/f && chmod 000 new
+        chmod 555 lib
+        ln -s /etc/passwd lib2
+        mkfifo fifo"#;
+    let out = run_remote(
+        &gw,
+        dir.path(),
+        r,
+        &["--workspace", "--", "sh", "-c", vandal],
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (pwd3, third, _) = list();
+    assert_eq!(
+        (&pwd3, &third),
+        (&pwd, &first),
+        "the same tree, as the manifest says"
+    );
+
+    // Without idle trees, every run gets a fresh tree, removed afterwards.
+    let dir = tempfile::tempdir().unwrap();
+    let gw = gateway(&dir, "  local_idle_trees: 0\n");
+    let out = run_remote(
+        &gw,
+        dir.path(),
+        r,
+        &["--workspace", "--", "sh", "-c", "pwd"],
+    );
+    assert_eq!(out.status.code(), Some(0));
+    let again = run_remote(
+        &gw,
+        dir.path(),
+        r,
+        &["--workspace", "--", "sh", "-c", "pwd"],
+    );
+    assert_ne!(out.stdout, again.stdout);
     assert!(leftover_runs(&dir).is_empty());
+}
+
+/// Idle trees go when the gateway stops.
+#[test]
+fn idle_trees_are_removed_at_shutdown() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut gw = gateway(&dir, "");
+    let (tree, _) = sample_tree();
+    let out = run_remote(&gw, dir.path(), tree.path(), &["--workspace", "--", "true"]);
+    assert_eq!(out.status.code(), Some(0));
+    assert_eq!(leftover_runs(&dir).len(), 1);
+    assert!(gw.terminate().is_some());
+    assert!(leftover_runs(&dir).is_empty(), "{:?}", leftover_runs(&dir));
 }

@@ -266,7 +266,7 @@ pub async fn build_executor(
             LocalExecutor::new(&config.local.inherit_env)
                 .with_profiles(config.profiles.keys().cloned())
                 .with_reaper()
-                .with_workspace_dir(config.workspaces.local_dir()),
+                .with_workspaces(&config.workspaces),
         ),
         BackendKind::Remote => {
             let url = config.remote.server.as_deref().context(

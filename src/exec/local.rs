@@ -13,6 +13,7 @@
 use std::io::ErrorKind;
 use std::os::unix::process::ExitStatusExt;
 use std::process::Stdio;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
@@ -84,8 +85,8 @@ pub struct LocalExecutor {
     /// Profile names requests may give. Profiles describe pods; here they only select the
     /// policy's per-profile overrides.
     profiles: Vec<String>,
-    /// Where a run's workspace is written (a new directory per run).
-    workspace_dir: std::path::PathBuf,
+    /// Where runs' workspaces are written, and the trees kept between runs.
+    trees: Arc<crate::workspace::trees::Trees>,
 }
 
 impl LocalExecutor {
@@ -105,7 +106,11 @@ impl LocalExecutor {
             _reaper: None,
             host,
             profiles: vec!["default".into()],
-            workspace_dir: std::env::temp_dir(),
+            trees: Arc::new(crate::workspace::trees::Trees::new(
+                std::env::temp_dir(),
+                0,
+                Duration::ZERO,
+            )),
         }
     }
 
@@ -122,14 +127,20 @@ impl LocalExecutor {
         self
     }
 
-    /// Writes each run's workspace into a new directory below `dir`.
-    pub fn with_workspace_dir(mut self, dir: std::path::PathBuf) -> Self {
-        self.workspace_dir = dir;
+    /// Writes runs' workspaces below `cfg.local_dir`, keeping `cfg.local_idle_trees` trees
+    /// between runs (docs/workspaces.md).
+    pub fn with_workspaces(mut self, cfg: &crate::workspace::WorkspaceConfig) -> Self {
+        self.trees = Arc::new(crate::workspace::trees::Trees::new(
+            cfg.local_dir(),
+            cfg.local_idle_trees,
+            Duration::from_secs(cfg.max_age_secs),
+        ));
         self
     }
 
-    /// Writes the workspace into a fresh directory, then starts the command in it; the
-    /// directory goes when the command has ended (after sync-back).
+    /// Brings a tree to the workspace (an idle one from an earlier run, else a fresh one),
+    /// then starts the command in it; the tree is cleaned of the run's output when the
+    /// command has ended (after sync-back).
     async fn start_in_workspace(
         &self,
         mut spec: ExecSpec,
@@ -137,9 +148,9 @@ impl LocalExecutor {
         cancel: CancellationToken,
         stdin: Option<mpsc::Receiver<Bytes>>,
     ) -> Result<Execution, ErrorBody> {
-        let base = self.workspace_dir.clone();
+        let trees = self.trees.clone();
         let tree =
-            tokio::task::spawn_blocking(move || crate::workspace::local::materialize(&run, &base))
+            tokio::task::spawn_blocking(move || crate::workspace::local::materialize(&run, &trees))
                 .await
                 .map_err(|e| {
                     ErrorBody::new(ErrorCode::Internal, format!("materialising failed: {e}"))

@@ -35,6 +35,9 @@ pub struct WorkspaceConfig {
     /// temporary directory].
     #[serde(skip_serializing_if = "Option::is_none")]
     pub local_dir: Option<PathBuf>,
+    /// Trees the local backend keeps between runs, so that a rerun copies only what changed
+    /// (0: a fresh tree per run, removed afterwards).
+    pub local_idle_trees: usize,
 }
 
 const MIB: u64 = 1024 * 1024;
@@ -53,6 +56,7 @@ impl Default for WorkspaceConfig {
             max_path_bytes: 1024,
             max_manifest_bytes: 64 * MIB as usize,
             local_dir: None,
+            local_idle_trees: 2,
         }
     }
 }

@@ -1,100 +1,45 @@
 //! Materialising a workspace in a directory of the gateway's host (the local backend: a
-//! fresh directory per run, removed afterwards), and collecting what a run changed
-//! (sync-back), which every backend that has the tree on a local disk shares.
+//! tree holding exactly the manifest, kept between runs by [`super::trees`]), and collecting
+//! what a run changed (sync-back), which every backend that has the tree on a local disk
+//! shares.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use tokio::sync::mpsc;
 
 use super::WorkspaceRun;
 use super::manifest::EntryKind;
-use super::store::Pinned;
-use crate::contract::{ChangedFile, ErrorBody, ErrorCode, Event};
+use super::trees::{SyncStats, Tree, Trees};
+use crate::contract::{ChangedFile, ErrorBody, Event};
 
-/// A workspace written out for one run; removed when dropped.
+/// A workspace written out for one run; handed back to the idle trees when dropped.
 pub struct LocalTree {
     pub root: PathBuf,
     /// The command's working directory inside `root`.
     pub cwd: PathBuf,
+    /// What bringing the tree to the manifest took.
+    pub stats: SyncStats,
     run: WorkspaceRun,
-    _pin: Pinned,
+    tree: Option<Tree>,
+    trees: Arc<Trees>,
 }
 
-fn failed(what: String, e: std::io::Error) -> ErrorBody {
-    ErrorBody::new(
-        ErrorCode::StartFailed,
-        format!("cannot materialise the workspace: {what}: {e}"),
-    )
-}
-
-/// Writes the workspace into a new directory below `base`. Blocking.
-pub fn materialize(run: &WorkspaceRun, base: &Path) -> Result<LocalTree, ErrorBody> {
-    use std::os::unix::fs::DirBuilderExt as _;
+/// A tree holding exactly the run's workspace, from `trees` (an idle one brought up to date,
+/// else a fresh one). Blocking.
+pub fn materialize(run: &WorkspaceRun, trees: &Arc<Trees>) -> Result<LocalTree, ErrorBody> {
+    // Held while copying from the cache; the tree has its own copies afterwards.
     let pin = run.store.pin(&run.workspace)?;
-    std::fs::create_dir_all(base).map_err(|e| failed(base.display().to_string(), e))?;
-    let root = base.join(format!("mcp-run-ws-{:016x}", rand::random::<u64>()));
-    // Private to the gateway's user (the command runs as that user).
-    std::fs::DirBuilder::new()
-        .mode(0o700)
-        .create(&root)
-        .map_err(|e| failed(root.display().to_string(), e))?;
-    // From here on the directory goes away with `tree` whatever happens.
-    let tree = LocalTree {
+    let (tree, stats) = trees.check_out(run, &pin)?;
+    let root = tree.root().to_owned();
+    Ok(LocalTree {
         cwd: root.join(&run.cwd),
         root,
+        stats,
         run: run.clone(),
-        _pin: pin,
-    };
-    // Directories first, then the files in parallel (copying is most of a run's set-up).
-    let entries = &run.workspace.manifest.entries;
-    let mut dirs = std::collections::BTreeSet::new();
-    for e in entries {
-        if let Some((parent, _)) = e.path.rsplit_once('/') {
-            dirs.insert(parent);
-        }
-    }
-    for d in dirs {
-        std::fs::create_dir_all(tree.root.join(d)).map_err(|err| failed(d.to_owned(), err))?;
-    }
-    let threads = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1)
-        .clamp(1, 4);
-    let chunk = entries.len().div_ceil(threads).max(1);
-    std::thread::scope(|s| {
-        let handles: Vec<_> = entries
-            .chunks(chunk)
-            .map(|part| s.spawn(|| part.iter().try_for_each(|e| write_entry(&tree, e))))
-            .collect();
-        handles.into_iter().try_for_each(|h| {
-            h.join().unwrap_or_else(|_| {
-                Err(failed(
-                    "a copy thread".into(),
-                    std::io::Error::other("panicked"),
-                ))
-            })
-        })
-    })?;
-    std::fs::create_dir_all(&tree.cwd).map_err(|e| failed(run.cwd.clone(), e))?;
-    Ok(tree)
-}
-
-/// Writes one file or symlink of the tree (its directory exists).
-fn write_entry(tree: &LocalTree, e: &super::manifest::ManifestEntry) -> Result<(), ErrorBody> {
-    use std::os::unix::fs::PermissionsExt as _;
-    let dest = tree.root.join(&e.path);
-    match e.kind {
-        EntryKind::File => {
-            let blob = tree.run.store.path_of(&tree._pin, &e.hash);
-            std::fs::copy(&blob, &dest).map_err(|err| failed(e.path.clone(), err))?;
-            std::fs::set_permissions(&dest, std::fs::Permissions::from_mode(e.mode))
-                .map_err(|err| failed(e.path.clone(), err))
-        }
-        EntryKind::Symlink => {
-            let target = e.target.as_deref().unwrap_or_default();
-            std::os::unix::fs::symlink(target, &dest).map_err(|err| failed(e.path.clone(), err))
-        }
-    }
+        tree: Some(tree),
+        trees: trees.clone(),
+    })
 }
 
 impl LocalTree {
@@ -114,31 +59,11 @@ impl LocalTree {
 }
 
 impl Drop for LocalTree {
+    /// Blocking: cleans the tree of the run's output (or removes it).
     fn drop(&mut self) {
-        remove_tree(&self.root);
-    }
-}
-
-/// Removes a directory tree, making directories writable where a command took that away.
-pub fn remove_tree(root: &Path) {
-    if std::fs::remove_dir_all(root).is_ok() || !root.exists() {
-        return;
-    }
-    use std::os::unix::fs::PermissionsExt as _;
-    for entry in walkdir::WalkDir::new(root)
-        .follow_links(false)
-        .into_iter()
-        .flatten()
-    {
-        if entry.file_type().is_dir() {
-            let _ = std::fs::set_permissions(entry.path(), std::fs::Permissions::from_mode(0o700));
+        if let Some(tree) = self.tree.take() {
+            self.trees.check_in(tree, &self.run);
         }
-    }
-    if let Err(e) = std::fs::remove_dir_all(root) {
-        tracing::warn!(
-            "cannot remove the workspace directory {}: {e}",
-            root.display()
-        );
     }
 }
 

@@ -14,6 +14,7 @@ pub mod local;
 pub mod manifest;
 pub mod store;
 pub mod tarball;
+pub mod trees;
 pub mod walk;
 
 pub use config::WorkspaceConfig;

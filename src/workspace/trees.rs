@@ -1,0 +1,501 @@
+//! Materialised trees kept between runs (the local backend): an unchanged rerun must not copy
+//! the whole tree again, yet every run must see exactly its manifest's tree.
+//!
+//! A [`Tree`] remembers, for every file and symlink it wrote, the `lstat` of the result (device,
+//! inode, mode, link count, size, mtime, ctime), as git's index does. Before a run the tree is
+//! brought back to the manifest by one walk: what the run's manifest wants and whose `lstat`
+//! is unchanged stays, everything else (files a command created, changed, chmod'ed, replaced
+//! or hard-linked; other contents; other directories) is removed, then what is missing is
+//! copied from the cache. A command cannot fake an unchanged `lstat`: any write, chmod, link
+//! or rename sets the ctime to the current time, and [`Tree::sync`] does not return before
+//! the file system's clock has passed every ctime it recorded (the "racy git" case: a change
+//! within the same clock tick as the copy would otherwise keep its ctime).
+//!
+//! Files are copied (`std::fs::copy`: `copy_file_range`, which shares extents where the file
+//! system can, as btrfs and XFS do), never hard-linked: a write through a link would change
+//! the cache. A tree is used by one run at a time; a run concurrent with another on the same
+//! workspace gets another tree (a fresh one if none is idle).
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::os::unix::fs::{DirBuilderExt as _, MetadataExt as _, PermissionsExt as _};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use super::WorkspaceRun;
+use super::manifest::{EntryKind, ManifestEntry};
+use super::store::{Owner, Pinned};
+use crate::contract::{ErrorBody, ErrorCode};
+
+/// Mode of every directory of a tree (its root excepted: 0700).
+const DIR_MODE: u32 = 0o755;
+
+/// What `lstat` says about a file, as far as a change would alter it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Stamp {
+    dev: u64,
+    ino: u64,
+    mode: u32,
+    nlink: u64,
+    size: u64,
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+}
+
+impl Stamp {
+    fn of(m: &std::fs::Metadata) -> Self {
+        Self {
+            dev: m.dev(),
+            ino: m.ino(),
+            mode: m.mode(),
+            nlink: m.nlink(),
+            size: m.size(),
+            mtime: (m.mtime(), m.mtime_nsec()),
+            ctime: (m.ctime(), m.ctime_nsec()),
+        }
+    }
+}
+
+/// One file or symlink as written, and its `lstat` right after.
+#[derive(Debug, Clone)]
+struct Written {
+    kind: EntryKind,
+    mode: u32,
+    /// Files: the content's hash; symlinks: the target.
+    what: String,
+    stamp: Stamp,
+}
+
+impl Written {
+    fn is(&self, e: &ManifestEntry) -> bool {
+        self.kind == e.kind
+            && match e.kind {
+                EntryKind::File => self.mode == e.mode && self.what == e.hash,
+                EntryKind::Symlink => Some(self.what.as_str()) == e.target.as_deref(),
+            }
+    }
+}
+
+/// A directory holding a workspace's files; removed when dropped (unless handed to
+/// [`Trees::check_in`]).
+pub struct Tree {
+    root: PathBuf,
+    written: HashMap<String, Written>,
+}
+
+fn failed(what: &str, e: std::io::Error) -> ErrorBody {
+    ErrorBody::new(
+        ErrorCode::StartFailed,
+        format!("cannot materialise the workspace: {what}: {e}"),
+    )
+}
+
+/// Files the last [`Tree::sync`] kept and wrote (what the benchmark and tests look at).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SyncStats {
+    pub kept: usize,
+    pub written: usize,
+    pub removed: usize,
+}
+
+impl Tree {
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// A new empty tree: a directory below `base` private to the gateway's user (commands
+    /// run as that user).
+    fn create(base: &Path) -> Result<Self, ErrorBody> {
+        std::fs::create_dir_all(base).map_err(|e| failed(&base.display().to_string(), e))?;
+        let root = base.join(format!("mcp-run-ws-{:016x}", rand::random::<u64>()));
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&root)
+            .map_err(|e| failed(&root.display().to_string(), e))?;
+        Ok(Self {
+            root,
+            written: HashMap::new(),
+        })
+    }
+
+    /// Brings the tree to exactly `run`'s manifest (plus the run's `cwd`): keeps what is
+    /// intact, removes everything else, copies what is missing from the cache. Blocking.
+    pub fn sync(&mut self, run: &WorkspaceRun, pin: &Pinned) -> Result<SyncStats, ErrorBody> {
+        let entries = &run.workspace.manifest.entries;
+        let dirs = wanted_dirs(entries, &run.cwd);
+        let (kept, seen_dirs, removed) = self.prune(
+            |rel| {
+                entries
+                    .binary_search_by(|e| e.path.as_str().cmp(rel))
+                    .ok()
+                    .map(|i| &entries[i])
+            },
+            &dirs,
+        )?;
+        for d in dirs.iter().filter(|d| !seen_dirs.contains(d.as_str())) {
+            let p = self.root.join(d);
+            std::fs::DirBuilder::new()
+                .mode(DIR_MODE)
+                .create(&p)
+                .and_then(|()| {
+                    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(DIR_MODE))
+                })
+                .map_err(|e| failed(d, e))?;
+        }
+        let missing: Vec<&ManifestEntry> = entries
+            .iter()
+            .filter(|e| !kept.contains(e.path.as_str()))
+            .collect();
+        let written = self.write_all(&missing, run, pin)?;
+        let stats = SyncStats {
+            kept: kept.len(),
+            written: written.len(),
+            removed,
+        };
+        let newest = written.iter().map(|(_, w)| w.stamp.ctime).max();
+        self.written.extend(written);
+        if let Some(newest) = newest {
+            self.settle(newest)?;
+        }
+        Ok(stats)
+    }
+
+    /// After a run: removes what the run created or changed (the next [`Tree::sync`]
+    /// copies the changed files back), so that an idle tree holds no run's output.
+    fn clean(&mut self, run: &WorkspaceRun) -> Result<(), ErrorBody> {
+        let entries = &run.workspace.manifest.entries;
+        let dirs = wanted_dirs(entries, &run.cwd);
+        self.prune(
+            |rel| {
+                entries
+                    .binary_search_by(|e| e.path.as_str().cmp(rel))
+                    .ok()
+                    .map(|i| &entries[i])
+            },
+            &dirs,
+        )?;
+        Ok(())
+    }
+
+    /// One walk: keeps the directories in `dirs` (mode restored) and the files `want` names
+    /// whose recorded `lstat` is unchanged; removes everything else. Returns the kept files,
+    /// the kept directories, and how many entries were removed.
+    fn prune<'m>(
+        &mut self,
+        want: impl Fn(&str) -> Option<&'m ManifestEntry>,
+        dirs: &BTreeSet<String>,
+    ) -> Result<(HashSet<String>, HashSet<String>, usize), ErrorBody> {
+        let root = self.root.clone();
+        std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| failed("the tree's root", e))?;
+        let mut kept = HashSet::new();
+        let mut seen_dirs = HashSet::new();
+        let mut removed = 0;
+        let mut walk = walkdir::WalkDir::new(&root)
+            .min_depth(1)
+            .follow_links(false)
+            .into_iter();
+        while let Some(item) = walk.next() {
+            let entry = item.map_err(|e| {
+                let io = e
+                    .into_io_error()
+                    .unwrap_or_else(|| std::io::Error::other("a loop"));
+                failed("walking the previous run's tree", io)
+            })?;
+            let path = entry.path();
+            let rel = path
+                .strip_prefix(&root)
+                .ok()
+                .and_then(Path::to_str)
+                .map(str::to_owned);
+            let meta = path
+                .symlink_metadata()
+                .map_err(|e| failed("reading the previous run's tree", e))?;
+            let ft = meta.file_type();
+            if ft.is_dir() {
+                if let Some(rel) = rel.filter(|r| dirs.contains(r)) {
+                    if meta.mode() & 0o7777 != DIR_MODE {
+                        std::fs::set_permissions(path, std::fs::Permissions::from_mode(DIR_MODE))
+                            .map_err(|e| failed(&rel, e))?;
+                    }
+                    seen_dirs.insert(rel);
+                } else {
+                    walk.skip_current_dir();
+                    remove_all(path).map_err(|e| failed("removing a directory", e))?;
+                    removed += 1;
+                }
+                continue;
+            }
+            let intact = rel.as_deref().is_some_and(|rel| {
+                want(rel).is_some_and(|e| {
+                    self.written
+                        .get(rel)
+                        .is_some_and(|w| w.is(e) && w.stamp == Stamp::of(&meta))
+                })
+            });
+            match rel {
+                Some(rel) if intact => {
+                    kept.insert(rel);
+                }
+                _ => {
+                    std::fs::remove_file(path).map_err(|e| failed("removing a file", e))?;
+                    removed += 1;
+                }
+            }
+        }
+        self.written.retain(|p, _| kept.contains(p));
+        Ok((kept, seen_dirs, removed))
+    }
+
+    /// Writes the entries (their directories exist), in parallel: copying is most of a
+    /// fresh tree's cost.
+    fn write_all(
+        &self,
+        missing: &[&ManifestEntry],
+        run: &WorkspaceRun,
+        pin: &Pinned,
+    ) -> Result<Vec<(String, Written)>, ErrorBody> {
+        if missing.is_empty() {
+            return Ok(Vec::new());
+        }
+        let threads = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+            .clamp(1, 4);
+        let chunk = missing.len().div_ceil(threads).max(1);
+        std::thread::scope(|s| {
+            let handles: Vec<_> = missing
+                .chunks(chunk)
+                .map(|part| {
+                    s.spawn(|| {
+                        part.iter()
+                            .map(|e| self.write_entry(e, run, pin).map(|w| (e.path.clone(), w)))
+                            .collect::<Result<Vec<_>, _>>()
+                    })
+                })
+                .collect();
+            let mut out = Vec::with_capacity(missing.len());
+            for h in handles {
+                let part = h.join().unwrap_or_else(|_| {
+                    Err(failed("a copy thread", std::io::Error::other("panicked")))
+                })?;
+                out.extend(part);
+            }
+            Ok(out)
+        })
+    }
+
+    /// Writes one file or symlink and records its `lstat`.
+    fn write_entry(
+        &self,
+        e: &ManifestEntry,
+        run: &WorkspaceRun,
+        pin: &Pinned,
+    ) -> Result<Written, ErrorBody> {
+        let dest = self.root.join(&e.path);
+        let what = match e.kind {
+            EntryKind::File => {
+                let blob = run.store.path_of(pin, &e.hash);
+                std::fs::copy(&blob, &dest).map_err(|err| failed(&e.path, err))?;
+                std::fs::set_permissions(&dest, std::fs::Permissions::from_mode(e.mode))
+                    .map_err(|err| failed(&e.path, err))?;
+                e.hash.clone()
+            }
+            EntryKind::Symlink => {
+                let target = e.target.clone().unwrap_or_default();
+                std::os::unix::fs::symlink(&target, &dest).map_err(|err| failed(&e.path, err))?;
+                target
+            }
+        };
+        let meta = dest
+            .symlink_metadata()
+            .map_err(|err| failed(&e.path, err))?;
+        Ok(Written {
+            kind: e.kind,
+            mode: e.mode,
+            what,
+            stamp: Stamp::of(&meta),
+        })
+    }
+
+    /// Waits until the file system's clock (as it stamps a change of the root) is past
+    /// `newest`, so that any later change of a written file gets a later ctime than the
+    /// one recorded. At most a clock tick (1 to 10 ms) after copying, and only then.
+    fn settle(&self, newest: (i64, i64)) -> Result<(), ErrorBody> {
+        for _ in 0..200 {
+            std::fs::set_permissions(&self.root, std::fs::Permissions::from_mode(0o700))
+                .map_err(|e| failed("the tree's root", e))?;
+            let m = self
+                .root
+                .symlink_metadata()
+                .map_err(|e| failed("the tree's root", e))?;
+            if (m.ctime(), m.ctime_nsec()) > newest {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Err(failed(
+            "the file system's clock",
+            std::io::Error::other("it did not advance for 200 ms"),
+        ))
+    }
+}
+
+impl Drop for Tree {
+    fn drop(&mut self) {
+        if !self.root.as_os_str().is_empty() {
+            remove_tree(&self.root);
+        }
+    }
+}
+
+/// The directories a manifest implies, and those of `cwd`.
+fn wanted_dirs(entries: &[ManifestEntry], cwd: &str) -> BTreeSet<String> {
+    let mut dirs = BTreeSet::new();
+    let mut add = |p: &str| {
+        for (i, _) in p.match_indices('/') {
+            dirs.insert(p[..i].to_owned());
+        }
+    };
+    for e in entries {
+        add(&e.path);
+    }
+    if !cwd.is_empty() {
+        add(&format!("{cwd}/"));
+    }
+    dirs
+}
+
+/// Removes a directory tree, making directories writable where a command took that away.
+fn remove_all(root: &Path) -> std::io::Result<()> {
+    if std::fs::remove_dir_all(root).is_ok() || !root.exists() {
+        return Ok(());
+    }
+    for entry in walkdir::WalkDir::new(root)
+        .follow_links(false)
+        .into_iter()
+        .flatten()
+    {
+        if entry.file_type().is_dir() {
+            let _ = std::fs::set_permissions(entry.path(), std::fs::Permissions::from_mode(0o700));
+        }
+    }
+    std::fs::remove_dir_all(root)
+}
+
+/// Removes a directory tree (see [`remove_all`]); a failure is logged.
+pub fn remove_tree(root: &Path) {
+    if let Err(e) = remove_all(root) {
+        tracing::warn!(
+            "cannot remove the workspace directory {}: {e}",
+            root.display()
+        );
+    }
+}
+
+struct Idle {
+    tree: Tree,
+    owner: Owner,
+    digest: String,
+    since: Instant,
+}
+
+/// The idle trees of a gateway, for reuse by the next run of the same owner.
+pub struct Trees {
+    base: PathBuf,
+    keep: usize,
+    max_age: Duration,
+    idle: Mutex<Vec<Idle>>,
+}
+
+impl Trees {
+    /// Trees live below `base`; at most `keep` idle ones are kept (0: every run gets a fresh
+    /// tree, removed afterwards), none idle longer than `max_age`.
+    pub fn new(base: PathBuf, keep: usize, max_age: Duration) -> Self {
+        Self {
+            base,
+            keep,
+            max_age,
+            idle: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Idle>> {
+        self.idle.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A tree holding exactly `run`'s workspace, for one run: an idle tree of the same
+    /// owner brought up to date (the same version's first), else a fresh one. Blocking.
+    pub fn check_out(
+        &self,
+        run: &WorkspaceRun,
+        pin: &Pinned,
+    ) -> Result<(Tree, SyncStats), ErrorBody> {
+        let (reuse, expired) = {
+            let mut idle = self.lock();
+            let now = Instant::now();
+            let (old, young): (Vec<Idle>, Vec<Idle>) = idle
+                .drain(..)
+                .partition(|t| now.saturating_duration_since(t.since) > self.max_age);
+            *idle = young;
+            let owner = &run.workspace.owner;
+            let pick = idle
+                .iter()
+                .enumerate()
+                .filter(|(_, t)| t.owner == *owner)
+                .max_by_key(|(_, t)| (t.digest == run.workspace.digest, t.since))
+                .map(|(i, _)| i);
+            (pick.map(|i| idle.swap_remove(i)), old)
+        };
+        drop(expired);
+        if let Some(mut idle) = reuse {
+            match idle.tree.sync(run, pin) {
+                Ok(stats) => return Ok((idle.tree, stats)),
+                Err(e) => tracing::warn!(
+                    "an idle workspace tree could not be brought up to date, using a fresh one: {}",
+                    e.message
+                ),
+            }
+        }
+        let mut tree = Tree::create(&self.base)?;
+        let stats = tree.sync(run, pin)?;
+        Ok((tree, stats))
+    }
+
+    /// After a run: cleans the tree of what the run left and keeps it for the next run
+    /// (the least recently used idle tree goes beyond the bound). Blocking.
+    pub fn check_in(&self, mut tree: Tree, run: &WorkspaceRun) {
+        if self.keep == 0 {
+            return;
+        }
+        if let Err(e) = tree.clean(run) {
+            tracing::warn!(
+                "a workspace tree could not be cleaned, removing it: {}",
+                e.message
+            );
+            return;
+        }
+        let evicted = {
+            let mut idle = self.lock();
+            idle.push(Idle {
+                tree,
+                owner: run.workspace.owner.clone(),
+                digest: run.workspace.digest.clone(),
+                since: Instant::now(),
+            });
+            let mut evicted = Vec::new();
+            while idle.len() > self.keep {
+                if let Some((i, _)) = idle.iter().enumerate().min_by_key(|(_, t)| t.since) {
+                    evicted.push(idle.swap_remove(i));
+                }
+            }
+            evicted
+        };
+        drop(evicted);
+    }
+
+    /// How many idle trees are kept now.
+    pub fn idle(&self) -> usize {
+        self.lock().len()
+    }
+}
