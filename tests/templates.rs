@@ -48,18 +48,21 @@ fn fixtures() -> Vec<Fixture> {
         });
     }
     out.sort_by(|a, b| a.name.cmp(&b.name));
-    assert!(out.len() >= 14, "fixtures missing: {}", out.len());
+    assert!(out.len() >= 20, "fixtures missing: {}", out.len());
     out
 }
 
 /// Every failure line, location and summary listed in a fixture's must_keep survives its
-/// template; prints the raw → filtered table of docs/templates.md.
+/// template; a failing run over 10 KB keeps at most 10%, a passing run only its summary, and
+/// a stream with nothing left out is unchanged; prints the raw → filtered table, which
+/// docs/templates.md must show.
 #[test]
 fn every_failure_line_survives_and_the_output_shrinks() {
     let catalog = Catalog::builtin();
     let mut covered = std::collections::BTreeSet::new();
     let mut lost = Vec::new();
     let mut too_big = Vec::new();
+    let mut extra = Vec::new();
     let mut table = vec![
         "| fixture | template | exit | raw bytes | filtered bytes | filtered/raw | failure lines kept / needed |".to_owned(),
         "|---|---|---|---:|---:|---:|---:|".to_owned(),
@@ -91,6 +94,28 @@ fn every_failure_line_survives_and_the_output_shrinks() {
                 lost.push(format!("{}: {stream} lost {needle:?}", f.name));
             }
         }
+        for (stream, raw, kept) in [("stdout", &f.stdout, &out), ("stderr", &f.stderr, &err)] {
+            // Nothing left out: nothing added either (the raw bytes, without a note).
+            if kept.omitted_lines() == 0 && !raw.contains(&0x1b) {
+                assert_eq!(&kept.output, raw, "{}: {stream} changed", f.name);
+            }
+            // A passing run shrinks to its summary: every kept line is a needed one.
+            if f.exit == 0 && kept.omitted_lines() > 0 {
+                let needles: Vec<&str> = f
+                    .must_keep
+                    .iter()
+                    .filter(|(s, _)| s == stream)
+                    .map(|(_, n)| n.as_str())
+                    .collect();
+                let text = String::from_utf8_lossy(&kept.output);
+                for line in text.lines().filter(|l| !l.trim().is_empty()) {
+                    if !line.starts_with("[template ") && !needles.iter().any(|n| line.contains(n))
+                    {
+                        extra.push(format!("{}: {stream} kept {line:?}", f.name));
+                    }
+                }
+            }
+        }
         let raw = f.stdout.len() + f.stderr.len();
         let filtered = out.output.len() + err.output.len();
         // The target of docs/templates.md: a failing run over 10 KB keeps at most 10%.
@@ -108,6 +133,11 @@ fn every_failure_line_survives_and_the_output_shrinks() {
     }
     println!("{}", table.join("\n"));
     assert!(lost.is_empty(), "lines lost:\n{}", lost.join("\n"));
+    assert!(
+        extra.is_empty(),
+        "passing runs kept more than their summary:\n{}",
+        extra.join("\n")
+    );
     assert!(
         too_big.is_empty(),
         "failing runs over 10 KB above 10%:\n{}",

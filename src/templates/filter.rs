@@ -381,8 +381,16 @@ impl StreamFilter {
             p.push(line.to_vec());
             self.paragraph_bytes += line.len();
         }
-        // Bounded: a last paragraph of megabytes keeps its end.
+        // Bounded: earlier paragraphs go whole before the last one is cut (the paragraph
+        // before a summary may be the whole body: 400 `test ... ok` lines of a passing
+        // `cargo test --lib`); a last paragraph of megabytes keeps its end.
         while self.paragraph_bytes > MAX_TAIL || self.paragraph_lines() > MAX_TAIL_LINES {
+            if self.paragraphs.len() > 1 {
+                if let Some((_, p)) = self.paragraphs.pop_front() {
+                    self.paragraph_bytes -= p.iter().map(Vec::len).sum::<usize>();
+                }
+                continue;
+            }
             let Some((start, p)) = self.paragraphs.front_mut() else {
                 break;
             };
@@ -540,6 +548,25 @@ mod tests {
         let none = apply(&t("^$NEVER", 0), out, Some(0));
         assert_eq!(none.kept_lines, 0);
         assert_eq!(body(&none), "");
+    }
+
+    #[test]
+    fn a_long_paragraph_before_the_summary_is_left_out_whole() {
+        // A passing `cargo test --lib`: the test list, then the result.
+        let mut out = String::from("\nrunning 400 tests\n");
+        for i in 0..400 {
+            out.push_str(&format!("test t{i} ... ok\n"));
+        }
+        out.push_str("\ntest result: ok. 400 passed\n\n");
+        let f = apply(&t("^NEVER$", 2), out.as_bytes(), Some(0));
+        assert_eq!(body(&f), "test result: ok. 400 passed\n\n");
+        // Short paragraphs are all kept; a long last one keeps its last lines.
+        let short = "x\n\nfailures:\n    t1\n\ntest result: FAILED\n";
+        let f = apply(&t("^NEVER$", 2), short.as_bytes(), Some(0));
+        assert_eq!(body(&f), "failures:\n    t1\n\ntest result: FAILED\n");
+        let f = apply(&t("^NEVER$", 2), &out.as_bytes()[..out.len() - 30], Some(0));
+        assert_eq!(f.kept_lines, MAX_TAIL_LINES);
+        assert!(body(&f).ends_with("test t399 ... ok\n"));
     }
 
     #[test]
