@@ -8,7 +8,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use kube_double::KubeDouble;
+use kube_double::{DoubleOptions, KubeDouble};
 use serde_json::json;
 use support::{Gateway, config_file, http, raw, wait_until};
 
@@ -262,6 +262,50 @@ async fn beyond_max_concurrent_pods_is_429() {
         raw(&gw, json!({"executable": "true"})).await.code(),
         Some(0)
     );
+}
+
+/// A slot of `--max-concurrent-pods` is released when the pod's containers are gone, not when
+/// the delete call returns: with a limit of 1, back-to-back requests never have two pods with
+/// containers at once. (The double keeps a force-deleted pod's containers for a second after
+/// its object is gone, as a kubelet does: deleting with grace 0 and waiting for the object
+/// would free the slot while they still run.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slot_is_released_when_the_pods_containers_are_gone() {
+    let double = KubeDouble::start_with(DoubleOptions {
+        force_kill_delay: Duration::from_secs(1),
+        ..DoubleOptions::default()
+    });
+    let gw = gateway(&double, &["--max-concurrent-pods", "1"]);
+    let mut refused = 0;
+    for i in 0..3 {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let r = http()
+                .post(gw.raw_url())
+                .json(&json!({"executable": "true"}))
+                .send()
+                .await
+                .unwrap();
+            if r.status().as_u16() == 429 {
+                refused += 1;
+                assert!(
+                    Instant::now() < deadline,
+                    "request {i}: the slot never came back"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+            let body = r.text().await.unwrap();
+            assert!(body.contains("\"exit\""), "request {i}: {body}");
+            break;
+        }
+    }
+    assert_eq!(double.peak_pods(), 1, "two pods had containers at once");
+    assert!(
+        refused > 0,
+        "the slot was held while the previous pod terminated"
+    );
+    no_pods_left(&double, Duration::from_secs(5));
 }
 
 /// Stale labelled pods of this installation are deleted, at start-up and periodically;

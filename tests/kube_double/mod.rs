@@ -45,9 +45,12 @@
 //!     → 409 `Conflict`), `dryRun`, `gracePeriodSeconds` (from the query or the DeleteOptions
 //!     body). Grace 0, an unscheduled pod, or a finished pod is removed at once; otherwise
 //!     `deletionTimestamp`/`deletionGracePeriodSeconds` are set and the pod is removed when the
-//!     grace period ends, as for a container whose main process ignores SIGTERM. Exec
-//!     processes are killed (SIGKILL) when the pod goes, as the kubelet killing the container
-//!     would kill them. 200 with the object; `DELETED` to watchers.
+//!     grace period ends, as for a container whose main process ignores SIGTERM (the kubelet
+//!     deletes the object once it has killed the containers). Exec processes are killed
+//!     (SIGKILL) when the containers are: when the pod goes, except that a running pod deleted
+//!     with grace 0 (force) is removed at once while its containers and exec processes live
+//!     on for `DoubleOptions::force_kill_delay`, as on a real node. 200 with the object;
+//!     `DELETED` to watchers.
 //!   * `PATCH` (`application/merge-patch+json`; `application/strategic-merge-patch+json` is
 //!     applied as a JSON merge patch, so lists are replaced and `$patch` directives are not
 //!     understood) and `PUT`. A `metadata.resourceVersion` in the patch or body is a
@@ -126,7 +129,7 @@
 //! `pods`/`pod`/`pod_names` (current state), `created_pods` (as stored at creation),
 //! `insert_pod` (stored as given, no lifecycle: stale pods for reaper tests), `deletions`
 //! (every successful DELETE), `requests` (`"METHOD path?query"`), `deny` (SSAR answers no),
-//! `running_execs`, `resource_version`.
+//! `running_execs`, `resource_version`, `peak_pods` (the most pods with containers at once).
 #![allow(dead_code)]
 // ApiError carries a whole Status (message, details): test code favours plain `Result`s over
 // boxing it.
@@ -180,6 +183,11 @@ pub struct DoubleOptions {
     /// Labels of the namespaces (for example `pod-security.kubernetes.io/enforce=restricted`,
     /// which Pod Security admission enforces).
     pub namespace_labels: BTreeMap<String, BTreeMap<String, String>>,
+    /// How long the containers (and exec processes) of a pod deleted with grace 0 outlive its
+    /// object: the API server removes a force-deleted pod at once and the kubelet kills the
+    /// containers when it notices (a real one takes at least 2 s for a main process that
+    /// ignores SIGTERM; shorter here to keep tests quick).
+    pub force_kill_delay: Duration,
 }
 
 impl Default for DoubleOptions {
@@ -202,6 +210,7 @@ impl Default for DoubleOptions {
             .map(String::from)
             .to_vec(),
             namespace_labels: BTreeMap::new(),
+            force_kill_delay: Duration::from_millis(300),
         }
     }
 }
@@ -258,6 +267,11 @@ pub(crate) struct State {
     pub next_ip: u32,
     /// Faults injected by tests, consumed as they fire.
     pub faults: Faults,
+    /// Pods created through the API whose containers may still run (uid): from creation
+    /// until the object is gone, or, after a force deletion, until the kubelet killed them.
+    pub with_containers: HashSet<String>,
+    /// The most pods with containers at once.
+    pub peak_pods: usize,
 }
 
 /// Faults the next requests meet (see `KubeDouble::inject`).
@@ -520,7 +534,8 @@ impl KubeDouble {
         f(&mut self.shared.lock().faults);
     }
 
-    /// Deletes a pod at once (grace 0), as `kubectl delete --now` does: its exec processes
+    /// Deletes a pod at once and kills its containers with it, as a force deletion whose
+    /// containers the kubelet stops at the same moment: its exec processes
     /// die with it (137 on their status channels).
     pub fn delete_pod(&self, namespace: &str, name: &str) {
         let mut st = self.shared.lock();
@@ -562,6 +577,12 @@ impl KubeDouble {
         });
         drop(st);
         self.shared.kill_execs(Some((namespace, name)));
+    }
+
+    /// The most pods that had containers at once (`State::with_containers`): what a
+    /// `max_concurrent_pods` limit must bound.
+    pub fn peak_pods(&self) -> usize {
+        self.shared.lock().peak_pods
     }
 
     /// The current global resourceVersion.
