@@ -90,6 +90,8 @@
 //! byte (0 stdin, 1 stdout, 2 stderr, 3 error/status, 4 resize; v5 adds 255 = close the
 //! stream in the next byte); base64 protocols use text frames with an ASCII channel digit.
 //! Like the kubelet, the server first sends an empty frame on the lowest writable channel.
+//! Client pings are counted (`exec_pings`); with `DoubleOptions::idle_timeout` a load
+//! balancer cuts a session with no frame either way for that long.
 //!
 //! The command runs as a local process: argv exactly as given (no shell), environment = the
 //! container's `env[].value`s plus `PATH` (the double's own unless the container sets it),
@@ -129,7 +131,8 @@
 //! `pods`/`pod`/`pod_names` (current state), `created_pods` (as stored at creation),
 //! `insert_pod` (stored as given, no lifecycle: stale pods for reaper tests), `deletions`
 //! (every successful DELETE), `requests` (`"METHOD path?query"`), `deny` (SSAR answers no),
-//! `running_execs`, `resource_version`, `peak_pods` (the most pods with containers at once).
+//! `running_execs`, `resource_version`, `peak_pods` (the most pods with containers at once),
+//! `exec_pings`.
 #![allow(dead_code)]
 // ApiError carries a whole Status (message, details): test code favours plain `Result`s over
 // boxing it.
@@ -188,6 +191,10 @@ pub struct DoubleOptions {
     /// containers when it notices (a real one takes at least 2 s for a main process that
     /// ignores SIGTERM; shorter here to keep tests quick).
     pub force_kill_delay: Duration,
+    /// A load balancer in front of the API server that cuts an exec WebSocket after this
+    /// long without a frame either way (pings count): the socket is dropped without a close
+    /// frame and the process is killed, as when the client goes. `None`: no cut.
+    pub idle_timeout: Option<Duration>,
 }
 
 impl Default for DoubleOptions {
@@ -211,6 +218,7 @@ impl Default for DoubleOptions {
             .to_vec(),
             namespace_labels: BTreeMap::new(),
             force_kill_delay: Duration::from_millis(300),
+            idle_timeout: None,
         }
     }
 }
@@ -272,6 +280,8 @@ pub(crate) struct State {
     pub with_containers: HashSet<String>,
     /// The most pods with containers at once.
     pub peak_pods: usize,
+    /// WebSocket pings received from exec clients.
+    pub exec_pings: usize,
 }
 
 /// Faults the next requests meet (see `KubeDouble::inject`).
@@ -583,6 +593,11 @@ impl KubeDouble {
     /// `max_concurrent_pods` limit must bound.
     pub fn peak_pods(&self) -> usize {
         self.shared.lock().peak_pods
+    }
+
+    /// WebSocket pings received from exec clients, over all sessions.
+    pub fn exec_pings(&self) -> usize {
+        self.shared.lock().exec_pings
     }
 
     /// The current global resourceVersion.

@@ -79,6 +79,8 @@ struct Shared {
     deletions: TaskTracker,
     /// Pod start and warm pool figures.
     metrics: crate::metrics::Metrics,
+    /// How often exec WebSockets are pinged (`exec_ping_secs`).
+    ping_interval: std::time::Duration,
 }
 
 impl Executor for KubeExecutor {

@@ -274,6 +274,7 @@ impl KubeExecutor {
             header: command.header,
             user: opts.stdin,
             can_close,
+            ping: self.shared.ping_interval,
         };
         tokio::spawn(supervise(
             connection.into_stream(),

@@ -31,10 +31,6 @@ const STATUS: u8 = 3;
 /// v5: "this stream ends" (the next byte names the stream).
 const CLOSE: u8 = 255;
 
-/// How often the gateway pings an exec's WebSocket: well inside the 60-second idle timeout
-/// of common load balancers in front of API servers, so silent commands keep their stream.
-pub(super) const PING_INTERVAL: Duration = Duration::from_secs(20);
-
 /// After the exec status arrived, how long output may still trickle in.
 const DRAIN_GRACE: Duration = Duration::from_secs(2);
 
@@ -50,6 +46,10 @@ pub(super) struct Input {
     /// v5: stdin's end can be signalled. On v4 it cannot without closing the whole stream
     /// (and losing output), so stdin then stays open until the command ends.
     pub can_close: bool,
+    /// How often to ping the WebSocket (`kubernetes.exec_ping_secs`): well inside the idle
+    /// timeout of load balancers in front of API servers, so silent commands keep their
+    /// stream.
+    pub ping: Duration,
 }
 
 /// Streams the exec's output into the event channel, then its exit; deletes the pod on the
@@ -265,14 +265,14 @@ where
         v.extend_from_slice(data);
         Message::Binary(v.into())
     };
-    let mut ping =
-        tokio::time::interval_at(tokio::time::Instant::now() + PING_INTERVAL, PING_INTERVAL);
     let Input {
         open,
         header,
         mut user,
         can_close,
+        ping,
     } = input;
+    let mut ping = tokio::time::interval_at(tokio::time::Instant::now() + ping, ping);
     if let Some(h) = header
         && sink.send(frame(STDIN, &h)).await.is_err()
     {
