@@ -83,8 +83,16 @@ pub async fn delete(
 ) -> Res {
     let q = parse_query(raw.as_deref());
     let opts = delete_opts(&q, &body)?;
-    let pod = delete_one(&shared, &ns, &name, &opts)?;
-    Ok(pod_response(StatusCode::OK, &pod))
+    let result = delete_one(&shared, &ns, &name, &opts);
+    shared.lock().delete_log.push(super::DeleteRecord {
+        namespace: ns,
+        name,
+        grace: opts.grace,
+        uid: opts.uid.clone(),
+        resource_version: opts.rv.clone(),
+        code: result.as_ref().map_or_else(|e| e.code, |_| 200),
+    });
+    Ok(pod_response(StatusCode::OK, &result?))
 }
 
 pub async fn delete_collection(

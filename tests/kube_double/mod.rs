@@ -132,7 +132,8 @@
 //! `insert_pod` (stored as given, no lifecycle: stale pods for reaper tests), `deletions`
 //! (every successful DELETE), `requests` (`"METHOD path?query"`), `deny` (SSAR answers no),
 //! `running_execs`, `resource_version`, `peak_pods` (the most pods with containers at once),
-//! `exec_pings`.
+//! `exec_pings`, `delete_log` (each DELETE with its preconditions and answer), `set_labels`
+//! (another client's label patch).
 #![allow(dead_code)]
 // ApiError carries a whole Status (message, details): test code favours plain `Result`s over
 // boxing it.
@@ -282,6 +283,22 @@ pub(crate) struct State {
     pub peak_pods: usize,
     /// WebSocket pings received from exec clients.
     pub exec_pings: usize,
+    /// Every DELETE of one pod, with its options and answer.
+    pub delete_log: Vec<DeleteRecord>,
+}
+
+/// One DELETE of a pod as the double received it.
+#[derive(Debug, Clone)]
+pub struct DeleteRecord {
+    pub namespace: String,
+    pub name: String,
+    pub grace: Option<i64>,
+    /// `preconditions.uid`.
+    pub uid: Option<String>,
+    /// `preconditions.resourceVersion`.
+    pub resource_version: Option<String>,
+    /// The answer's status code (409 for a failed precondition).
+    pub code: u16,
 }
 
 /// Faults the next requests meet (see `KubeDouble::inject`).
@@ -302,6 +319,9 @@ pub struct Faults {
     pub pull_failures: usize,
     /// Exec upgrades are answered this late.
     pub exec_delay: Option<Duration>,
+    /// Each live watch event waits this long before it is sent (a lagging watch cache or a
+    /// slow connection): what a client's cache shows falls behind. Not consumed.
+    pub watch_delay: Option<Duration>,
 }
 
 pub(crate) struct Shared {
@@ -593,6 +613,24 @@ impl KubeDouble {
     /// `max_concurrent_pods` limit must bound.
     pub fn peak_pods(&self) -> usize {
         self.shared.lock().peak_pods
+    }
+
+    /// Every DELETE of one pod, in order, with its preconditions and answer.
+    pub fn delete_log(&self) -> Vec<DeleteRecord> {
+        self.shared.lock().delete_log.clone()
+    }
+
+    /// Sets labels on a stored pod as another client's merge patch would (new
+    /// resourceVersion, MODIFIED to watchers): for example another gateway replica claiming
+    /// a warm pod.
+    pub fn set_labels(&self, namespace: &str, name: &str, labels: &[(&str, &str)]) {
+        let mut st = self.shared.lock();
+        pods::modify_locked(&self.shared, &mut st, namespace, name, |p| {
+            let l = p.metadata.labels.get_or_insert_with(Default::default);
+            for (k, v) in labels {
+                l.insert(k.to_string(), v.to_string());
+            }
+        });
     }
 
     /// WebSocket pings received from exec clients, over all sessions.
