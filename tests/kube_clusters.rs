@@ -563,3 +563,39 @@ async fn pings_keep_silent_exec_streams_through_idle_cuts() {
     );
     assert!(o.stdout.is_empty());
 }
+
+/// "Executable not found" is exit 127 with `command not found` on stderr whatever the runtime
+/// says: runc's and Kata's words are known, and words no pattern knows (`Opaque`) are not
+/// needed: the gateway then asks the pod whether the program exists.
+#[tokio::test(flavor = "multi_thread")]
+async fn executable_not_found_is_127_whatever_the_runtime_says() {
+    use kube_double::Runtime;
+    for runtime in [Runtime::Runc, Runtime::Kata, Runtime::Opaque] {
+        let double = KubeDouble::start_with(DoubleOptions {
+            runtime,
+            ..Default::default()
+        });
+        let ex = executor(&double, 30, &[]).await;
+        for program in ["no-such-program-mcp-run", "/no/such/program"] {
+            let o = run(&ex, spec(&[program, "arg"]), StartOptions::default())
+                .await
+                .expect("started");
+            assert_eq!(
+                exit_code(&o),
+                Some(127),
+                "{runtime:?} {program}: {:?}",
+                o.end
+            );
+            assert_eq!(
+                String::from_utf8_lossy(&o.stderr),
+                format!("mcp-run: {program}: command not found\n"),
+                "{runtime:?}"
+            );
+        }
+        // A program that exists still runs, and one that fails is not taken for missing.
+        let o = run(&ex, spec(&["sh", "-c", "exit 3"]), StartOptions::default())
+            .await
+            .expect("started");
+        assert_eq!(exit_code(&o), Some(3), "{runtime:?}");
+    }
+}

@@ -331,8 +331,24 @@ fn exec_id() -> String {
 }
 
 /// What runc reports when the process cannot be started, wrapped as containerd and the CRI
-/// streaming server wrap it.
-fn start_error(argv0: &str, cwd: &str, err: &std::io::Error) -> String {
+/// streaming server wrap it; a missing program in the words of `runtime`.
+fn start_error(argv0: &str, cwd: &str, err: &std::io::Error, runtime: super::Runtime) -> String {
+    if FsPath::new(cwd).is_dir() && err.kind() == std::io::ErrorKind::NotFound {
+        let exec = exec_id();
+        match runtime {
+            super::Runtime::Runc => {}
+            super::Runtime::Kata => {
+                return format!(
+                    "error executing command in container: failed to exec in container: failed to start exec \"{exec}\": Others(\"failed to handler message handler request\\n\\nCaused by:\\n    0: start process\\n    1: start\\n    2: enter process\\n    3: exec process\\n    4: rpc status: code: INTERNAL message: \\\"the file {argv0} was not found\\\"\"): unknown"
+                );
+            }
+            super::Runtime::Opaque => {
+                return format!(
+                    "error executing command in container: failed to exec in container: failed to start exec \"{exec}\": exec of \"{argv0}\" refused: unknown"
+                );
+            }
+        }
+    }
     let cause = if !FsPath::new(cwd).is_dir() {
         format!("chdir to cwd (\"{cwd}\") set in config.json failed: no such file or directory")
     } else {
@@ -563,7 +579,12 @@ impl Session {
         };
         let outcome = match spawned {
             Err(why) => Outcome::UpgradeFailed(why),
-            Ok(Err(e)) => Outcome::StartFailed(start_error(&self.req.argv[0], &self.cwd, &e)),
+            Ok(Err(e)) => Outcome::StartFailed(start_error(
+                &self.req.argv[0],
+                &self.cwd,
+                &e,
+                self.shared.opts.runtime,
+            )),
             Ok(Ok(mut child)) => {
                 let pgid = child.id().map(|p| p as i32).unwrap_or(0);
                 let _reg = {

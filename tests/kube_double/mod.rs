@@ -103,7 +103,9 @@
 //! `InternalError` worded as containerd/runc word it (`Internal error occurred: error
 //! executing command in container: failed to exec in container: failed to start exec "ID":
 //! OCI runtime exec failed: exec failed: unable to start container process: exec: "NAME":
-//! executable file not found in $PATH: unknown`, likewise `permission denied`). The messages
+//! executable file not found in $PATH: unknown`, likewise `permission denied`); with
+//! `DoubleOptions::runtime` a missing program is worded as Kata's agent words it, or in words
+//! no client knows (`Runtime::Opaque`). The messages
 //! differ by path as in a real cluster: v4 is the kubelet's (CRI streaming server) Status,
 //! `command terminated with non-zero exit code: error executing command [ARGV], exit code
 //! N`; v5 is written by the API server's stream translator after its SPDY client decoded the
@@ -196,6 +198,21 @@ pub struct DoubleOptions {
     /// long without a frame either way (pings count): the socket is dropped without a close
     /// frame and the process is killed, as when the client goes. `None`: no cut.
     pub idle_timeout: Option<Duration>,
+    /// Whose words a failed exec start is reported in.
+    pub runtime: Runtime,
+}
+
+/// The container runtime whose wording an exec of a missing program comes back in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Runtime {
+    /// containerd with runc: `exec: "NAME": executable file not found in $PATH`.
+    #[default]
+    Runc,
+    /// Kata Containers' agent, as kata-containers issue 8026 shows it: `rpc status: code:
+    /// INTERNAL message: "the file NAME was not found"` inside the shim's error chain.
+    Kata,
+    /// Words no client knows (a future or unusual runtime): `exec of "NAME" refused`.
+    Opaque,
 }
 
 impl Default for DoubleOptions {
@@ -220,6 +237,7 @@ impl Default for DoubleOptions {
             namespace_labels: BTreeMap::new(),
             force_kill_delay: Duration::from_millis(300),
             idle_timeout: None,
+            runtime: Runtime::Runc,
         }
     }
 }

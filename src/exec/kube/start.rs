@@ -283,6 +283,7 @@ impl KubeExecutor {
             token.clone(),
             guard,
             spec.executable,
+            profile.shell().to_string(),
         ));
         Ok(Execution::new(context, rx, token))
     }
