@@ -79,6 +79,42 @@ def kc(kubectl, env, *args, stdin=None, text=True):
     )
 
 
+class Watch:
+    """`kubectl get pods -w ARGS`, logging its requests (-v=6) so that we know when its watch
+    is established: `ready` is set once the watch request has been answered."""
+
+    def __init__(self, kubectl, env, *args):
+        self.proc = subprocess.Popen(
+            [kubectl, "get", "pods", "-w", "-v=6", *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.ready = threading.Event()
+        self.log = []
+        self.out = []
+        self.threads = [
+            threading.Thread(target=self._stderr, daemon=True),
+            threading.Thread(target=lambda: self.out.extend(self.proc.stdout), daemon=True),
+        ]
+        for t in self.threads:
+            t.start()
+
+    def _stderr(self):
+        for line in self.proc.stderr:
+            self.log.append(line.rstrip())
+            if "watch=true" in line and "200 OK" in line:
+                self.ready.set()
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+        for t in self.threads:
+            t.join(timeout=10)
+        return "".join(self.out), "\n".join(self.log[-20:])
+
+
 def run_checks(kubectl, env, work):
     def k(*args, **kw):
         return kc(kubectl, env, *args, **kw)
@@ -95,23 +131,12 @@ def run_checks(kubectl, env, work):
     r = k("auth", "can-i", "delete", "pods", "-n", "kube-system")
     check(r.returncode == 1 and r.stdout.strip() == "no", "auth can-i: a denied verb is no", r.stdout + r.stderr)
 
-    # The watch starts before the pod exists, so it sees it appear and change.
-    watch = subprocess.Popen(
-        [kubectl, "get", "pods", "-w", "--output-watch-events",
-         "-o", "jsonpath={.type} {.object.metadata.name} {.object.status.phase}{\"\\n\"}"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    watch_default = subprocess.Popen(
-        [kubectl, "get", "pods", "-w"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    time.sleep(1)
+    # The watches start before the pod exists, so they see it appear and change.
+    watch = Watch(kubectl, env, "--output-watch-events",
+                  "-o", "jsonpath={.type} {.object.metadata.name} {.object.status.phase}{\"\\n\"}")
+    watch_default = Watch(kubectl, env)
+    for w in (watch, watch_default):
+        check(w.ready.wait(20), "get -w: the watch is established", "\n".join(w.log))
 
     r = k("run", "conf", "--image=busybox:1.36", "--restart=Never", "--", "sleep", "3600")
     check(r.returncode == 0 and "pod/conf created" in r.stdout, "run", r.stdout + r.stderr)
@@ -215,9 +240,7 @@ def run_checks(kubectl, env, work):
 
     # The watches saw the pod come, run and go; then they are stopped.
     time.sleep(0.5)
-    for w in (watch, watch_default):
-        w.terminate()
-    out, err = watch.communicate(timeout=10)
+    out, err = watch.stop()
     lines = [l for l in out.splitlines() if l.strip()]
     check(
         any(l.startswith("ADDED") and "conf Pending" in l for l in lines)
@@ -226,7 +249,7 @@ def run_checks(kubectl, env, work):
         "get -w --output-watch-events: ADDED Pending, MODIFIED Running, DELETED",
         out + err,
     )
-    out, err = watch_default.communicate(timeout=10)
+    out, err = watch_default.stop()
     statuses = [l.split()[2] for l in out.splitlines()[1:] if l.startswith("conf ")]
     check(
         out.startswith("NAME") and "Running" in statuses and "Terminating" in statuses,

@@ -25,5 +25,7 @@ if [ -z "$serve" ]; then
   echo "kubectl-conformance: cannot build tests/kube_double_serve.rs" >&2
   exit 1
 fi
-"$kubectl" version --client | head -1
+# Not `| head -1`: under pipefail, kubectl's SIGPIPE would fail the check.
+version="$("$kubectl" version --client)"
+echo "${version%%$'\n'*}"
 timeout 120 python3 .ci/kubectl-conformance.py "$kubectl" "$serve"
