@@ -12,6 +12,7 @@ prints KUBECONFIG=... until its stdin closes. Every divergence found here is a b
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -20,6 +21,8 @@ import time
 
 STEP_TIMEOUT = 30
 failures = []
+# Every kubectl watch started, stopped at the end whatever happened.
+watches = []
 
 
 def check(ok, what, detail=""):
@@ -58,11 +61,17 @@ def main():
         env = dict(os.environ, KUBECONFIG=kubeconfig, KUBECACHEDIR=os.path.join(work, "cache"))
         run_checks(kubectl, env, work)
     finally:
+        for w in watches:
+            if w.proc.poll() is None:
+                w.proc.kill()
+                w.proc.wait()
         server.stdin.close()
         try:
             server.wait(timeout=10)
         except subprocess.TimeoutExpired:
             server.kill()
+            server.wait()
+        shutil.rmtree(work, ignore_errors=True)
     if failures:
         sys.exit(f"kubectl-conformance: {len(failures)} failed: {'; '.join(failures)}")
     print("kubectl-conformance: all passed")
@@ -91,6 +100,7 @@ class Watch:
             stderr=subprocess.PIPE,
             text=True,
         )
+        watches.append(self)
         self.ready = threading.Event()
         self.log = []
         self.out = []
