@@ -513,7 +513,8 @@ impl Idle {
                 _ = tokio::time::sleep(std::time::Duration::from_millis(50)) => {}
             }
             let last = self.last_ms.load(std::sync::atomic::Ordering::Relaxed);
-            if self.start.elapsed().as_millis() as u64 - last > timeout.as_millis() as u64 {
+            let idle = (self.start.elapsed().as_millis() as u64).saturating_sub(last);
+            if idle > timeout.as_millis() as u64 {
                 self.cut.cancel();
                 return;
             }
