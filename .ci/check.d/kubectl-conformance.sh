@@ -15,12 +15,12 @@ if [ ! -x "$kubectl" ]; then
 fi
 
 # Build the double's server first, so that the check's own time is the clients'.
-serve="$(cargo test --locked --quiet --test kube_double_serve --no-run --message-format=json 2>/dev/null |
+serve="$(cargo test --locked --quiet --test kube_double_serve --no-run --message-format=json |
   python3 -c 'import json, sys
 for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "kube_double_serve":
-        print(m["executable"])')"
+        print(m["executable"])')" || serve=""
 if [ -z "$serve" ]; then
   echo "kubectl-conformance: cannot build tests/kube_double_serve.rs" >&2
   exit 1
