@@ -12,6 +12,7 @@ prints KUBECONFIG=... until its stdin closes. Every divergence found here is a b
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -20,6 +21,8 @@ import time
 
 STEP_TIMEOUT = 30
 failures = []
+# Every kubectl watch started, stopped at the end whatever happened.
+watches = []
 
 
 def check(ok, what, detail=""):
@@ -58,11 +61,17 @@ def main():
         env = dict(os.environ, KUBECONFIG=kubeconfig, KUBECACHEDIR=os.path.join(work, "cache"))
         run_checks(kubectl, env, work)
     finally:
+        for w in watches:
+            if w.proc.poll() is None:
+                w.proc.kill()
+                w.proc.wait()
         server.stdin.close()
         try:
             server.wait(timeout=10)
         except subprocess.TimeoutExpired:
             server.kill()
+            server.wait()
+        shutil.rmtree(work, ignore_errors=True)
     if failures:
         sys.exit(f"kubectl-conformance: {len(failures)} failed: {'; '.join(failures)}")
     print("kubectl-conformance: all passed")
@@ -77,6 +86,43 @@ def kc(kubectl, env, *args, stdin=None, text=True):
         text=text,
         timeout=STEP_TIMEOUT,
     )
+
+
+class Watch:
+    """`kubectl get pods -w ARGS`, logging its requests (-v=6) so that we know when its watch
+    is established: `ready` is set once the watch request has been answered."""
+
+    def __init__(self, kubectl, env, *args):
+        self.proc = subprocess.Popen(
+            [kubectl, "get", "pods", "-w", "-v=6", *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        watches.append(self)
+        self.ready = threading.Event()
+        self.log = []
+        self.out = []
+        self.threads = [
+            threading.Thread(target=self._stderr, daemon=True),
+            threading.Thread(target=lambda: self.out.extend(self.proc.stdout), daemon=True),
+        ]
+        for t in self.threads:
+            t.start()
+
+    def _stderr(self):
+        for line in self.proc.stderr:
+            self.log.append(line.rstrip())
+            if "watch=true" in line and "200 OK" in line:
+                self.ready.set()
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+        for t in self.threads:
+            t.join(timeout=10)
+        return "".join(self.out), "\n".join(self.log[-20:])
 
 
 def run_checks(kubectl, env, work):
@@ -95,23 +141,12 @@ def run_checks(kubectl, env, work):
     r = k("auth", "can-i", "delete", "pods", "-n", "kube-system")
     check(r.returncode == 1 and r.stdout.strip() == "no", "auth can-i: a denied verb is no", r.stdout + r.stderr)
 
-    # The watch starts before the pod exists, so it sees it appear and change.
-    watch = subprocess.Popen(
-        [kubectl, "get", "pods", "-w", "--output-watch-events",
-         "-o", "jsonpath={.type} {.object.metadata.name} {.object.status.phase}{\"\\n\"}"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    watch_default = subprocess.Popen(
-        [kubectl, "get", "pods", "-w"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    time.sleep(1)
+    # The watches start before the pod exists, so they see it appear and change.
+    watch = Watch(kubectl, env, "--output-watch-events",
+                  "-o", "jsonpath={.type} {.object.metadata.name} {.object.status.phase}{\"\\n\"}")
+    watch_default = Watch(kubectl, env)
+    for w in (watch, watch_default):
+        check(w.ready.wait(20), "get -w: the watch is established", "\n".join(w.log))
 
     r = k("run", "conf", "--image=busybox:1.36", "--restart=Never", "--", "sleep", "3600")
     check(r.returncode == 0 and "pod/conf created" in r.stdout, "run", r.stdout + r.stderr)
@@ -215,9 +250,7 @@ def run_checks(kubectl, env, work):
 
     # The watches saw the pod come, run and go; then they are stopped.
     time.sleep(0.5)
-    for w in (watch, watch_default):
-        w.terminate()
-    out, err = watch.communicate(timeout=10)
+    out, err = watch.stop()
     lines = [l for l in out.splitlines() if l.strip()]
     check(
         any(l.startswith("ADDED") and "conf Pending" in l for l in lines)
@@ -226,7 +259,7 @@ def run_checks(kubectl, env, work):
         "get -w --output-watch-events: ADDED Pending, MODIFIED Running, DELETED",
         out + err,
     )
-    out, err = watch_default.communicate(timeout=10)
+    out, err = watch_default.stop()
     statuses = [l.split()[2] for l in out.splitlines()[1:] if l.startswith("conf ")]
     check(
         out.startswith("NAME") and "Running" in statuses and "Terminating" in statuses,

@@ -8,7 +8,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use kube_double::KubeDouble;
+use kube_double::{DoubleOptions, KubeDouble};
 use serde_json::json;
 use support::{Gateway, config_file, http, raw, wait_until};
 
@@ -262,6 +262,50 @@ async fn beyond_max_concurrent_pods_is_429() {
         raw(&gw, json!({"executable": "true"})).await.code(),
         Some(0)
     );
+}
+
+/// A slot of `--max-concurrent-pods` is released when the pod's containers are gone, not when
+/// the delete call returns: with a limit of 1, back-to-back requests never have two pods with
+/// containers at once. (The double keeps a force-deleted pod's containers for a second after
+/// its object is gone, as a kubelet does: deleting with grace 0 and waiting for the object
+/// would free the slot while they still run.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slot_is_released_when_the_pods_containers_are_gone() {
+    let double = KubeDouble::start_with(DoubleOptions {
+        force_kill_delay: Duration::from_secs(1),
+        ..DoubleOptions::default()
+    });
+    let gw = gateway(&double, &["--max-concurrent-pods", "1"]);
+    let mut refused = 0;
+    for i in 0..3 {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let r = http()
+                .post(gw.raw_url())
+                .json(&json!({"executable": "true"}))
+                .send()
+                .await
+                .unwrap();
+            if r.status().as_u16() == 429 {
+                refused += 1;
+                assert!(
+                    Instant::now() < deadline,
+                    "request {i}: the slot never came back"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+            let body = r.text().await.unwrap();
+            assert!(body.contains("\"exit\""), "request {i}: {body}");
+            break;
+        }
+    }
+    assert_eq!(double.peak_pods(), 1, "two pods had containers at once");
+    assert!(
+        refused > 0,
+        "the slot was held while the previous pod terminated"
+    );
+    no_pods_left(&double, Duration::from_secs(5));
 }
 
 /// Stale labelled pods of this installation are deleted, at start-up and periodically;
@@ -611,4 +655,153 @@ async fn a_restarted_gateway_deletes_what_its_crashed_run_left() {
     assert_eq!(double.pod_names(NS).len(), 1, "the crash left the pod");
     let _restarted = gateway(&double, &[]);
     no_pods_left(&double, Duration::from_secs(10));
+}
+
+fn labelled(p: &k8s_openapi::api::core::v1::Pod, key: &str, value: &str) -> bool {
+    p.metadata
+        .labels
+        .as_ref()
+        .is_some_and(|l| l.get(key).map(String::as_str) == Some(value))
+}
+
+/// The warm pool's upkeep deletes only with uid and resourceVersion preconditions: a pool pod
+/// that another replica claimed while this gateway's cache still shows it idle (its watch
+/// lags) and old (past `max_idle_secs`) is refused with 409 by the API server and left to
+/// its request. Without the preconditions it would be deleted under that request.
+#[tokio::test(flavor = "multi_thread")]
+async fn warm_pool_upkeep_never_deletes_a_pod_claimed_meanwhile() {
+    let double = KubeDouble::start();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config_file(
+        &dir,
+        "profiles:\n  default:\n    image: busybox:1.36\n    warm_pool:\n      size: 1\n      max_idle_secs: 2\n",
+    );
+    let _gw = gateway(&double, &["--config", cfg.to_str().unwrap()]);
+    let idle_running = |double: &KubeDouble| {
+        double
+            .pods(NS)
+            .into_iter()
+            .find(|p| {
+                labelled(p, "mcp-run.dev/state", "idle")
+                    && p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+            })
+            .and_then(|p| p.metadata.name)
+    };
+    assert!(
+        wait_until(Duration::from_secs(20), || idle_running(&double).is_some()),
+        "a warm pod"
+    );
+    let pod = idle_running(&double).unwrap();
+    // The gateway's watch now lags; another replica claims the pod.
+    double.inject(|f| f.watch_delay = Some(Duration::from_secs(15)));
+    double.set_labels(
+        NS,
+        &pod,
+        &[
+            ("mcp-run.dev/state", "claimed"),
+            ("mcp-run.dev/gateway", "another-replica"),
+        ],
+    );
+    let refused = || {
+        double
+            .delete_log()
+            .into_iter()
+            .find(|d| d.name == pod && d.code == 409)
+    };
+    assert!(
+        wait_until(Duration::from_secs(15), || refused().is_some()),
+        "the upkeep tried to replace the old pod: {:?}",
+        double.delete_log()
+    );
+    let d = refused().unwrap();
+    assert!(d.uid.is_some() && d.resource_version.is_some(), "{d:?}");
+    assert!(
+        double.pod(NS, &pod).is_some(),
+        "the claimed pod is left to its request"
+    );
+    double.inject(|f| f.watch_delay = None);
+}
+
+/// Pool pods stuck waiting (ImagePullBackOff that cannot heal, CreateContainerConfigError,
+/// ContainerCreating past the start timeout) are replaced, with preconditioned deletes, and
+/// never claimed: a request on such a profile is a pool miss.
+#[tokio::test(flavor = "multi_thread")]
+async fn warm_pool_replaces_stuck_pods_and_never_claims_them() {
+    let double = KubeDouble::start();
+    let dir = tempfile::tempdir().unwrap();
+    let pool = |image: &str| {
+        format!("    image: {image}\n    warm_pool:\n      size: 1\n      max_idle_secs: 3600\n")
+    };
+    let cfg = config_file(
+        &dir,
+        &format!(
+            "kubernetes:\n  pod_start_timeout_secs: 1\nprofiles:\n  default:\n    image: busybox:1.36\n  pull:\n{}  config:\n{}  creating:\n{}",
+            pool("registry.example/pull-error:1"),
+            pool("busybox-config-error:1"),
+            pool("busybox-never-starts:1"),
+        ),
+    );
+    let gw = gateway(&double, &["--config", cfg.to_str().unwrap()]);
+    let profiles = ["pull", "config", "creating"];
+    let replaced = |double: &KubeDouble| {
+        let created = double.created_pods();
+        let log = double.delete_log();
+        profiles.iter().all(|prof| {
+            let mine: Vec<String> = created
+                .iter()
+                .filter(|p| labelled(p, "mcp-run.dev/pool", prof))
+                .filter_map(|p| p.metadata.name.clone())
+                .collect();
+            mine.len() >= 2 && log.iter().any(|d| mine.contains(&d.name) && d.code == 200)
+        })
+    };
+    assert!(
+        wait_until(Duration::from_secs(30), || replaced(&double)),
+        "each stuck pool pod deleted and replaced: created {:?}, deleted {:?}",
+        double
+            .created_pods()
+            .iter()
+            .map(|p| p.metadata.name.clone())
+            .collect::<Vec<_>>(),
+        double.delete_log()
+    );
+    let pool_pods: Vec<String> = double
+        .created_pods()
+        .iter()
+        .filter(|p| {
+            profiles
+                .iter()
+                .any(|prof| labelled(p, "mcp-run.dev/pool", prof))
+        })
+        .filter_map(|p| p.metadata.name.clone())
+        .collect();
+    for d in double.delete_log() {
+        if pool_pods.contains(&d.name) {
+            assert!(
+                d.uid.is_some() && d.resource_version.is_some(),
+                "the upkeep deletes with preconditions: {d:?}"
+            );
+        }
+    }
+    // Never claimed: no PATCH reached a stuck pool pod.
+    for r in double.requests() {
+        assert!(
+            !(r.starts_with("PATCH") && pool_pods.iter().any(|n| r.contains(n.as_str()))),
+            "a stuck pod was claimed: {r}"
+        );
+    }
+    let r = raw(&gw, json!({"executable": "true", "profile": "creating"})).await;
+    assert!(r.exit.is_none(), "a stuck pod cannot run a command: {r:?}");
+    let metrics = http()
+        .get(gw.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains(r#"mcp_run_warm_pool_claims_total{profile="creating",result="miss"} 1"#),
+        "{metrics}"
+    );
 }

@@ -516,3 +516,86 @@ async fn stdin_through_the_gateway() {
     assert_eq!(r.code(), Some(0), "{r:?}");
     assert_eq!(r.stdout_str(), "/tmp\nline 1\nline 2");
 }
+
+/// Silent commands keep their exec stream through a load balancer that cuts connections idle
+/// for 2 s, because the gateway pings (here every second, `exec_ping_secs: 1`); with the
+/// default 20 s the same command loses its stream, so the test fails if pings stop.
+#[tokio::test(flavor = "multi_thread")]
+async fn pings_keep_silent_exec_streams_through_idle_cuts() {
+    let double = KubeDouble::start_with(DoubleOptions {
+        idle_timeout: Some(Duration::from_secs(2)),
+        ..Default::default()
+    });
+    let with_pings = |ping: u64| KubernetesConfig {
+        kubeconfig: Some(double.kubeconfig()),
+        exec_ping_secs: ping,
+        ..Default::default()
+    };
+    let profiles = || BTreeMap::from([("default".to_string(), Profile::default())]);
+    let ex = KubeExecutor::connect(with_pings(1), profiles(), mcp_run::metrics::Metrics::new())
+        .await
+        .expect("connect");
+    let o = run(
+        &ex,
+        spec(&["sh", "-c", "sleep 4; echo done"]),
+        StartOptions::default(),
+    )
+    .await
+    .expect("started");
+    assert_eq!(exit_code(&o), Some(0), "{:?}", o.end);
+    assert_eq!(o.stdout, b"done\n");
+    assert!(double.exec_pings() >= 3, "pings: {}", double.exec_pings());
+
+    let ex = KubeExecutor::connect(with_pings(20), profiles(), mcp_run::metrics::Metrics::new())
+        .await
+        .expect("connect");
+    let o = run(
+        &ex,
+        spec(&["sh", "-c", "sleep 4; echo done"]),
+        StartOptions::default(),
+    )
+    .await
+    .expect("started");
+    assert!(
+        matches!(o.end, Event::Error { .. }),
+        "without pings the idle cut ends the stream: {:?}",
+        o.end
+    );
+    assert!(o.stdout.is_empty());
+}
+
+/// "Executable not found" is exit 127 with `command not found` on stderr whatever the runtime
+/// says: runc's and Kata's words are known, and words no pattern knows (`Opaque`) are not
+/// needed: the gateway then asks the pod whether the program exists.
+#[tokio::test(flavor = "multi_thread")]
+async fn executable_not_found_is_127_whatever_the_runtime_says() {
+    use kube_double::Runtime;
+    for runtime in [Runtime::Runc, Runtime::Kata, Runtime::Opaque] {
+        let double = KubeDouble::start_with(DoubleOptions {
+            runtime,
+            ..Default::default()
+        });
+        let ex = executor(&double, 30, &[]).await;
+        for program in ["no-such-program-mcp-run", "/no/such/program"] {
+            let o = run(&ex, spec(&[program, "arg"]), StartOptions::default())
+                .await
+                .expect("started");
+            assert_eq!(
+                exit_code(&o),
+                Some(127),
+                "{runtime:?} {program}: {:?}",
+                o.end
+            );
+            assert_eq!(
+                String::from_utf8_lossy(&o.stderr),
+                format!("mcp-run: {program}: command not found\n"),
+                "{runtime:?}"
+            );
+        }
+        // A program that exists still runs, and one that fails is not taken for missing.
+        let o = run(&ex, spec(&["sh", "-c", "exit 3"]), StartOptions::default())
+            .await
+            .expect("started");
+        assert_eq!(exit_code(&o), Some(3), "{runtime:?}");
+    }
+}

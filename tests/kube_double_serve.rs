@@ -47,4 +47,5 @@ fn serve() {
         }
     }
     drop(double);
+    let _ = std::fs::remove_file(&ca);
 }

@@ -15,15 +15,17 @@ if [ ! -x "$kubectl" ]; then
 fi
 
 # Build the double's server first, so that the check's own time is the clients'.
-serve="$(cargo test --locked --quiet --test kube_double_serve --no-run --message-format=json 2>/dev/null |
+serve="$(cargo test --locked --quiet --test kube_double_serve --no-run --message-format=json |
   python3 -c 'import json, sys
 for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "kube_double_serve":
-        print(m["executable"])')"
+        print(m["executable"])')" || serve=""
 if [ -z "$serve" ]; then
   echo "kubectl-conformance: cannot build tests/kube_double_serve.rs" >&2
   exit 1
 fi
-"$kubectl" version --client | head -1
+# Not `| head -1`: under pipefail, kubectl's SIGPIPE would fail the check.
+version="$("$kubectl" version --client)"
+echo "${version%%$'\n'*}"
 timeout 120 python3 .ci/kubectl-conformance.py "$kubectl" "$serve"

@@ -226,3 +226,45 @@ async fn a_missing_keepalive_command_is_start_error_and_faults_heal() {
     let p = running(&api, "later").await;
     assert!(p.status.unwrap().container_statuses.unwrap()[0].ready);
 }
+
+/// The kubelet's runAsNonRoot check: an image whose user is root (an image named
+/// `root-user`) with `runAsNonRoot: true` and no UID never starts
+/// (`CreateContainerConfigError`, the kubelet's text); with a non-zero `runAsUser` it runs.
+#[tokio::test]
+async fn run_as_non_root_with_a_root_image_is_a_config_error() {
+    let d = KubeDouble::start();
+    let api: Api<Pod> = Api::default_namespaced(client(&d).await);
+    let mut p = pod("rootimg", "registry.example/root-user:1");
+    p.spec.as_mut().unwrap().security_context =
+        Some(serde_json::from_value(json!({"runAsNonRoot": true})).unwrap());
+    let created = api
+        .create(&PostParams::default(), &p)
+        .await
+        .expect("create");
+    let uid = created.metadata.uid.unwrap();
+    let p = wait_for(&api, "rootimg", |p| {
+        status_of(p).1.is_some_and(|r| r != "ContainerCreating")
+    })
+    .await;
+    let (phase, reason, message) = status_of(&p);
+    assert_eq!(
+        (phase.as_str(), reason.as_deref()),
+        ("Pending", Some("CreateContainerConfigError"))
+    );
+    assert_eq!(
+        message.as_deref(),
+        Some(
+            format!(
+                "container has runAsNonRoot and image will run as root (pod: \"rootimg_default({uid})\", container: main)"
+            )
+            .as_str()
+        )
+    );
+    let mut ok = pod("rootuid", "registry.example/root-user:1");
+    ok.spec.as_mut().unwrap().security_context =
+        Some(serde_json::from_value(json!({"runAsNonRoot": true, "runAsUser": 1000})).unwrap());
+    api.create(&PostParams::default(), &ok)
+        .await
+        .expect("create");
+    running(&api, "rootuid").await;
+}

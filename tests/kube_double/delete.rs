@@ -83,8 +83,16 @@ pub async fn delete(
 ) -> Res {
     let q = parse_query(raw.as_deref());
     let opts = delete_opts(&q, &body)?;
-    let pod = delete_one(&shared, &ns, &name, &opts)?;
-    Ok(pod_response(StatusCode::OK, &pod))
+    let result = delete_one(&shared, &ns, &name, &opts);
+    shared.lock().delete_log.push(super::DeleteRecord {
+        namespace: ns,
+        name,
+        grace: opts.grace,
+        uid: opts.uid.clone(),
+        resource_version: opts.rv.clone(),
+        code: result.as_ref().map_or_else(|e| e.code, |_| 200),
+    });
+    Ok(pod_response(StatusCode::OK, &result?))
 }
 
 pub async fn delete_collection(
@@ -177,8 +185,22 @@ pub(super) fn delete_one(
             p.metadata.deletion_grace_period_seconds = Some(0);
         }
         let gone = remove_locked(shared, &mut st, ns, name);
+        let forced = grace <= 0 && scheduled && phase != "Succeeded" && phase != "Failed";
+        if !forced {
+            drop(st);
+            shared.kill_execs(Some((ns, name)));
+            return Ok(gone.unwrap_or(pod));
+        }
+        // Force deletion: the object is gone, its containers are not yet. The kubelet kills
+        // them when it notices.
+        st.with_containers.insert(uid.clone());
         drop(st);
-        shared.kill_execs(Some((ns, name)));
+        let (sh, ns2, name2) = (shared.clone(), ns.to_string(), name.to_string());
+        tokio::spawn(async move {
+            tokio::time::sleep(sh.opts.force_kill_delay).await;
+            sh.kill_execs(Some((&ns2, &name2)));
+            sh.lock().with_containers.remove(&uid);
+        });
         return Ok(gone.unwrap_or(pod));
     }
     if pod.metadata.deletion_timestamp.is_some() {

@@ -331,8 +331,24 @@ fn exec_id() -> String {
 }
 
 /// What runc reports when the process cannot be started, wrapped as containerd and the CRI
-/// streaming server wrap it.
-fn start_error(argv0: &str, cwd: &str, err: &std::io::Error) -> String {
+/// streaming server wrap it; a missing program in the words of `runtime`.
+fn start_error(argv0: &str, cwd: &str, err: &std::io::Error, runtime: super::Runtime) -> String {
+    if FsPath::new(cwd).is_dir() && err.kind() == std::io::ErrorKind::NotFound {
+        let exec = exec_id();
+        match runtime {
+            super::Runtime::Runc => {}
+            super::Runtime::Kata => {
+                return format!(
+                    "error executing command in container: failed to exec in container: failed to start exec \"{exec}\": Others(\"failed to handler message handler request\\n\\nCaused by:\\n    0: start process\\n    1: start\\n    2: enter process\\n    3: exec process\\n    4: rpc status: code: INTERNAL message: \\\"the file {argv0} was not found\\\"\"): unknown"
+                );
+            }
+            super::Runtime::Opaque => {
+                return format!(
+                    "error executing command in container: failed to exec in container: failed to start exec \"{exec}\": exec of \"{argv0}\" refused: unknown"
+                );
+            }
+        }
+    }
     let cause = if !FsPath::new(cwd).is_dir() {
         format!("chdir to cwd (\"{cwd}\") set in config.json failed: no such file or directory")
     } else {
@@ -473,17 +489,68 @@ fn killpg(pgid: i32) {
     );
 }
 
+/// Traffic on one exec WebSocket, for a load balancer's idle cut
+/// (`DoubleOptions::idle_timeout`): frames either way, pings included, count as traffic.
+struct Idle {
+    start: std::time::Instant,
+    last_ms: std::sync::atomic::AtomicU64,
+    /// The connection was cut.
+    cut: tokio_util::sync::CancellationToken,
+    /// The session ended.
+    done: tokio_util::sync::CancellationToken,
+}
+
+impl Idle {
+    fn touch(&self) {
+        let ms = self.start.elapsed().as_millis() as u64;
+        self.last_ms.store(ms, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    async fn watch(self: Arc<Self>, timeout: std::time::Duration) {
+        loop {
+            tokio::select! {
+                _ = self.done.cancelled() => return,
+                _ = tokio::time::sleep(std::time::Duration::from_millis(50)) => {}
+            }
+            let last = self.last_ms.load(std::sync::atomic::Ordering::Relaxed);
+            let idle = (self.start.elapsed().as_millis() as u64).saturating_sub(last);
+            if idle > timeout.as_millis() as u64 {
+                self.cut.cancel();
+                return;
+            }
+        }
+    }
+}
+
 impl Session {
     async fn run(self, socket: WebSocket) {
         let proto = self.proto;
         let (mut sink, stream) = socket.split();
+        let idle = Arc::new(Idle {
+            start: std::time::Instant::now(),
+            last_ms: 0.into(),
+            cut: Default::default(),
+            done: Default::default(),
+        });
+        let _done = idle.done.clone().drop_guard();
+        if let Some(t) = self.shared.opts.idle_timeout {
+            tokio::spawn(idle.clone().watch(t));
+        }
         let (tx, mut rx) = mpsc::channel::<Message>(1);
+        let writer_idle = idle.clone();
         let writer = tokio::spawn(async move {
-            while let Some(m) = rx.recv().await {
+            loop {
+                // A cut connection: the socket is dropped without a close frame.
+                let m = tokio::select! {
+                    m = rx.recv() => m,
+                    _ = writer_idle.cut.cancelled() => break,
+                };
+                let Some(m) = m else { break };
                 let close = matches!(m, Message::Close(_));
                 if sink.send(m).await.is_err() || close {
                     break;
                 }
+                writer_idle.touch();
             }
         });
         // The kubelet's handshake: an empty frame on the lowest writable channel.
@@ -513,7 +580,12 @@ impl Session {
         };
         let outcome = match spawned {
             Err(why) => Outcome::UpgradeFailed(why),
-            Ok(Err(e)) => Outcome::StartFailed(start_error(&self.req.argv[0], &self.cwd, &e)),
+            Ok(Err(e)) => Outcome::StartFailed(start_error(
+                &self.req.argv[0],
+                &self.cwd,
+                &e,
+                self.shared.opts.runtime,
+            )),
             Ok(Ok(mut child)) => {
                 let pgid = child.id().map(|p| p as i32).unwrap_or(0);
                 let _reg = {
@@ -568,8 +640,14 @@ impl Session {
                     stx
                 });
                 let exited = Arc::new(std::sync::atomic::AtomicBool::new(false));
-                let reader =
-                    tokio::spawn(read_client(stream, proto, stdin_tx, pgid, exited.clone()));
+                let reader = tokio::spawn(read_client(
+                    stream,
+                    proto,
+                    stdin_tx,
+                    pgid,
+                    exited.clone(),
+                    (self.shared.clone(), idle.clone()),
+                ));
                 let status = child.wait().await;
                 if let Some(h) = out {
                     let _ = h.await;
@@ -617,9 +695,20 @@ async fn read_client(
     mut stdin: Option<mpsc::Sender<Bytes>>,
     pgid: i32,
     exited: Arc<std::sync::atomic::AtomicBool>,
+    (shared, idle): (Arc<Shared>, Arc<Idle>),
 ) {
     loop {
-        let (ch, data): (u8, Bytes) = match stream.next().await {
+        let next = tokio::select! {
+            m = stream.next() => m,
+            // Cut by the load balancer: the API server sees the client go.
+            _ = idle.cut.cancelled() => None,
+        };
+        idle.touch();
+        let (ch, data): (u8, Bytes) = match next {
+            Some(Ok(Message::Ping(_))) => {
+                shared.lock().exec_pings += 1;
+                continue;
+            }
             Some(Ok(Message::Binary(b))) if !proto.base64() && !b.is_empty() => {
                 (b[0], b.slice(1..))
             }

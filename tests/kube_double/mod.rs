@@ -45,9 +45,12 @@
 //!     → 409 `Conflict`), `dryRun`, `gracePeriodSeconds` (from the query or the DeleteOptions
 //!     body). Grace 0, an unscheduled pod, or a finished pod is removed at once; otherwise
 //!     `deletionTimestamp`/`deletionGracePeriodSeconds` are set and the pod is removed when the
-//!     grace period ends, as for a container whose main process ignores SIGTERM. Exec
-//!     processes are killed (SIGKILL) when the pod goes, as the kubelet killing the container
-//!     would kill them. 200 with the object; `DELETED` to watchers.
+//!     grace period ends, as for a container whose main process ignores SIGTERM (the kubelet
+//!     deletes the object once it has killed the containers). Exec processes are killed
+//!     (SIGKILL) when the containers are: when the pod goes, except that a running pod deleted
+//!     with grace 0 (force) is removed at once while its containers and exec processes live
+//!     on for `DoubleOptions::force_kill_delay`, as on a real node. 200 with the object;
+//!     `DELETED` to watchers.
 //!   * `PATCH` (`application/merge-patch+json`; `application/strategic-merge-patch+json` is
 //!     applied as a JSON merge patch, so lists are replaced and `$patch` directives are not
 //!     understood) and `PUT`. A `metadata.resourceVersion` in the patch or body is a
@@ -87,6 +90,8 @@
 //! byte (0 stdin, 1 stdout, 2 stderr, 3 error/status, 4 resize; v5 adds 255 = close the
 //! stream in the next byte); base64 protocols use text frames with an ASCII channel digit.
 //! Like the kubelet, the server first sends an empty frame on the lowest writable channel.
+//! Client pings are counted (`exec_pings`); with `DoubleOptions::idle_timeout` a load
+//! balancer cuts a session with no frame either way for that long.
 //!
 //! The command runs as a local process: argv exactly as given (no shell), environment = the
 //! container's `env[].value`s plus `PATH` (the double's own unless the container sets it),
@@ -98,7 +103,9 @@
 //! `InternalError` worded as containerd/runc word it (`Internal error occurred: error
 //! executing command in container: failed to exec in container: failed to start exec "ID":
 //! OCI runtime exec failed: exec failed: unable to start container process: exec: "NAME":
-//! executable file not found in $PATH: unknown`, likewise `permission denied`). The messages
+//! executable file not found in $PATH: unknown`, likewise `permission denied`); with
+//! `DoubleOptions::runtime` a missing program is worded as Kata's agent words it, or in words
+//! no client knows (`Runtime::Opaque`). The messages
 //! differ by path as in a real cluster: v4 is the kubelet's (CRI streaming server) Status,
 //! `command terminated with non-zero exit code: error executing command [ARGV], exit code
 //! N`; v5 is written by the API server's stream translator after its SPDY client decoded the
@@ -126,7 +133,9 @@
 //! `pods`/`pod`/`pod_names` (current state), `created_pods` (as stored at creation),
 //! `insert_pod` (stored as given, no lifecycle: stale pods for reaper tests), `deletions`
 //! (every successful DELETE), `requests` (`"METHOD path?query"`), `deny` (SSAR answers no),
-//! `running_execs`, `resource_version`.
+//! `running_execs`, `resource_version`, `peak_pods` (the most pods with containers at once),
+//! `exec_pings`, `delete_log` (each DELETE with its preconditions and answer), `set_labels`
+//! (another client's label patch).
 #![allow(dead_code)]
 // ApiError carries a whole Status (message, details): test code favours plain `Result`s over
 // boxing it.
@@ -180,6 +189,30 @@ pub struct DoubleOptions {
     /// Labels of the namespaces (for example `pod-security.kubernetes.io/enforce=restricted`,
     /// which Pod Security admission enforces).
     pub namespace_labels: BTreeMap<String, BTreeMap<String, String>>,
+    /// How long the containers (and exec processes) of a pod deleted with grace 0 outlive its
+    /// object: the API server removes a force-deleted pod at once and the kubelet kills the
+    /// containers when it notices (a real one takes at least 2 s for a main process that
+    /// ignores SIGTERM; shorter here to keep tests quick).
+    pub force_kill_delay: Duration,
+    /// A load balancer in front of the API server that cuts an exec WebSocket after this
+    /// long without a frame either way (pings count): the socket is dropped without a close
+    /// frame and the process is killed, as when the client goes. `None`: no cut.
+    pub idle_timeout: Option<Duration>,
+    /// Whose words a failed exec start is reported in.
+    pub runtime: Runtime,
+}
+
+/// The container runtime whose wording an exec of a missing program comes back in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Runtime {
+    /// containerd with runc: `exec: "NAME": executable file not found in $PATH`.
+    #[default]
+    Runc,
+    /// Kata Containers' agent, as kata-containers issue 8026 shows it: `rpc status: code:
+    /// INTERNAL message: "the file NAME was not found"` inside the shim's error chain.
+    Kata,
+    /// Words no client knows (a future or unusual runtime): `exec of "NAME" refused`.
+    Opaque,
 }
 
 impl Default for DoubleOptions {
@@ -202,6 +235,9 @@ impl Default for DoubleOptions {
             .map(String::from)
             .to_vec(),
             namespace_labels: BTreeMap::new(),
+            force_kill_delay: Duration::from_millis(300),
+            idle_timeout: None,
+            runtime: Runtime::Runc,
         }
     }
 }
@@ -258,6 +294,29 @@ pub(crate) struct State {
     pub next_ip: u32,
     /// Faults injected by tests, consumed as they fire.
     pub faults: Faults,
+    /// Pods created through the API whose containers may still run (uid): from creation
+    /// until the object is gone, or, after a force deletion, until the kubelet killed them.
+    pub with_containers: HashSet<String>,
+    /// The most pods with containers at once.
+    pub peak_pods: usize,
+    /// WebSocket pings received from exec clients.
+    pub exec_pings: usize,
+    /// Every DELETE of one pod, with its options and answer.
+    pub delete_log: Vec<DeleteRecord>,
+}
+
+/// One DELETE of a pod as the double received it.
+#[derive(Debug, Clone)]
+pub struct DeleteRecord {
+    pub namespace: String,
+    pub name: String,
+    pub grace: Option<i64>,
+    /// `preconditions.uid`.
+    pub uid: Option<String>,
+    /// `preconditions.resourceVersion`.
+    pub resource_version: Option<String>,
+    /// The answer's status code (409 for a failed precondition).
+    pub code: u16,
 }
 
 /// Faults the next requests meet (see `KubeDouble::inject`).
@@ -278,6 +337,9 @@ pub struct Faults {
     pub pull_failures: usize,
     /// Exec upgrades are answered this late.
     pub exec_delay: Option<Duration>,
+    /// Each live watch event waits this long before it is sent (a lagging watch cache or a
+    /// slow connection): what a client's cache shows falls behind. Not consumed.
+    pub watch_delay: Option<Duration>,
 }
 
 pub(crate) struct Shared {
@@ -520,7 +582,8 @@ impl KubeDouble {
         f(&mut self.shared.lock().faults);
     }
 
-    /// Deletes a pod at once (grace 0), as `kubectl delete --now` does: its exec processes
+    /// Deletes a pod at once and kills its containers with it, as a force deletion whose
+    /// containers the kubelet stops at the same moment: its exec processes
     /// die with it (137 on their status channels).
     pub fn delete_pod(&self, namespace: &str, name: &str) {
         let mut st = self.shared.lock();
@@ -562,6 +625,35 @@ impl KubeDouble {
         });
         drop(st);
         self.shared.kill_execs(Some((namespace, name)));
+    }
+
+    /// The most pods that had containers at once (`State::with_containers`): what a
+    /// `max_concurrent_pods` limit must bound.
+    pub fn peak_pods(&self) -> usize {
+        self.shared.lock().peak_pods
+    }
+
+    /// Every DELETE of one pod, in order, with its preconditions and answer.
+    pub fn delete_log(&self) -> Vec<DeleteRecord> {
+        self.shared.lock().delete_log.clone()
+    }
+
+    /// Sets labels on a stored pod as another client's merge patch would (new
+    /// resourceVersion, MODIFIED to watchers): for example another gateway replica claiming
+    /// a warm pod.
+    pub fn set_labels(&self, namespace: &str, name: &str, labels: &[(&str, &str)]) {
+        let mut st = self.shared.lock();
+        pods::modify_locked(&self.shared, &mut st, namespace, name, |p| {
+            let l = p.metadata.labels.get_or_insert_with(Default::default);
+            for (k, v) in labels {
+                l.insert(k.to_string(), v.to_string());
+            }
+        });
+    }
+
+    /// WebSocket pings received from exec clients, over all sessions.
+    pub fn exec_pings(&self) -> usize {
+        self.shared.lock().exec_pings
     }
 
     /// The current global resourceVersion.

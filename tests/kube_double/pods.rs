@@ -233,6 +233,9 @@ pub async fn create(
     pod.metadata.resource_version = Some(rv.to_string());
     st.pods.insert(key(&ns, &name), pod.clone());
     st.created.push(pod.clone());
+    st.with_containers
+        .insert(pod.metadata.uid.clone().unwrap_or_default());
+    st.peak_pods = st.peak_pods.max(st.with_containers.len());
     st.emit(
         &shared.events,
         shared.opts.history,
@@ -281,6 +284,9 @@ pub async fn get(
 /// Removes a pod, sending DELETED with a new resourceVersion.
 pub(super) fn remove_locked(shared: &Shared, st: &mut St, ns: &str, name: &str) -> Option<Pod> {
     let mut pod = st.pods.remove(&key(ns, name))?;
+    if let Some(uid) = &pod.metadata.uid {
+        st.with_containers.remove(uid);
+    }
     let rv = st.next_rv();
     pod.metadata.resource_version = Some(rv.to_string());
     st.emit(

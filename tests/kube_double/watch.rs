@@ -298,6 +298,10 @@ pub(super) fn stream_response(initial: Vec<Bytes>, live: Option<LiveWatch>, cut:
                 }
                 ev = w.rx.recv() => match ev {
                     Ok(ev) => {
+                        let delay = w.shared.lock().faults.watch_delay;
+                        if let Some(d) = delay {
+                            tokio::time::sleep(d).await;
+                        }
                         w.last_rv = ev.rv;
                         match translate(&ev, w.ns.as_deref(), &w.sel) {
                             Some((kind, obj)) => w.printer.line(kind, obj),

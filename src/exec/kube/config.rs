@@ -43,6 +43,10 @@ pub struct KubernetesConfig {
     /// 0 turns it off), and the burst allowed above it.
     pub api_qps: f64,
     pub api_burst: u32,
+    /// How often the gateway pings an exec's WebSocket: well inside the idle timeout of the
+    /// load balancers in front of the API server (commonly 60 s), so that silent commands
+    /// keep their stream. kube-rs's own interval is 60 s.
+    pub exec_ping_secs: u64,
     /// How often the reaper looks for leftover pods.
     pub reaper_interval_secs: u64,
     /// How old a finished or expired runner pod of another gateway replica must be before
@@ -61,6 +65,7 @@ impl Default for KubernetesConfig {
             pod_start_timeout_secs: 120,
             api_qps: 50.0,
             api_burst: 100,
+            exec_ping_secs: 20,
             reaper_interval_secs: 60,
             reaper_min_age_secs: 300,
         }
@@ -99,6 +104,9 @@ impl KubernetesConfig {
         }
         if self.api_burst == 0 {
             return err("api_burst", "must be at least 1");
+        }
+        if self.exec_ping_secs == 0 {
+            return err("exec_ping_secs", "must be at least 1");
         }
         if self.reaper_interval_secs == 0 {
             return err("reaper_interval_secs", "must be at least 1");

@@ -13,6 +13,14 @@ use super::{DELETE_ATTEMPTS, Shared};
 /// How long a released slot waits for its pod to be gone.
 const GONE_WAIT: Duration = Duration::from_secs(30);
 
+/// The grace period of a runner pod's deletion: the shortest graceful one, as `kubectl delete
+/// --now`. Grace 0 would be a force deletion: the API server removes the object at once and
+/// the kubelet kills the containers later, so the object's disappearance would say nothing
+/// about them. With a grace period the object stays, terminating, until the kubelet has
+/// stopped the containers and deletes it itself. The keep-alive ignores SIGTERM (it is the
+/// container's init), so the kubelet kills it at the end of the grace period either way.
+const DELETE_GRACE_SECS: u32 = 1;
+
 impl Shared {
     /// Marks a pod as used by this gateway (the reaper leaves it alone).
     pub(super) fn track(&self, name: &str) {
@@ -27,11 +35,11 @@ impl Shared {
         }
     }
 
-    /// Deletes a pod at once (grace 0), retrying transient failures; a pod already gone is
-    /// fine.
+    /// Deletes a pod (grace 1 s, see [`DELETE_GRACE_SECS`]), retrying transient failures; a
+    /// pod already gone is fine.
     pub(super) async fn delete(&self, name: &str) -> bool {
         let params = DeleteParams {
-            grace_period_seconds: Some(0),
+            grace_period_seconds: Some(DELETE_GRACE_SECS),
             ..DeleteParams::background()
         };
         let mut wait = Duration::from_millis(100);
@@ -48,6 +56,24 @@ impl Shared {
         }
         tracing::error!(pod = name, "runner pod not deleted; the reaper will retry");
         false
+    }
+
+    /// Waits until a deleted pod is gone: the kubelet removes the object once it has stopped
+    /// the containers. Bounded, so that a lost node does not hold a slot (or the shutdown)
+    /// forever.
+    pub(super) async fn await_gone(&self, name: &str) {
+        let gone = kube::runtime::wait::await_condition(
+            self.pods.clone(),
+            name,
+            |p: Option<&k8s_openapi::api::core::v1::Pod>| p.is_none(),
+        );
+        if tokio::time::timeout(GONE_WAIT, gone).await.is_err() {
+            tracing::warn!(
+                pod = name,
+                "runner pod still present {}s after its deletion; slot released",
+                GONE_WAIT.as_secs()
+            );
+        }
     }
 }
 
@@ -90,21 +116,8 @@ impl Drop for PodGuard {
             if already || shared.delete(&name).await {
                 shared.untrack(&name);
                 // The slot is free once the pod (and so its containers) is gone, not when the
-                // delete call returns: `max_concurrent_pods` bounds real containers. A grace-0
-                // delete removes the object at once only when the kubelet confirms, or the
-                // node is gone; bounded, so that a lost node does not hold slots forever.
-                let gone = kube::runtime::wait::await_condition(
-                    shared.pods.clone(),
-                    &name,
-                    |p: Option<&k8s_openapi::api::core::v1::Pod>| p.is_none(),
-                );
-                if tokio::time::timeout(GONE_WAIT, gone).await.is_err() {
-                    tracing::warn!(
-                        pod = name,
-                        "runner pod still present {}s after its deletion; slot released",
-                        GONE_WAIT.as_secs()
-                    );
-                }
+                // delete call returns: `max_concurrent_pods` bounds real containers.
+                shared.await_gone(&name).await;
             }
             if let Some(mut t) = timings {
                 t.mark("deleted");

@@ -4,7 +4,8 @@
 //! its container runs ([`status::assess`] turns pod states into specific errors), exec the
 //! command in it (argv as argv; `cwd` and `env` through a constant wrapper script, see
 //! [`pod::argv`]), stream stdout and stderr as they arrive, map the exec status
-//! channel to the same `exit` event as the local backend, and delete the pod (grace 0).
+//! channel to the same `exit` event as the local backend, and delete the pod (grace 1 s; its
+//! concurrency slot is released when the kubelet has removed it).
 //!
 //! Cleanup on every path: a [`guard::PodGuard`] is armed before the pod is created and deletes it
 //! when dropped, whatever dropped it (exit, error, timeout, client gone, shutdown); the
@@ -78,6 +79,8 @@ struct Shared {
     deletions: TaskTracker,
     /// Pod start and warm pool figures.
     metrics: crate::metrics::Metrics,
+    /// How often exec WebSockets are pinged (`exec_ping_secs`).
+    ping_interval: std::time::Duration,
 }
 
 impl Executor for KubeExecutor {
@@ -200,9 +203,14 @@ impl Executor for KubeExecutor {
                 .lock()
                 .map(|l| l.iter().cloned().collect())
                 .unwrap_or_default();
-            for name in left {
-                self.shared.delete(&name).await;
-            }
+            // Deleted, and gone (their containers stopped) before the gateway exits.
+            let shared = &self.shared;
+            futures_util::future::join_all(left.iter().map(|name| async move {
+                if shared.delete(name).await {
+                    shared.await_gone(name).await;
+                }
+            }))
+            .await;
         })
     }
 }

@@ -98,6 +98,7 @@ impl KubeExecutor {
                 live: Mutex::new(HashSet::new()),
                 deletions: TaskTracker::new(),
                 metrics,
+                ping_interval: Duration::from_secs(config.exec_ping_secs),
             }),
             client,
             permits: Arc::new(Semaphore::new(config.max_concurrent_pods)),

@@ -274,6 +274,7 @@ impl KubeExecutor {
             header: command.header,
             user: opts.stdin,
             can_close,
+            ping: self.shared.ping_interval,
         };
         tokio::spawn(supervise(
             connection.into_stream(),
@@ -282,6 +283,7 @@ impl KubeExecutor {
             token.clone(),
             guard,
             spec.executable,
+            profile.shell().to_string(),
         ));
         Ok(Execution::new(context, rx, token))
     }

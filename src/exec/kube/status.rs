@@ -229,9 +229,11 @@ pub fn assess(pod: &Pod, container: &str) -> PodState {
 
 /// Whether a runtime's start error says the executable does not exist, in the wordings of
 /// runc (containerd, CRI-O), crun, gVisor's runsc and Kata's agent. Commands run through
-/// the wrapper (with `cwd` or `env`) never get here: it finds a missing program itself.
+/// the wrapper (with `cwd` or `env`) never get here: it finds a missing program itself; and
+/// words not known here are not needed, the stream asks the pod (`exists_in_pod`).
 fn is_not_found(lower: &str) -> bool {
     lower.contains("executable file not found")
+        || (lower.contains("the file ") && lower.contains(" was not found"))
         || lower.contains("not found in $path")
         || lower.contains("executable not found")
         || lower.contains("could not find the executable")
@@ -572,6 +574,7 @@ mod tests {
             "crun: executable file `nope` not found in $PATH: No such file or directory",
             "OCI runtime exec failed: exec failed: executable not found: \"nope\"",
             "rpc error: code = Internal desc = Could not find the executable nope",
+            "failed to start exec \"e9a1\": Others(\"failed to handler message handler request\\n\\nCaused by:\\n    0: start process\\n    4: rpc status: code: INTERNAL message: \\\"the file nope was not found\\\"\"): unknown",
             "runsc: cannot find executable \"nope\" in PATH",
         ] {
             assert_eq!(

@@ -31,10 +31,6 @@ const STATUS: u8 = 3;
 /// v5: "this stream ends" (the next byte names the stream).
 const CLOSE: u8 = 255;
 
-/// How often the gateway pings an exec's WebSocket: well inside the 60-second idle timeout
-/// of common load balancers in front of API servers, so silent commands keep their stream.
-pub(super) const PING_INTERVAL: Duration = Duration::from_secs(20);
-
 /// After the exec status arrived, how long output may still trickle in.
 const DRAIN_GRACE: Duration = Duration::from_secs(2);
 
@@ -50,6 +46,10 @@ pub(super) struct Input {
     /// v5: stdin's end can be signalled. On v4 it cannot without closing the whole stream
     /// (and losing output), so stdin then stays open until the command ends.
     pub can_close: bool,
+    /// How often to ping the WebSocket (`kubernetes.exec_ping_secs`): well inside the idle
+    /// timeout of load balancers in front of API servers, so silent commands keep their
+    /// stream.
+    pub ping: Duration,
 }
 
 /// Streams the exec's output into the event channel, then its exit; deletes the pod on the
@@ -61,6 +61,7 @@ pub(super) async fn supervise<S>(
     cancel: CancellationToken,
     mut guard: PodGuard,
     executable: String,
+    shell: String,
 ) where
     S: Stream<Item = Result<Message, tungstenite::Error>>
         + Sink<Message, Error = tungstenite::Error>
@@ -183,6 +184,22 @@ pub(super) async fn supervise<S>(
                 .await;
             exit(Some(code), None)
         }
+        // The runtime refused to start the program in words no pattern knows (each runtime
+        // has its own): ask the pod whether the program exists at all.
+        ExecEnd::Error(_)
+            if status
+                .as_ref()
+                .is_some_and(|s| s.reason.as_deref() != Some("NonZeroExitCode"))
+                && !first_byte
+                && exists_in_pod(&guard, &shell, &executable).await == Some(false) =>
+        {
+            let _ = tx
+                .send(Event::Stderr {
+                    data: format!("mcp-run: {executable}: command not found\n").into(),
+                })
+                .await;
+            exit(Some(127), None)
+        }
         ExecEnd::Error(message) => {
             let message = match transport_error {
                 Some(t) if status.is_none() => format!("{message} ({t})"),
@@ -202,6 +219,45 @@ pub(super) async fn supervise<S>(
         }
     };
     let _ = tx.send(event).await;
+}
+
+/// Whether `executable` exists in the runner container, asked through the profile's shell
+/// (`command -v`, or `test -e` for a path) instead of read from a runtime's error text, whose
+/// wording differs by runtime (runc, crun, gVisor, Kata). `None`: it cannot be told (no
+/// shell in the image, the pod gone, no answer in time).
+async fn exists_in_pod(guard: &PodGuard, shell: &str, executable: &str) -> Option<bool> {
+    const PROBE: &str =
+        r#"case $1 in */*) test -e "$1" ;; *) command -v "$1" ;; esac >/dev/null 2>&1"#;
+    let params = kube::api::AttachParams::default()
+        .container(CONTAINER)
+        .stderr(false);
+    let argv = [shell, "-c", PROBE, "mcp-run", executable];
+    let mut attached = tokio::time::timeout(
+        POD_CHECK_TIMEOUT,
+        guard.shared.pods.exec(&guard.name, argv, &params),
+    )
+    .await
+    .ok()?
+    .ok()?;
+    let status = attached.take_status()?;
+    let s = tokio::time::timeout(POD_CHECK_TIMEOUT, status)
+        .await
+        .ok()??;
+    if s.status.as_deref() == Some("Success") {
+        return Some(true);
+    }
+    // "No such program": `test -e` answers 1, `command -v` 1 (bash, busybox) or 127 (dash).
+    // Anything else (126, a signal) tells nothing; a missing shell fails the exec itself.
+    let code = s
+        .details
+        .as_ref()
+        .and_then(|d| d.causes.as_ref())
+        .into_iter()
+        .flatten()
+        .find(|c| c.reason.as_deref() == Some("ExitCode"))
+        .and_then(|c| c.message.as_deref());
+    (s.reason.as_deref() == Some("NonZeroExitCode") && matches!(code, Some("1" | "127")))
+        .then_some(false)
 }
 
 /// What happened to the guard's pod, if it is gone, going, or its container stopped.
@@ -265,14 +321,14 @@ where
         v.extend_from_slice(data);
         Message::Binary(v.into())
     };
-    let mut ping =
-        tokio::time::interval_at(tokio::time::Instant::now() + PING_INTERVAL, PING_INTERVAL);
     let Input {
         open,
         header,
         mut user,
         can_close,
+        ping,
     } = input;
+    let mut ping = tokio::time::interval_at(tokio::time::Instant::now() + ping, ping);
     if let Some(h) = header
         && sink.send(frame(STDIN, &h)).await.is_err()
     {

@@ -182,7 +182,8 @@ pub fn build(req: &PodRequest<'_>, id: &Identity) -> Pod {
             automount_service_account_token: Some(false),
             enable_service_links: Some(false),
             active_deadline_seconds: Some(req.active_deadline_secs),
-            // Runner pods are deleted with grace 0 anyway; nothing in them needs to drain.
+            // Nothing in a runner pod needs to drain: the shortest grace for any deletion that
+            // does not name its own (the gateway's own deletions say 1 s, see guard.rs).
             termination_grace_period_seconds: Some(0),
             service_account_name: p.service_account_name.clone(),
             runtime_class_name: p.runtime_class_name.clone(),
