@@ -77,7 +77,14 @@ impl Drop for InFlight {
 /// The middleware in front of rmcp's service.
 pub async fn middleware(State(guard): State<Arc<McpGuard>>, req: Request, next: Next) -> Response {
     if req.method() != axum::http::Method::POST {
-        return json_errors(next.run(req).await).await;
+        let delete = req.method() == axum::http::Method::DELETE;
+        let mut resp = json_errors(next.run(req).await).await;
+        // rmcp ends a session's DELETE with 202; the official Python SDK takes only 200 and
+        // 204 as a closed session (it warns "Session termination failed: 202").
+        if delete && resp.status() == StatusCode::ACCEPTED {
+            *resp.status_mut() = StatusCode::NO_CONTENT;
+        }
+        return resp;
     }
     let (parts, body) = req.into_parts();
     let bytes = match axum::body::to_bytes(body, guard.max_body_bytes).await {

@@ -187,3 +187,25 @@ fn sessions_are_capped_in_total_and_per_client_and_expire() {
     );
     assert!(old.status >= 400, "{}", old.text());
 }
+
+/// DELETE ends a session with 204, as the official Python SDK expects (200 or 204; rmcp's
+/// own 202 made it warn on every close), and the session is gone afterwards.
+#[test]
+fn delete_ends_a_session_with_204() {
+    let gw = Gateway::start(&[]);
+    let sid = open_session(&gw, &[]);
+    let header = format!("Mcp-Session-Id: {sid}");
+    let version = "MCP-Protocol-Version: 2025-06-18";
+    let a = exchange(
+        &gw,
+        &request("DELETE", "/mcp", "localhost", &[&header, version], b""),
+    );
+    assert_eq!(a.status, 204, "{}\n{}", a.head, a.text());
+    assert!(a.body.is_empty());
+    let a = mcp_post(
+        &gw,
+        &[&header, version],
+        &json!({"jsonrpc": "2.0", "id": 2, "method": "tools/list"}),
+    );
+    assert_eq!(a.status, 404, "{}", a.text());
+}

@@ -6,6 +6,7 @@ command, a failing one, 10 MB of output, binary output; with --slow, a command t
 over 60 s and must send progress notifications. Exits 1 with the reason on the first failure.
 """
 
+import logging
 import sys
 import time
 
@@ -15,6 +16,22 @@ from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
 
 BUDGET = 30_000
+
+
+class Warnings(logging.Handler):
+    """What the SDK itself complains about (e.g. "Session termination failed: 202"): a
+    server the official client warns about is not done."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.seen = []
+
+    def emit(self, record):
+        self.seen.append(record.getMessage())
+
+
+SDK_WARNINGS = Warnings()
+logging.getLogger("mcp").addHandler(SDK_WARNINGS)
 
 
 def check(cond, what):
@@ -97,10 +114,12 @@ async def main():
     async with streamable_http_client(url) as (read, write):
         async with ClientSession(read, write) as session:
             await exercise(session, "streamable HTTP", slow)
+    check(not SDK_WARNINGS.seen, f"streamable HTTP: the SDK warned: {SDK_WARNINGS.seen}")
     params = StdioServerParameters(command=binary, args=["stdio"])
     async with stdio_client(params) as (read, write):
         async with ClientSession(read, write) as session:
             await exercise(session, "stdio", False)
+    check(not SDK_WARNINGS.seen, f"stdio: the SDK warned: {SDK_WARNINGS.seen}")
 
 
 anyio.run(main)
