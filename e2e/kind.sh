@@ -181,8 +181,9 @@ log "graceful shutdown: a running command outlives the replacement of the gatewa
 # so that the port-forward, which follows one pod, is not part of the test.
 kill "$PF_PID" 2>/dev/null || true
 PF_PID=""
+# The token from the chart's Secret, never in an argument or the pod spec.
 kubectl -n "$NAMESPACE" run drain --image="$IMAGE" --image-pull-policy=Never --restart=Never \
-  --env="RUN_REMOTE_TOKEN=$TOKEN" \
+  --overrides='{"spec":{"containers":[{"name":"drain","env":[{"name":"RUN_REMOTE_TOKEN","valueFrom":{"secretKeyRef":{"name":"'"$RELEASE-auth"'","key":"tokens"}}}]}]}}' \
   --command -- /usr/local/bin/run-remote --server "http://$RELEASE.$NAMESPACE.svc:8080/raw" \
   -- sh -c 'sleep 20; echo survived'
 runner=""

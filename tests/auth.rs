@@ -128,6 +128,14 @@ async fn auth_on_protects_raw_mcp_and_capabilities_but_not_probes() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert_eq!(out.stdout, b"remote\n");
+    // A token read from a file or a Secret's key keeps its newline: still the token.
+    let out = gw
+        .run_remote()
+        .env("RUN_REMOTE_TOKEN", format!("{TOKEN_CI}\n"))
+        .args(["--", "echo", "remote"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
     let out = gw.run_remote().args(["--", "echo", "x"]).output().unwrap();
     assert_eq!(out.status.code(), Some(125));
     let err = String::from_utf8_lossy(&out.stderr);

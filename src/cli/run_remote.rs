@@ -336,8 +336,11 @@ fn prepare(args: &Args) -> Result<Prepared, Failure> {
     let (server, request) =
         build_request(args, |k| std::env::var(k).ok(), std::env::current_dir())?;
     let template = args.template.as_deref().map(resolve_template).transpose()?;
+    // Trimmed: a token from a file or a Secret's key (`secretKeyRef`) ends with a newline,
+    // which no header may carry; the gateway's tokens never hold whitespace.
     let token = std::env::var("RUN_REMOTE_TOKEN")
         .ok()
+        .map(|t| t.trim().to_owned())
         .filter(|t| !t.is_empty());
     let remote = RemoteExecutor::new(&server, token).map_err(Failure::config)?;
     Ok(Prepared {
