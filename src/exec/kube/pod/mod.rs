@@ -182,9 +182,12 @@ pub fn build(req: &PodRequest<'_>, id: &Identity) -> Pod {
             automount_service_account_token: Some(false),
             enable_service_links: Some(false),
             active_deadline_seconds: Some(req.active_deadline_secs),
-            // Nothing in a runner pod needs to drain: the shortest grace for any deletion that
-            // does not name its own (the gateway's own deletions say 1 s, see guard.rs).
-            termination_grace_period_seconds: Some(0),
+            // Nothing in a runner pod needs to drain: the shortest grace for a deletion that
+            // does not name its own (an operator's `kubectl delete`, a namespace going), as
+            // the gateway's own deletions (guard.rs). Not 0: the API server takes a grace of
+            // 0 as a force deletion, which removes the object before the kubelet has killed
+            // the containers; an activeDeadlineSeconds kill uses it too.
+            termination_grace_period_seconds: Some(1),
             service_account_name: p.service_account_name.clone(),
             runtime_class_name: p.runtime_class_name.clone(),
             node_selector: (!p.node_selector.is_empty()).then(|| p.node_selector.clone()),
@@ -280,6 +283,8 @@ mod tests {
         let pod = pod(&Profile::default(), false);
         let spec = pod.spec.as_ref().unwrap();
         assert_eq!(spec.automount_service_account_token, Some(false));
+        // 0 would make every deletion that names no grace a force deletion.
+        assert_eq!(spec.termination_grace_period_seconds, Some(1));
         assert_eq!(spec.enable_service_links, Some(false));
         assert_eq!(spec.restart_policy.as_deref(), Some("Never"));
         assert_eq!(spec.active_deadline_seconds, Some(700));
