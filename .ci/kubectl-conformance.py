@@ -117,6 +117,13 @@ class Watch:
             if "watch=true" in line and "200 OK" in line:
                 self.ready.set()
 
+    def wait_for(self, text, timeout=10):
+        """Until the output holds `text` (or the deadline passes: the check then says what
+        was seen)."""
+        deadline = time.monotonic() + timeout
+        while text not in "".join(self.out) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     def stop(self):
         self.proc.terminate()
         self.proc.wait(timeout=10)
@@ -249,7 +256,8 @@ def run_checks(kubectl, env, work):
     )
 
     # The watches saw the pod come, run and go; then they are stopped.
-    time.sleep(0.5)
+    watch.wait_for("DELETED")
+    watch_default.wait_for("Terminating")
     out, err = watch.stop()
     lines = [l for l in out.splitlines() if l.strip()]
     check(
