@@ -256,6 +256,21 @@ pub enum ExecEnd {
     Error(String),
 }
 
+/// The code of a `NonZeroExitCode` status: its `ExitCode` cause, as the API server words it.
+pub fn nonzero_exit_code(s: &Status) -> Option<i32> {
+    if s.reason.as_deref() != Some("NonZeroExitCode") {
+        return None;
+    }
+    s.details
+        .as_ref()
+        .and_then(|d| d.causes.as_ref())
+        .into_iter()
+        .flatten()
+        .find(|c| c.reason.as_deref() == Some("ExitCode"))
+        .and_then(|c| c.message.as_deref())
+        .and_then(|m| m.trim().parse().ok())
+}
+
 /// Maps the exec status (`None` when the stream ended without one) for `executable`.
 ///
 /// A non-zero exit is `Failure` / `NonZeroExitCode` with an `ExitCode` cause. Container
@@ -275,16 +290,7 @@ pub fn exec_end(status: Option<&Status>, executable: &str) -> ExecEnd {
     }
     let message = s.message.clone().unwrap_or_default();
     if s.reason.as_deref() == Some("NonZeroExitCode") {
-        let code = s
-            .details
-            .as_ref()
-            .and_then(|d| d.causes.as_ref())
-            .into_iter()
-            .flatten()
-            .find(|c| c.reason.as_deref() == Some("ExitCode"))
-            .and_then(|c| c.message.as_deref())
-            .and_then(|m| m.trim().parse::<i32>().ok());
-        return match code {
+        return match nonzero_exit_code(s) {
             Some(c) if (129..=128 + 64).contains(&c) => ExecEnd::Exit {
                 code: None,
                 signal: Some(c - 128),

@@ -248,16 +248,7 @@ async fn exists_in_pod(guard: &PodGuard, shell: &str, executable: &str) -> Optio
     }
     // "No such program": `test -e` answers 1, `command -v` 1 (bash, busybox) or 127 (dash).
     // Anything else (126, a signal) tells nothing; a missing shell fails the exec itself.
-    let code = s
-        .details
-        .as_ref()
-        .and_then(|d| d.causes.as_ref())
-        .into_iter()
-        .flatten()
-        .find(|c| c.reason.as_deref() == Some("ExitCode"))
-        .and_then(|c| c.message.as_deref());
-    (s.reason.as_deref() == Some("NonZeroExitCode") && matches!(code, Some("1" | "127")))
-        .then_some(false)
+    matches!(status::nonzero_exit_code(&s), Some(1 | 127)).then_some(false)
 }
 
 /// What happened to the guard's pod, if it is gone, going, or its container stopped.
