@@ -74,14 +74,7 @@ async fn protobuf_bodies_are_415() {
 async fn kubectls_protobuf_access_review_is_read() {
     let d = KubeDouble::start();
     d.deny("default", "pods", "exec", "create");
-    let c = reqwest::Client::builder()
-        .tls_backend_preconfigured(
-            kube_double::tls::client_config(&[b"http/1.1"])
-                .as_ref()
-                .clone(),
-        )
-        .build()
-        .expect("client");
+    let c = kube_double::tls::reqwest_client();
     for (sub, allowed) in [("exec", false), ("", true)] {
         let mut attrs = vec![(1, "default"), (2, "create"), (5, "pods")];
         if !sub.is_empty() {

@@ -62,14 +62,7 @@ async fn http(
     body: Option<(&str, Value)>,
     token: bool,
 ) -> (u16, Value) {
-    let c = reqwest::Client::builder()
-        .tls_backend_preconfigured(
-            kube_double::tls::client_config(&[b"http/1.1"])
-                .as_ref()
-                .clone(),
-        )
-        .build()
-        .expect("client");
+    let c = kube_double::tls::reqwest_client();
     let mut rb = c.request(
         method.parse().expect("method"),
         format!("{}{}", d.url(), path),

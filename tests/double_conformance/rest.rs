@@ -497,14 +497,7 @@ async fn tables_for_kubectl_get() {
         .await
         .expect("create");
     running(&api, "tbl").await;
-    let c = reqwest::Client::builder()
-        .tls_backend_preconfigured(
-            kube_double::tls::client_config(&[b"http/1.1"])
-                .as_ref()
-                .clone(),
-        )
-        .build()
-        .expect("client");
+    let c = kube_double::tls::reqwest_client();
     let accept = "application/json;as=Table;v=v1;g=meta.k8s.io,application/json;as=Table;v=v1beta1;g=meta.k8s.io,application/json";
     let get = |path: String| {
         c.get(format!("{}{path}", d.url()))

@@ -52,6 +52,14 @@ pub fn client_config(alpn: &[&[u8]]) -> Arc<rustls::ClientConfig> {
     Arc::new(cfg)
 }
 
+/// An HTTP/1.1 reqwest client that trusts the double's CA, for tests that speak raw HTTP.
+pub fn reqwest_client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .tls_backend_preconfigured(client_config(&[b"http/1.1"]).as_ref().clone())
+        .build()
+        .expect("kube double: reqwest client")
+}
+
 /// Connects to the double over TLS (HTTP/1.1), for WebSocket clients.
 pub async fn connect(
     addr: SocketAddr,
