@@ -19,7 +19,7 @@
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::os::unix::fs::{DirBuilderExt as _, MetadataExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::WorkspaceRun;
@@ -400,12 +400,24 @@ struct Idle {
     since: Instant,
 }
 
+#[derive(Default)]
+struct State {
+    idle: Vec<Idle>,
+    /// `(owner, digest)` of trees being cleaned after their run.
+    cleaning: Vec<(Owner, String)>,
+}
+
+/// How long a run waits for a tree of its workspace that is being cleaned after the
+/// previous run, rather than copying a fresh one.
+const CLEANING_WAIT: Duration = Duration::from_secs(2);
+
 /// The idle trees of a gateway, for reuse by the next run of the same owner.
 pub struct Trees {
     base: PathBuf,
     keep: usize,
     max_age: Duration,
-    idle: Mutex<Vec<Idle>>,
+    state: Mutex<State>,
+    cleaned: Condvar,
 }
 
 impl Trees {
@@ -416,36 +428,62 @@ impl Trees {
             base,
             keep,
             max_age,
-            idle: Mutex::new(Vec::new()),
+            state: Mutex::new(State::default()),
+            cleaned: Condvar::new(),
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Idle>> {
-        self.idle.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// A tree holding exactly `run`'s workspace, for one run: an idle tree of the same
-    /// owner brought up to date (the same version's first), else a fresh one. Blocking.
+    /// owner brought up to date (the same version's first, waiting a little for one being
+    /// cleaned after its run), else a fresh one. Blocking.
     pub fn check_out(
         &self,
         run: &WorkspaceRun,
         pin: &Pinned,
     ) -> Result<(Tree, SyncStats), ErrorBody> {
-        let (reuse, expired) = {
-            let mut idle = self.lock();
-            let now = Instant::now();
-            let (old, young): (Vec<Idle>, Vec<Idle>) = idle
-                .drain(..)
-                .partition(|t| now.saturating_duration_since(t.since) > self.max_age);
-            *idle = young;
-            let owner = &run.workspace.owner;
-            let pick = idle
-                .iter()
-                .enumerate()
-                .filter(|(_, t)| t.owner == *owner)
-                .max_by_key(|(_, t)| (t.digest == run.workspace.digest, t.since))
-                .map(|(i, _)| i);
-            (pick.map(|i| idle.swap_remove(i)), old)
+        let owner = &run.workspace.owner;
+        let digest = &run.workspace.digest;
+        let deadline = Instant::now() + CLEANING_WAIT;
+        let mut expired = Vec::new();
+        let reuse = {
+            let mut st = self.lock();
+            loop {
+                let now = Instant::now();
+                let (old, young): (Vec<Idle>, Vec<Idle>) = st
+                    .idle
+                    .drain(..)
+                    .partition(|t| now.saturating_duration_since(t.since) > self.max_age);
+                st.idle = young;
+                expired.extend(old);
+                let same = st
+                    .idle
+                    .iter()
+                    .position(|t| t.owner == *owner && t.digest == *digest);
+                if let Some(i) = same {
+                    break Some(st.idle.swap_remove(i));
+                }
+                let coming = st.cleaning.iter().any(|(o, d)| o == owner && d == digest);
+                if coming && now < deadline {
+                    st = self
+                        .cleaned
+                        .wait_timeout(st, deadline - now)
+                        .map(|(g, _)| g)
+                        .unwrap_or_else(|p| p.into_inner().0);
+                    continue;
+                }
+                let other = st
+                    .idle
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, t)| t.owner == *owner)
+                    .max_by_key(|(_, t)| t.since)
+                    .map(|(i, _)| i);
+                break other.map(|i| st.idle.swap_remove(i));
+            }
         };
         drop(expired);
         if let Some(mut idle) = reuse {
@@ -468,34 +506,39 @@ impl Trees {
         if self.keep == 0 {
             return;
         }
-        if let Err(e) = tree.clean(run) {
-            tracing::warn!(
-                "a workspace tree could not be cleaned, removing it: {}",
-                e.message
-            );
-            return;
-        }
+        let key = (run.workspace.owner.clone(), run.workspace.digest.clone());
+        self.lock().cleaning.push(key.clone());
+        let cleaned = tree.clean(run);
         let evicted = {
-            let mut idle = self.lock();
-            idle.push(Idle {
-                tree,
-                owner: run.workspace.owner.clone(),
-                digest: run.workspace.digest.clone(),
-                since: Instant::now(),
-            });
+            let mut st = self.lock();
+            if let Some(i) = st.cleaning.iter().position(|k| *k == key) {
+                st.cleaning.swap_remove(i);
+            }
             let mut evicted = Vec::new();
-            while idle.len() > self.keep {
-                if let Some((i, _)) = idle.iter().enumerate().min_by_key(|(_, t)| t.since) {
-                    evicted.push(idle.swap_remove(i));
+            match cleaned {
+                Ok(()) => st.idle.push(Idle {
+                    tree,
+                    owner: key.0,
+                    digest: key.1,
+                    since: Instant::now(),
+                }),
+                Err(e) => {
+                    tracing::warn!(
+                        "a workspace tree could not be cleaned, removing it: {}",
+                        e.message
+                    );
+                    evicted.push(tree);
+                }
+            }
+            while st.idle.len() > self.keep {
+                if let Some((i, _)) = st.idle.iter().enumerate().min_by_key(|(_, t)| t.since) {
+                    evicted.push(st.idle.swap_remove(i).tree);
                 }
             }
             evicted
         };
+        self.cleaned.notify_all();
+        // Removed outside the lock.
         drop(evicted);
-    }
-
-    /// How many idle trees are kept now.
-    pub fn idle(&self) -> usize {
-        self.lock().len()
     }
 }

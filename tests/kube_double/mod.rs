@@ -172,6 +172,11 @@ pub struct DoubleOptions {
     /// Labels of the namespaces (for example `pod-security.kubernetes.io/enforce=restricted`,
     /// which Pod Security admission enforces).
     pub namespace_labels: BTreeMap<String, BTreeMap<String, String>>,
+    /// Like a kubelet, when the double runs as root: exec'd processes run as the
+    /// container's (else the pod's) `runAsUser`/`runAsGroup`, and `emptyDir` mounts are
+    /// created 0777 on first use (see `exec::pod_user`). Off by default: most tests run
+    /// commands in directories only root can enter.
+    pub run_as_pod_user: bool,
 }
 
 impl Default for DoubleOptions {
@@ -194,6 +199,7 @@ impl Default for DoubleOptions {
             .map(String::from)
             .to_vec(),
             namespace_labels: BTreeMap::new(),
+            run_as_pod_user: false,
         }
     }
 }
