@@ -81,6 +81,9 @@ impl Written {
 pub struct Tree {
     root: PathBuf,
     written: HashMap<String, Written>,
+    /// The digest of the manifest the tree was last brought to (each record is then one of
+    /// its entries).
+    synced: Option<String>,
 }
 
 fn failed(what: &str, e: std::io::Error) -> ErrorBody {
@@ -115,6 +118,7 @@ impl Tree {
         Ok(Self {
             root,
             written: HashMap::new(),
+            synced: None,
         })
     }
 
@@ -123,15 +127,8 @@ impl Tree {
     pub fn sync(&mut self, run: &WorkspaceRun, pin: &Pinned) -> Result<SyncStats, ErrorBody> {
         let entries = &run.workspace.manifest.entries;
         let dirs = wanted_dirs(entries, &run.cwd);
-        let (kept, seen_dirs, removed) = self.prune(
-            |rel| {
-                entries
-                    .binary_search_by(|e| e.path.as_str().cmp(rel))
-                    .ok()
-                    .map(|i| &entries[i])
-            },
-            &dirs,
-        )?;
+        let (kept, seen_dirs, removed) = self.prune(run, &dirs)?;
+        self.synced = None;
         for d in dirs.iter().filter(|d| !seen_dirs.contains(d.as_str())) {
             let p = self.root.join(d);
             std::fs::DirBuilder::new()
@@ -157,6 +154,7 @@ impl Tree {
         if let Some(newest) = newest {
             self.settle(newest)?;
         }
+        self.synced = Some(run.workspace.digest.clone());
         Ok(stats)
     }
 
@@ -165,81 +163,77 @@ impl Tree {
     fn clean(&mut self, run: &WorkspaceRun) -> Result<(), ErrorBody> {
         let entries = &run.workspace.manifest.entries;
         let dirs = wanted_dirs(entries, &run.cwd);
-        self.prune(
-            |rel| {
-                entries
-                    .binary_search_by(|e| e.path.as_str().cmp(rel))
-                    .ok()
-                    .map(|i| &entries[i])
-            },
-            &dirs,
-        )?;
+        self.prune(run, &dirs)?;
         Ok(())
     }
 
-    /// One walk: keeps the directories in `dirs` (mode restored) and the files `want` names
-    /// whose recorded `lstat` is unchanged; removes everything else. Returns the kept files,
-    /// the kept directories, and how many entries were removed.
-    fn prune<'m>(
+    /// One walk: keeps the directories in `dirs` (mode restored) and the files of `run`'s
+    /// manifest whose recorded `lstat` is unchanged; removes everything else. Returns the
+    /// kept files, the kept directories, and how many entries were removed. Each entry is
+    /// `lstat`ed relative to its open directory (`DirEntry::metadata`), not by full path.
+    fn prune(
         &mut self,
-        want: impl Fn(&str) -> Option<&'m ManifestEntry>,
+        run: &WorkspaceRun,
         dirs: &BTreeSet<String>,
     ) -> Result<(HashSet<String>, HashSet<String>, usize), ErrorBody> {
-        let root = self.root.clone();
-        std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o700))
+        let entries = &run.workspace.manifest.entries;
+        // Synced to this very manifest: every record is one of its entries, no lookup needed.
+        let same = self.synced.as_deref() == Some(run.workspace.digest.as_str());
+        let wanted = |rel: &str, w: &Written| {
+            same || entries
+                .binary_search_by(|e| e.path.as_str().cmp(rel))
+                .is_ok_and(|i| w.is(&entries[i]))
+        };
+        std::fs::set_permissions(&self.root, std::fs::Permissions::from_mode(0o700))
             .map_err(|e| failed("the tree's root", e))?;
+        let reading = |e| failed("reading the previous run's tree", e);
         let mut kept = HashSet::new();
         let mut seen_dirs = HashSet::new();
         let mut removed = 0;
-        let mut walk = walkdir::WalkDir::new(&root)
-            .min_depth(1)
-            .follow_links(false)
-            .into_iter();
-        while let Some(item) = walk.next() {
-            let entry = item.map_err(|e| {
-                let io = e
-                    .into_io_error()
-                    .unwrap_or_else(|| std::io::Error::other("a loop"));
-                failed("walking the previous run's tree", io)
-            })?;
-            let path = entry.path();
-            let rel = path
-                .strip_prefix(&root)
-                .ok()
-                .and_then(Path::to_str)
-                .map(str::to_owned);
-            let meta = path
-                .symlink_metadata()
-                .map_err(|e| failed("reading the previous run's tree", e))?;
-            let ft = meta.file_type();
-            if ft.is_dir() {
-                if let Some(rel) = rel.filter(|r| dirs.contains(r)) {
-                    if meta.mode() & 0o7777 != DIR_MODE {
-                        std::fs::set_permissions(path, std::fs::Permissions::from_mode(DIR_MODE))
-                            .map_err(|e| failed(&rel, e))?;
+        let mut stack = vec![(self.root.clone(), String::new())];
+        while let Some((dir, rel_dir)) = stack.pop() {
+            for entry in std::fs::read_dir(&dir).map_err(reading)? {
+                let entry = entry.map_err(reading)?;
+                let meta = entry.metadata().map_err(reading)?;
+                let rel = entry.file_name().to_str().map(|n| {
+                    if rel_dir.is_empty() {
+                        n.to_owned()
+                    } else {
+                        format!("{rel_dir}/{n}")
                     }
-                    seen_dirs.insert(rel);
-                } else {
-                    walk.skip_current_dir();
-                    remove_all(path).map_err(|e| failed("removing a directory", e))?;
-                    removed += 1;
+                });
+                let path = entry.path();
+                if meta.is_dir() {
+                    if let Some(rel) = rel.filter(|r| dirs.contains(r)) {
+                        // Before it is read: a command may have taken the permission away.
+                        if meta.mode() & 0o7777 != DIR_MODE {
+                            std::fs::set_permissions(
+                                &path,
+                                std::fs::Permissions::from_mode(DIR_MODE),
+                            )
+                            .map_err(|e| failed(&rel, e))?;
+                        }
+                        seen_dirs.insert(rel.clone());
+                        stack.push((path, rel));
+                    } else {
+                        remove_all(&path).map_err(|e| failed("removing a directory", e))?;
+                        removed += 1;
+                    }
+                    continue;
                 }
-                continue;
-            }
-            let intact = rel.as_deref().is_some_and(|rel| {
-                want(rel).is_some_and(|e| {
+                let intact = rel.as_deref().is_some_and(|rel| {
                     self.written
                         .get(rel)
-                        .is_some_and(|w| w.is(e) && w.stamp == Stamp::of(&meta))
-                })
-            });
-            match rel {
-                Some(rel) if intact => {
-                    kept.insert(rel);
-                }
-                _ => {
-                    std::fs::remove_file(path).map_err(|e| failed("removing a file", e))?;
-                    removed += 1;
+                        .is_some_and(|w| w.stamp == Stamp::of(&meta) && wanted(rel, w))
+                });
+                match rel {
+                    Some(rel) if intact => {
+                        kept.insert(rel);
+                    }
+                    _ => {
+                        std::fs::remove_file(&path).map_err(|e| failed("removing a file", e))?;
+                        removed += 1;
+                    }
                 }
             }
         }
