@@ -127,7 +127,7 @@ impl Tree {
     pub fn sync(&mut self, run: &WorkspaceRun, pin: &Pinned) -> Result<SyncStats, ErrorBody> {
         let entries = &run.workspace.manifest.entries;
         let dirs = wanted_dirs(entries, &run.cwd);
-        let (kept, seen_dirs, removed) = self.prune(run, &dirs)?;
+        let (kept, seen_dirs, removed) = self.prune(run, &dirs, true)?;
         self.synced = None;
         for d in dirs.iter().filter(|d| !seen_dirs.contains(d.as_str())) {
             let p = self.root.join(d);
@@ -158,87 +158,81 @@ impl Tree {
         Ok(stats)
     }
 
-    /// After a run: removes what the run created or changed (the next [`Tree::sync`]
-    /// copies the changed files back), so that an idle tree holds no run's output.
+    /// After a run: removes what the run created (files and directories the manifest does
+    /// not have), so that an idle tree does not hold a run's output. Names only (no `lstat`):
+    /// files the run changed stay until the next [`Tree::sync`], which finds them by their
+    /// `lstat`.
     fn clean(&mut self, run: &WorkspaceRun) -> Result<(), ErrorBody> {
         let entries = &run.workspace.manifest.entries;
         let dirs = wanted_dirs(entries, &run.cwd);
-        self.prune(run, &dirs)?;
+        self.prune(run, &dirs, false)?;
         Ok(())
     }
 
-    /// One walk: keeps the directories in `dirs` (mode restored) and the files of `run`'s
-    /// manifest whose recorded `lstat` is unchanged; removes everything else. Returns the
-    /// kept files, the kept directories, and how many entries were removed. Each entry is
-    /// `lstat`ed relative to its open directory (`DirEntry::metadata`), not by full path.
+    /// One walk: keeps the directories in `dirs` and the files of `run`'s manifest that the
+    /// tree wrote; removes everything else. With `stat`, a file is kept only when its
+    /// `lstat` is still the recorded one and directories get their mode back; without, names
+    /// decide (the clean-up after a run). Returns the kept files, the kept directories, and
+    /// how many entries were removed. Entries are `lstat`ed relative to their open directory
+    /// (`DirEntry::metadata`, not by full path), the subdirectories of the root in parallel:
+    /// the `lstat`s are most of the walk's cost.
     fn prune(
         &mut self,
         run: &WorkspaceRun,
         dirs: &BTreeSet<String>,
+        stat: bool,
     ) -> Result<(HashSet<String>, HashSet<String>, usize), ErrorBody> {
-        let entries = &run.workspace.manifest.entries;
-        // Synced to this very manifest: every record is one of its entries, no lookup needed.
-        let same = self.synced.as_deref() == Some(run.workspace.digest.as_str());
-        let wanted = |rel: &str, w: &Written| {
-            same || entries
-                .binary_search_by(|e| e.path.as_str().cmp(rel))
-                .is_ok_and(|i| w.is(&entries[i]))
-        };
         std::fs::set_permissions(&self.root, std::fs::Permissions::from_mode(0o700))
             .map_err(|e| failed("the tree's root", e))?;
-        let reading = |e| failed("reading the previous run's tree", e);
-        let mut kept = HashSet::new();
-        let mut seen_dirs = HashSet::new();
-        let mut removed = 0;
-        let mut stack = vec![(self.root.clone(), String::new())];
-        while let Some((dir, rel_dir)) = stack.pop() {
-            for entry in std::fs::read_dir(&dir).map_err(reading)? {
-                let entry = entry.map_err(reading)?;
-                let meta = entry.metadata().map_err(reading)?;
-                let rel = entry.file_name().to_str().map(|n| {
-                    if rel_dir.is_empty() {
-                        n.to_owned()
-                    } else {
-                        format!("{rel_dir}/{n}")
-                    }
-                });
-                let path = entry.path();
-                if meta.is_dir() {
-                    if let Some(rel) = rel.filter(|r| dirs.contains(r)) {
-                        // Before it is read: a command may have taken the permission away.
-                        if meta.mode() & 0o7777 != DIR_MODE {
-                            std::fs::set_permissions(
-                                &path,
-                                std::fs::Permissions::from_mode(DIR_MODE),
-                            )
-                            .map_err(|e| failed(&rel, e))?;
+        let walk = Walk {
+            entries: &run.workspace.manifest.entries,
+            // Synced to this very manifest: every record is one of its entries.
+            same: self.synced.as_deref() == Some(run.workspace.digest.as_str()),
+            written: &self.written,
+            dirs,
+            stat,
+        };
+        let mut top = Level::default();
+        walk.level(&self.root, "", &mut top)?;
+        let threads = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+            .clamp(1, 4);
+        let subdirs = std::mem::take(&mut top.subdirs);
+        let parts: Vec<Result<Level, ErrorBody>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..threads)
+                .map(|t| {
+                    let mut stack: Vec<(PathBuf, String)> =
+                        subdirs.iter().skip(t).step_by(threads).cloned().collect();
+                    let walk = &walk;
+                    s.spawn(move || {
+                        let mut part = Level::default();
+                        while let Some((dir, rel)) = stack.pop() {
+                            walk.level(&dir, &rel, &mut part)?;
+                            stack.append(&mut part.subdirs);
                         }
-                        seen_dirs.insert(rel.clone());
-                        stack.push((path, rel));
-                    } else {
-                        remove_all(&path).map_err(|e| failed("removing a directory", e))?;
-                        removed += 1;
-                    }
-                    continue;
-                }
-                let intact = rel.as_deref().is_some_and(|rel| {
-                    self.written
-                        .get(rel)
-                        .is_some_and(|w| w.stamp == Stamp::of(&meta) && wanted(rel, w))
-                });
-                match rel {
-                    Some(rel) if intact => {
-                        kept.insert(rel);
-                    }
-                    _ => {
-                        std::fs::remove_file(&path).map_err(|e| failed("removing a file", e))?;
-                        removed += 1;
-                    }
-                }
-            }
+                        Ok(part)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(failed("a walk thread", std::io::Error::other("panicked")))
+                    })
+                })
+                .collect()
+        });
+        for part in parts {
+            let part = part?;
+            top.kept.extend(part.kept);
+            top.seen_dirs.extend(part.seen_dirs);
+            top.removed += part.removed;
         }
+        let kept = top.kept;
         self.written.retain(|p, _| kept.contains(p));
-        Ok((kept, seen_dirs, removed))
+        Ok((kept, top.seen_dirs, top.removed))
     }
 
     /// Writes the entries (their directories exist), in parallel: copying is most of a
@@ -332,6 +326,90 @@ impl Tree {
             "the file system's clock",
             std::io::Error::other("it did not advance for 200 ms"),
         ))
+    }
+}
+
+/// What one walk of a tree keeps.
+struct Walk<'a> {
+    entries: &'a [ManifestEntry],
+    same: bool,
+    written: &'a HashMap<String, Written>,
+    dirs: &'a BTreeSet<String>,
+    stat: bool,
+}
+
+/// What the walk of some directories found.
+#[derive(Default)]
+struct Level {
+    kept: HashSet<String>,
+    seen_dirs: HashSet<String>,
+    /// Kept directories still to read.
+    subdirs: Vec<(PathBuf, String)>,
+    removed: usize,
+}
+
+impl Walk<'_> {
+    /// Reads one directory (`rel_dir` in the tree): keeps, removes, and lists the kept
+    /// subdirectories in `out.subdirs`.
+    fn level(&self, dir: &Path, rel_dir: &str, out: &mut Level) -> Result<(), ErrorBody> {
+        let reading = |e| failed("reading the previous run's tree", e);
+        for entry in std::fs::read_dir(dir).map_err(reading)? {
+            let entry = entry.map_err(reading)?;
+            let rel = entry.file_name().to_str().map(|n| {
+                if rel_dir.is_empty() {
+                    n.to_owned()
+                } else {
+                    format!("{rel_dir}/{n}")
+                }
+            });
+            let path = entry.path();
+            let meta = if self.stat {
+                Some(entry.metadata().map_err(reading)?)
+            } else {
+                None
+            };
+            let is_dir = match &meta {
+                Some(m) => m.is_dir(),
+                None => entry.file_type().map_err(reading)?.is_dir(),
+            };
+            if is_dir {
+                if let Some(rel) = rel.filter(|r| self.dirs.contains(r)) {
+                    // Before it is read: a command may have taken the permission away.
+                    if let Some(m) = &meta
+                        && m.mode() & 0o7777 != DIR_MODE
+                    {
+                        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(DIR_MODE))
+                            .map_err(|e| failed(&rel, e))?;
+                    }
+                    out.seen_dirs.insert(rel.clone());
+                    out.subdirs.push((path, rel));
+                } else {
+                    remove_all(&path).map_err(|e| failed("removing a directory", e))?;
+                    out.removed += 1;
+                }
+                continue;
+            }
+            let intact = rel.as_deref().is_some_and(|rel| {
+                self.written.get(rel).is_some_and(|w| {
+                    meta.as_ref().is_none_or(|m| w.stamp == Stamp::of(m))
+                        && (self.same
+                            || self
+                                .entries
+                                .binary_search_by(|e| e.path.as_str().cmp(rel))
+                                .is_ok_and(|i| w.is(&self.entries[i])))
+                })
+            });
+            match rel {
+                Some(rel) if intact => {
+                    out.kept.insert(rel);
+                }
+                _ => {
+                    std::fs::remove_file(&path).map_err(|e| failed("removing a file", e))?;
+                    out.removed += 1;
+                }
+            }
+        }
+        Ok(())
     }
 }
 
