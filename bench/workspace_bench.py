@@ -15,7 +15,9 @@ Generates a tree of --files files totalling --size-mb MB (half random bytes, hal
                exists; without it the baseline is `tar -c | tar -x` through a local pipe).
                Pairs alternate; the ratio is taken per pair.
   rerun        `run-remote --workspace -- true` with nothing changed, against
-               `run-remote -- true` from the same directory: the added time.
+               `run-remote -- true` from the same directory: the added time. The gateway
+               keeps the materialised tree between runs (workspaces.local_idle_trees).
+  rerun, edit  the same after appending a line to one file (another file each time).
   one edit     after rewriting one file: bytes uploaded (files, content bytes), and the bytes
                run-remote sent to the gateway in total (measured by a counting TCP proxy:
                HTTP headers, the gzip manifest, the tar upload and the /raw request).
@@ -256,6 +258,15 @@ def main():
             withouts.append(run_remote(gw.port, tree, ["--", "true"], home)[0])
         added = [w - o for w, o in zip(withs, withouts)]
 
+        # Rerun after editing one file (another one each time): pairs again.
+        edit_withs, edit_withouts = [], []
+        for i in range(a.rerun_runs):
+            with open(os.path.join(tree, f"dir{i % 100:03d}", f"file{i:05d}.dat"), "ab") as f:
+                f.write(b"edited\n")
+            edit_withs.append(run_remote(gw.port, tree, ["--workspace", "--", "true"], home)[0])
+            edit_withouts.append(run_remote(gw.port, tree, ["--", "true"], home)[0])
+        edit_added = [w - o for w, o in zip(edit_withs, edit_withouts)]
+
         # Bytes on the wire: unchanged, then one edited file.
         proxy = CountingProxy(gw.port)
         args = ["--workspace", "--output-format", "json", "--", "true"]
@@ -285,6 +296,8 @@ def main():
           f"| ratio {med(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f}) |")
     print(f"| rerun, nothing changed | {spread(withs, ms)} | same command without --workspace: "
           f"{spread(withouts, ms)} | added {spread(added, ms)} |")
+    print(f"| rerun after editing one file | {spread(edit_withs, ms)} | same command without "
+          f"--workspace: {spread(edit_withouts, ms)} | added {spread(edit_added, ms)} |")
     print(f"| rerun, nothing changed: upload | {unchanged['uploaded_files']} files, "
           f"{unchanged['uploaded_bytes']} B | | {unchanged_wire} B sent in total |")
     print(f"| after editing one file ({edit['uploaded_bytes']} B) | {edit['uploaded_files']} file, "

@@ -89,14 +89,28 @@ fn leftover_runs(dir: &tempfile::TempDir) -> Vec<PathBuf> {
 }
 
 /// The files and symlinks (relative paths) of the trees the gateway keeps between runs,
-/// after checking there are at most `local_idle_trees` (2) of them.
-fn idle_tree_files(dir: &tempfile::TempDir) -> std::collections::BTreeSet<String> {
+/// once `done` holds of them (they are cleaned after the run's exit went out), after
+/// checking there are at most `local_idle_trees` (2) of them.
+fn idle_tree_files(
+    dir: &tempfile::TempDir,
+    done: impl Fn(&std::collections::BTreeSet<String>) -> bool,
+) -> std::collections::BTreeSet<String> {
+    let mut files = tree_files(dir);
+    if support::wait_until(std::time::Duration::from_secs(10), || {
+        files = tree_files(dir);
+        leftover_runs(dir).len() <= 2 && done(&files)
+    }) {
+        return files;
+    }
+    panic!("the idle trees are not as expected: {files:?}");
+}
+
+fn tree_files(dir: &tempfile::TempDir) -> std::collections::BTreeSet<String> {
     let trees = leftover_runs(dir);
-    assert!(trees.len() <= 2, "{trees:?}");
     let mut files = std::collections::BTreeSet::new();
     for t in trees {
-        for e in walkdir::WalkDir::new(&t).min_depth(1) {
-            let e = e.unwrap();
+        // (A tree being cleaned changes under the walk: what cannot be read is skipped.)
+        for e in walkdir::WalkDir::new(&t).min_depth(1).into_iter().flatten() {
             if !e.file_type().is_dir() {
                 let rel = e.path().strip_prefix(&t).unwrap();
                 files.insert(rel.to_str().unwrap().to_owned());
@@ -142,11 +156,8 @@ fn the_runner_gets_exactly_the_tree_in_the_same_relative_directory() {
     // The tree is kept for the next run, holding nothing but the workspace.
     let mut files: Vec<String> = want.keys().cloned().collect();
     files.push("lib/link".into());
-    assert_eq!(
-        idle_tree_files(&dir),
-        files.into_iter().collect(),
-        "the idle tree holds the workspace"
-    );
+    let files: std::collections::BTreeSet<String> = files.into_iter().collect();
+    idle_tree_files(&dir, |kept| *kept == files);
 }
 
 #[test]
@@ -235,11 +246,12 @@ fn uploads_are_incremental_and_results_come_back() {
         "{stderr}"
     );
     assert_eq!(std::fs::read(r.join("out/two")).unwrap(), b"2\n");
-    let kept = idle_tree_files(&dir);
     // (out/r.txt and lib/bin.dat came back into the caller's tree: part of the last manifest.)
-    for f in ["out/two", "out/r.log", "other.txt"] {
-        assert!(!kept.contains(f), "the runs' output is not kept: {kept:?}");
-    }
+    idle_tree_files(&dir, |kept| {
+        ["out/two", "out/r.log", "other.txt"]
+            .iter()
+            .all(|f| !kept.contains(*f))
+    });
 }
 
 #[test]
@@ -294,8 +306,7 @@ fn concurrent_runs_each_get_a_clean_copy() {
         assert_eq!(String::from_utf8_lossy(&out.stdout), want);
     }
     assert!(!a.path().join("marker").exists());
-    let kept = idle_tree_files(&dir);
-    assert!(kept.iter().all(|f| f == "name"), "{kept:?}");
+    idle_tree_files(&dir, |kept| kept.iter().all(|f| f == "name"));
 }
 
 #[test]
@@ -343,8 +354,7 @@ fn a_remote_backend_gateway_forwards_workspaces_and_results() {
             .trim(),
         "5"
     );
-    let kept = idle_tree_files(&dir);
-    assert!(!kept.contains("lib/r.out"), "{kept:?}");
+    idle_tree_files(&dir, |kept| !kept.contains("lib/r.out"));
 }
 
 /// The tree kept between runs: an unchanged rerun reuses its files (same inodes), and
@@ -451,7 +461,10 @@ fn a_rerun_reuses_the_tree_and_sees_exactly_its_manifest() {
         &["--workspace", "--", "sh", "-c", "pwd"],
     );
     assert_ne!(out.stdout, again.stdout);
-    assert!(leftover_runs(&dir).is_empty());
+    assert!(support::wait_until(
+        std::time::Duration::from_secs(10),
+        || { leftover_runs(&dir).is_empty() }
+    ));
 }
 
 /// Idle trees go when the gateway stops.

@@ -1,8 +1,9 @@
 //! Workspaces on the Kubernetes backend, through the API-server double: the tree is
 //! streamed into the pod with `tar -x` over exec stdin (fresh and warm-pool pods), the
 //! command runs in the same relative directory, and the pod gets an `emptyDir` at the
-//! profile's workspace path. (The double runs exec'd commands on this host, so the
-//! profile's workspace path is a temporary directory here.)
+//! profile's workspace path; sync-back brings what the command created or changed back into
+//! the caller's tree; all of it as the pod's non-root user. (The double runs exec'd commands
+//! on this host, so the profile's workspace path is a temporary directory here.)
 
 mod kube_double;
 mod support;
@@ -10,7 +11,7 @@ mod support;
 use std::os::unix::fs::PermissionsExt as _;
 use std::time::Duration;
 
-use kube_double::KubeDouble;
+use kube_double::{DoubleOptions, KubeDouble};
 use support::{Gateway, config_file, raw, wait_until};
 
 fn gateway(double: &KubeDouble, dir: &tempfile::TempDir, ws: &std::path::Path) -> Gateway {
@@ -110,7 +111,7 @@ async fn the_tree_is_placed_in_fresh_and_warm_pods() {
         .unwrap();
     assert!(mount.mount_path.ends_with("/fresh") || mount.mount_path.ends_with("/pooled"));
 
-    // A profile without a workspace path, and sync-back (not on this backend yet): 400.
+    // A profile without a workspace path: 400.
     let sync = gw
         .run_remote()
         .env("XDG_CACHE_HOME", dir.path())
@@ -136,4 +137,162 @@ async fn the_tree_is_placed_in_fresh_and_warm_pods() {
         "pods left: {:?}",
         double.pod_names("default")
     );
+}
+
+/// A tree for the sync-back tests, in a directory others can read (the pod's user may not be
+/// root).
+fn sync_tree() -> tempfile::TempDir {
+    let tree = tempfile::tempdir().unwrap();
+    let t = tree.path();
+    std::fs::set_permissions(t, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::create_dir_all(t.join("src/deep")).unwrap();
+    std::fs::write(t.join("src/deep/same.txt"), "same\n").unwrap();
+    std::fs::write(t.join("src/deep/edit.txt"), "aaaa\n").unwrap();
+    std::fs::write(t.join("src/deep/chmod.sh"), "echo\n").unwrap();
+    std::fs::write(t.join("src/keep.txt"), "keep\n").unwrap();
+    tree
+}
+
+/// What the command does: new files (matching or not), an in-place edit of the same size
+/// with the mtime put back (no timestamp can tell), an exec bit, a file outside the globs.
+const SYNC_SCRIPT: &str = r#"set -e
+    id -u
+    mkdir -p out/sub && echo new > out/r.txt && echo deep > out/sub/s.txt && echo no > out/r.log
+    t=$(stat -c %y src/deep/edit.txt); printf 'bbbb\n' > src/deep/edit.txt; touch -d "$t" src/deep/edit.txt
+    chmod +x src/deep/chmod.sh
+    echo changed > src/keep.txt"#;
+
+fn check_synced_back(t: &std::path::Path, out: &std::process::Output) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)));
+    let back: Vec<(&str, u64)> = v["workspace"]["synced_back"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{v}"))
+        .iter()
+        .map(|f| (f["path"].as_str().unwrap(), f["mode"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(
+        back,
+        [
+            ("out/r.txt", 0o644),
+            ("src/deep/chmod.sh", 0o755),
+            ("src/deep/edit.txt", 0o644)
+        ]
+    );
+    assert_eq!(std::fs::read(t.join("out/r.txt")).unwrap(), b"new\n");
+    assert_eq!(
+        std::fs::read(t.join("src/deep/edit.txt")).unwrap(),
+        b"bbbb\n"
+    );
+    let mode = std::fs::metadata(t.join("src/deep/chmod.sh"))
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o755);
+    assert_eq!(std::fs::read(t.join("src/keep.txt")).unwrap(), b"keep\n");
+    for f in ["out/r.log", "out/sub/s.txt"] {
+        assert!(!t.join(f).exists(), "{f} matches no glob");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sync_back_brings_home_what_the_command_created_or_changed() {
+    let double = KubeDouble::start();
+    let dir = tempfile::tempdir().unwrap();
+    let ws = tempfile::tempdir().unwrap();
+    for p in ["fresh", "pooled"] {
+        std::fs::create_dir_all(ws.path().join(p)).unwrap();
+    }
+    let gw = gateway(&double, &dir, ws.path());
+    for profile in ["default", "pooled"] {
+        let tree = sync_tree();
+        let out = gw
+            .run_remote()
+            .env("XDG_CACHE_HOME", dir.path())
+            .current_dir(tree.path())
+            .args([
+                "--workspace",
+                "--timeout",
+                "60",
+                "--profile",
+                profile,
+                "--output-format",
+                "json",
+                "--sync-back",
+                "out/*.txt",
+                "src/deep/*",
+                "--",
+                "sh",
+                "-c",
+                SYNC_SCRIPT,
+            ])
+            .output()
+            .unwrap();
+        check_synced_back(tree.path(), &out);
+    }
+    // Nothing matched: an empty list, and the stream format's one-line summary says so.
+    let tree = sync_tree();
+    let out = gw
+        .run_remote()
+        .env("XDG_CACHE_HOME", dir.path())
+        .current_dir(tree.path())
+        .args(["--workspace", "--sync-back", "nothing/*", "--", "true"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(!stderr.contains("mcp-run: sync-back from"), "{stderr}");
+}
+
+/// The default profile runs as 65532 (runAsNonRoot); the double runs the pod's processes as
+/// that user and makes the emptyDir 0777 as a kubelet does: placement and sync-back work
+/// without root.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn placement_and_sync_back_work_as_the_non_root_pod_user() {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { nix::libc::geteuid() } != 0 {
+        eprintln!("skipped: the double can only switch users when the tests run as root");
+        return;
+    }
+    let double = KubeDouble::start_with(DoubleOptions {
+        run_as_pod_user: true,
+        ..Default::default()
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let ws = tempfile::tempdir().unwrap();
+    // The pod's user must reach the mount points; the double creates the emptyDirs.
+    std::fs::set_permissions(ws.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let gw = gateway(&double, &dir, ws.path());
+    let tree = sync_tree();
+    let out = gw
+        .run_remote()
+        .env("XDG_CACHE_HOME", dir.path())
+        .current_dir(tree.path())
+        .args([
+            "--workspace",
+            "--timeout",
+            "60",
+            "--output-format",
+            "json",
+            "--sync-back",
+            "out/*.txt",
+            "src/deep/*",
+            "--",
+            "sh",
+            "-c",
+            SYNC_SCRIPT,
+        ])
+        .output()
+        .unwrap();
+    check_synced_back(tree.path(), &out);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        v["outputs"][0]["stdout"].as_str().map(str::trim),
+        Some("65532"),
+        "{v}"
+    );
+    let fresh = std::fs::metadata(ws.path().join("fresh")).unwrap();
+    assert_eq!(fresh.permissions().mode() & 0o777, 0o777, "an emptyDir");
 }

@@ -395,3 +395,135 @@ async fn the_policy_sees_the_workspace_below_slash_workspace() {
         "policy_violation"
     );
 }
+
+/// `PUT /workspaces/{id}/blobs/{hash}`: `(status, body)`.
+async fn put_blob(gw: &Gateway, id: &str, hash: &str, body: Vec<u8>, gz: bool) -> (u16, Value) {
+    let mut req = http()
+        .put(gw.url(&format!("/workspaces/{id}/blobs/{hash}")))
+        .body(body);
+    if gz {
+        req = req.header("content-encoding", "gzip");
+    }
+    let resp = req.send().await.unwrap();
+    let status = resp.status().as_u16();
+    (status, resp.json().await.expect("a JSON body"))
+}
+
+fn gzip(data: &[u8]) -> Vec<u8> {
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    gz.write_all(data).unwrap();
+    gz.finish().unwrap()
+}
+
+/// The single-content upload: plain or gzip, with the batch's checks (bytes that hash to
+/// something else, too short, too long, not a content of the workspace, not the caller's
+/// workspace, broken gzip), and nothing stored by a refused one.
+#[tokio::test]
+async fn a_single_content_is_put_and_checked_like_a_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = gateway(&dir, "", &[]);
+    let (a, b) = (&b"first content\n"[..], &b"second\n"[..]);
+    let (ha, hb) = (hash_bytes(a), hash_bytes(b));
+    let (s, v) = post_manifest(&gw, None, json!([file("a.txt", a), file("b.txt", b)])).await;
+    assert_eq!(s, 200, "{v}");
+    let id = v["workspace"].as_str().unwrap().to_owned();
+    let other = hash_bytes(b"not in the manifest");
+    let mut cut_gzip = gzip(a);
+    cut_gzip.truncate(cut_gzip.len() / 2);
+    for (hash, body, gz, status, want) in [
+        (
+            &ha,
+            b"first CONTENT\n".to_vec(),
+            false,
+            400,
+            "hash_mismatch",
+        ),
+        (&ha, a[..5].to_vec(), false, 400, "invalid_request"),
+        (&ha, [a, b"!"].concat(), false, 400, "invalid_request"),
+        (&ha, cut_gzip, true, 400, "invalid_request"),
+        (&other, a.to_vec(), false, 400, "invalid_request"),
+    ] {
+        let (s, v) = put_blob(&gw, &id, hash, body, gz).await;
+        assert_eq!((s, code(&v)), (status, want), "{v}");
+    }
+    let (s, v) = put_blob(
+        &gw,
+        "ws_00000000000000000000000000000000",
+        &ha,
+        a.to_vec(),
+        false,
+    )
+    .await;
+    assert_eq!((s, code(&v)), (404, "unknown_workspace"), "{v}");
+    let (_, v) = post_manifest(&gw, None, json!([file("a.txt", a), file("b.txt", b)])).await;
+    let mut missing = vec![ha.clone(), hb.clone()];
+    missing.sort();
+    assert_eq!(v["missing"], json!(missing), "nothing was stored");
+
+    let (s, v) = put_blob(&gw, &id, &ha, a.to_vec(), false).await;
+    assert_eq!((s, &v), (200, &json!({"stored": 1, "bytes": a.len()})));
+    let (s, v) = put_blob(&gw, &id, &hb, gzip(b), true).await;
+    assert_eq!((s, &v), (200, &json!({"stored": 1, "bytes": b.len()})));
+    let (_, v) = post_manifest(&gw, None, json!([file("a.txt", a), file("b.txt", b)])).await;
+    assert_eq!(v["missing"], json!([]));
+    let run = raw(
+        &gw,
+        json!({"executable": "cat", "args": ["a.txt", "b.txt"], "workspace": id}),
+    )
+    .await;
+    assert_eq!(run.stdout_str(), "first content\nsecond\n");
+}
+
+/// `workspaces.max_age_secs`: contents and workspace ids unused that long are dropped (the
+/// next post asks for the contents again, the old id is unknown), while used ones stay.
+#[tokio::test]
+async fn contents_and_ids_unused_for_max_age_are_dropped() {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = gateway(&dir, "  max_age_secs: 1\n", &[]);
+    let (old, fresh) = (&b"old\n"[..], &b"fresh\n"[..]);
+    let (_, v) = post_manifest(&gw, None, json!([file("old.txt", old)])).await;
+    let old_id = v["workspace"].as_str().unwrap().to_owned();
+    assert_eq!(
+        upload(&gw, None, &old_id, bundle(&[(&hash_bytes(old), old)]))
+            .await
+            .0,
+        200
+    );
+    let run = raw(
+        &gw,
+        json!({"executable": "cat", "args": ["old.txt"], "workspace": old_id}),
+    )
+    .await;
+    assert_eq!(run.stdout_str(), "old\n");
+    tokio::time::sleep(std::time::Duration::from_millis(1300)).await;
+    // Posting another workspace evicts what is older than a second.
+    let (_, v) = post_manifest(&gw, None, json!([file("fresh.txt", fresh)])).await;
+    let fresh_id = v["workspace"].as_str().unwrap().to_owned();
+    assert_eq!(
+        upload(&gw, None, &fresh_id, bundle(&[(&hash_bytes(fresh), fresh)]))
+            .await
+            .0,
+        200
+    );
+    let run = raw(&gw, json!({"executable": "true", "workspace": old_id})).await;
+    assert_eq!(run.status, 404, "the old id expired");
+    let blobs: Vec<String> = walkdir::WalkDir::new(dir.path().join("cache/blobs"))
+        .into_iter()
+        .flatten()
+        .filter(|e| e.file_type().is_file())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        blobs,
+        [hash_bytes(fresh)],
+        "only the fresh content is on disk"
+    );
+    let (_, v) = post_manifest(&gw, None, json!([file("old.txt", old)])).await;
+    assert_eq!(v["missing"], json!([hash_bytes(old)]), "uploaded again");
+    let run = raw(
+        &gw,
+        json!({"executable": "cat", "args": ["fresh.txt"], "workspace": fresh_id}),
+    )
+    .await;
+    assert_eq!(run.stdout_str(), "fresh\n");
+}

@@ -31,6 +31,13 @@ pub fn materialize(run: &WorkspaceRun, trees: &Arc<Trees>) -> Result<LocalTree, 
     // Held while copying from the cache; the tree has its own copies afterwards.
     let pin = run.store.pin(&run.workspace)?;
     let (tree, stats) = trees.check_out(run, &pin)?;
+    tracing::debug!(
+        workspace = run.workspace.id,
+        kept = stats.kept,
+        written = stats.written,
+        removed = stats.removed,
+        "workspace tree ready"
+    );
     let root = tree.root().to_owned();
     Ok(LocalTree {
         cwd: root.join(&run.cwd),
@@ -154,9 +161,10 @@ pub fn collect_changes(root: &Path, run: &WorkspaceRun) -> (Vec<ChangedFile>, bo
     (out, truncated)
 }
 
-/// Relays a backend's events; before the terminal `exit`, runs `finish` (which reports the
-/// sync-back files) and drops the tree. Back-pressure passes through: both channels are
-/// bounded and the relay awaits each send.
+/// Relays a backend's events; before the terminal `exit`, reports the sync-back files; after
+/// it, hands the tree back (cleaning it of the run's output is not the caller's wait; the
+/// next run of the same workspace waits for it). Back-pressure passes through: both
+/// channels are bounded and the relay awaits each send.
 pub fn relay(mut rx: mpsc::Receiver<Event>, tree: LocalTree) -> mpsc::Receiver<Event> {
     let (tx, out) = mpsc::channel(8);
     tokio::spawn(async move {
@@ -168,15 +176,17 @@ pub fn relay(mut rx: mpsc::Receiver<Event>, tree: LocalTree) -> mpsc::Receiver<E
                 let id = t.run.workspace.id.clone();
                 // Nobody to report to when the consumer is gone.
                 let wanted = !t.run.sync_back.is_empty() && !tx.is_closed();
-                // Collecting and removing touch many files: off the async threads.
-                let collected = tokio::task::spawn_blocking(move || {
+                // Collecting touches many files: off the async threads.
+                let (collected, t) = match tokio::task::spawn_blocking(move || {
                     let changes = wanted.then(|| t.changes());
-                    drop(t);
-                    changes
+                    (changes, t)
                 })
                 .await
-                .ok()
-                .flatten();
+                {
+                    Ok((c, t)) => (c, Some(t)),
+                    Err(_) => (None, None),
+                };
+                tree = t;
                 if let Some((files, truncated)) = collected
                     && tx
                         .send(Event::WorkspaceChanges {
@@ -187,7 +197,7 @@ pub fn relay(mut rx: mpsc::Receiver<Event>, tree: LocalTree) -> mpsc::Receiver<E
                         .await
                         .is_err()
                 {
-                    return;
+                    break;
                 }
             }
             let terminal = ev.is_terminal();
@@ -195,6 +205,7 @@ pub fn relay(mut rx: mpsc::Receiver<Event>, tree: LocalTree) -> mpsc::Receiver<E
                 break;
             }
         }
+        drop(tx);
         if let Some(t) = tree.take() {
             let _ = tokio::task::spawn_blocking(move || drop(t)).await;
         }

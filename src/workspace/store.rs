@@ -300,14 +300,33 @@ impl WorkspaceStore {
             .custom_flags(nix::libc::O_NOFOLLOW)
             .open(path)
             .map_err(|e| internal("cannot read a result file", e))?;
+        let what = path.display().to_string();
+        // Kept whatever its hash: always `Some`.
+        self.add_stream(&mut src, &what, owner, max, &|_| true)?
+            .ok_or_else(|| internal("a result file", std::io::Error::other("not kept")))
+    }
+
+    /// Stores a result read from `src` (a file of a finished run; `what` names it in
+    /// errors) under the hash of its bytes, unless `keep` says no to that hash: its hash and
+    /// size, or `None` when not kept. At most `max` bytes are taken. Blocking.
+    pub fn add_stream(
+        &self,
+        src: &mut dyn Read,
+        what: &str,
+        owner: &Owner,
+        max: u64,
+        keep: &dyn Fn(&str) -> bool,
+    ) -> Result<Option<(String, u64)>, ErrorBody> {
         let mut temp = self.temp()?;
         let mut hasher = sha2::Sha256::new();
         let mut n = 0u64;
         let mut buf = vec![0u8; 64 * 1024];
         loop {
-            let k = src
-                .read(&mut buf)
-                .map_err(|e| internal("cannot read a result file", e))?;
+            let k = match src.read(&mut buf) {
+                Ok(k) => k,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(internal("cannot read a result file", e)),
+            };
             if k == 0 {
                 break;
             }
@@ -315,15 +334,18 @@ impl WorkspaceStore {
             if n > max {
                 return Err(ErrorBody::new(
                     ErrorCode::PayloadTooLarge,
-                    format!("{} is larger than {max} bytes", path.display()),
+                    format!("{what} is larger than {max} bytes"),
                 ));
             }
             hasher.update(&buf[..k]);
             temp.write(&buf[..k])?;
         }
         let hash = super::hex(&hasher.finalize());
+        if !keep(&hash) {
+            return Ok(None);
+        }
         self.persist(temp, &hash, n, owner)?;
-        Ok((hash, n))
+        Ok(Some((hash, n)))
     }
 
     /// Opens a content `owner` has (downloads of sync-back results).

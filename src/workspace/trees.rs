@@ -19,7 +19,7 @@
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::os::unix::fs::{DirBuilderExt as _, MetadataExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::WorkspaceRun;
@@ -81,6 +81,9 @@ impl Written {
 pub struct Tree {
     root: PathBuf,
     written: HashMap<String, Written>,
+    /// The digest of the manifest the tree was last brought to (each record is then one of
+    /// its entries).
+    synced: Option<String>,
 }
 
 fn failed(what: &str, e: std::io::Error) -> ErrorBody {
@@ -115,6 +118,7 @@ impl Tree {
         Ok(Self {
             root,
             written: HashMap::new(),
+            synced: None,
         })
     }
 
@@ -123,15 +127,8 @@ impl Tree {
     pub fn sync(&mut self, run: &WorkspaceRun, pin: &Pinned) -> Result<SyncStats, ErrorBody> {
         let entries = &run.workspace.manifest.entries;
         let dirs = wanted_dirs(entries, &run.cwd);
-        let (kept, seen_dirs, removed) = self.prune(
-            |rel| {
-                entries
-                    .binary_search_by(|e| e.path.as_str().cmp(rel))
-                    .ok()
-                    .map(|i| &entries[i])
-            },
-            &dirs,
-        )?;
+        let (kept, seen_dirs, removed) = self.prune(run, &dirs, true)?;
+        self.synced = None;
         for d in dirs.iter().filter(|d| !seen_dirs.contains(d.as_str())) {
             let p = self.root.join(d);
             std::fs::DirBuilder::new()
@@ -157,94 +154,85 @@ impl Tree {
         if let Some(newest) = newest {
             self.settle(newest)?;
         }
+        self.synced = Some(run.workspace.digest.clone());
         Ok(stats)
     }
 
-    /// After a run: removes what the run created or changed (the next [`Tree::sync`]
-    /// copies the changed files back), so that an idle tree holds no run's output.
+    /// After a run: removes what the run created (files and directories the manifest does
+    /// not have), so that an idle tree does not hold a run's output. Names only (no `lstat`):
+    /// files the run changed stay until the next [`Tree::sync`], which finds them by their
+    /// `lstat`.
     fn clean(&mut self, run: &WorkspaceRun) -> Result<(), ErrorBody> {
         let entries = &run.workspace.manifest.entries;
         let dirs = wanted_dirs(entries, &run.cwd);
-        self.prune(
-            |rel| {
-                entries
-                    .binary_search_by(|e| e.path.as_str().cmp(rel))
-                    .ok()
-                    .map(|i| &entries[i])
-            },
-            &dirs,
-        )?;
+        self.prune(run, &dirs, false)?;
         Ok(())
     }
 
-    /// One walk: keeps the directories in `dirs` (mode restored) and the files `want` names
-    /// whose recorded `lstat` is unchanged; removes everything else. Returns the kept files,
-    /// the kept directories, and how many entries were removed.
-    fn prune<'m>(
+    /// One walk: keeps the directories in `dirs` and the files of `run`'s manifest that the
+    /// tree wrote; removes everything else. With `stat`, a file is kept only when its
+    /// `lstat` is still the recorded one and directories get their mode back; without, names
+    /// decide (the clean-up after a run). Returns the kept files, the kept directories, and
+    /// how many entries were removed. Entries are `lstat`ed relative to their open directory
+    /// (`DirEntry::metadata`, not by full path), the subdirectories of the root in parallel:
+    /// the `lstat`s are most of the walk's cost.
+    fn prune(
         &mut self,
-        want: impl Fn(&str) -> Option<&'m ManifestEntry>,
+        run: &WorkspaceRun,
         dirs: &BTreeSet<String>,
+        stat: bool,
     ) -> Result<(HashSet<String>, HashSet<String>, usize), ErrorBody> {
-        let root = self.root.clone();
-        std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o700))
+        std::fs::set_permissions(&self.root, std::fs::Permissions::from_mode(0o700))
             .map_err(|e| failed("the tree's root", e))?;
-        let mut kept = HashSet::new();
-        let mut seen_dirs = HashSet::new();
-        let mut removed = 0;
-        let mut walk = walkdir::WalkDir::new(&root)
-            .min_depth(1)
-            .follow_links(false)
-            .into_iter();
-        while let Some(item) = walk.next() {
-            let entry = item.map_err(|e| {
-                let io = e
-                    .into_io_error()
-                    .unwrap_or_else(|| std::io::Error::other("a loop"));
-                failed("walking the previous run's tree", io)
-            })?;
-            let path = entry.path();
-            let rel = path
-                .strip_prefix(&root)
-                .ok()
-                .and_then(Path::to_str)
-                .map(str::to_owned);
-            let meta = path
-                .symlink_metadata()
-                .map_err(|e| failed("reading the previous run's tree", e))?;
-            let ft = meta.file_type();
-            if ft.is_dir() {
-                if let Some(rel) = rel.filter(|r| dirs.contains(r)) {
-                    if meta.mode() & 0o7777 != DIR_MODE {
-                        std::fs::set_permissions(path, std::fs::Permissions::from_mode(DIR_MODE))
-                            .map_err(|e| failed(&rel, e))?;
-                    }
-                    seen_dirs.insert(rel);
-                } else {
-                    walk.skip_current_dir();
-                    remove_all(path).map_err(|e| failed("removing a directory", e))?;
-                    removed += 1;
-                }
-                continue;
-            }
-            let intact = rel.as_deref().is_some_and(|rel| {
-                want(rel).is_some_and(|e| {
-                    self.written
-                        .get(rel)
-                        .is_some_and(|w| w.is(e) && w.stamp == Stamp::of(&meta))
+        let walk = Walk {
+            entries: &run.workspace.manifest.entries,
+            // Synced to this very manifest: every record is one of its entries.
+            same: self.synced.as_deref() == Some(run.workspace.digest.as_str()),
+            written: &self.written,
+            dirs,
+            stat,
+        };
+        let mut top = Level::default();
+        walk.level(&self.root, "", &mut top)?;
+        let threads = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+            .clamp(1, 4);
+        let subdirs = std::mem::take(&mut top.subdirs);
+        let parts: Vec<Result<Level, ErrorBody>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..threads)
+                .map(|t| {
+                    let mut stack: Vec<(PathBuf, String)> =
+                        subdirs.iter().skip(t).step_by(threads).cloned().collect();
+                    let walk = &walk;
+                    s.spawn(move || {
+                        let mut part = Level::default();
+                        while let Some((dir, rel)) = stack.pop() {
+                            walk.level(&dir, &rel, &mut part)?;
+                            stack.append(&mut part.subdirs);
+                        }
+                        Ok(part)
+                    })
                 })
-            });
-            match rel {
-                Some(rel) if intact => {
-                    kept.insert(rel);
-                }
-                _ => {
-                    std::fs::remove_file(path).map_err(|e| failed("removing a file", e))?;
-                    removed += 1;
-                }
-            }
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(failed("a walk thread", std::io::Error::other("panicked")))
+                    })
+                })
+                .collect()
+        });
+        for part in parts {
+            let part = part?;
+            top.kept.extend(part.kept);
+            top.seen_dirs.extend(part.seen_dirs);
+            top.removed += part.removed;
         }
+        let kept = top.kept;
         self.written.retain(|p, _| kept.contains(p));
-        Ok((kept, seen_dirs, removed))
+        Ok((kept, top.seen_dirs, top.removed))
     }
 
     /// Writes the entries (their directories exist), in parallel: copying is most of a
@@ -341,6 +329,90 @@ impl Tree {
     }
 }
 
+/// What one walk of a tree keeps.
+struct Walk<'a> {
+    entries: &'a [ManifestEntry],
+    same: bool,
+    written: &'a HashMap<String, Written>,
+    dirs: &'a BTreeSet<String>,
+    stat: bool,
+}
+
+/// What the walk of some directories found.
+#[derive(Default)]
+struct Level {
+    kept: HashSet<String>,
+    seen_dirs: HashSet<String>,
+    /// Kept directories still to read.
+    subdirs: Vec<(PathBuf, String)>,
+    removed: usize,
+}
+
+impl Walk<'_> {
+    /// Reads one directory (`rel_dir` in the tree): keeps, removes, and lists the kept
+    /// subdirectories in `out.subdirs`.
+    fn level(&self, dir: &Path, rel_dir: &str, out: &mut Level) -> Result<(), ErrorBody> {
+        let reading = |e| failed("reading the previous run's tree", e);
+        for entry in std::fs::read_dir(dir).map_err(reading)? {
+            let entry = entry.map_err(reading)?;
+            let rel = entry.file_name().to_str().map(|n| {
+                if rel_dir.is_empty() {
+                    n.to_owned()
+                } else {
+                    format!("{rel_dir}/{n}")
+                }
+            });
+            let path = entry.path();
+            let meta = if self.stat {
+                Some(entry.metadata().map_err(reading)?)
+            } else {
+                None
+            };
+            let is_dir = match &meta {
+                Some(m) => m.is_dir(),
+                None => entry.file_type().map_err(reading)?.is_dir(),
+            };
+            if is_dir {
+                if let Some(rel) = rel.filter(|r| self.dirs.contains(r)) {
+                    // Before it is read: a command may have taken the permission away.
+                    if let Some(m) = &meta
+                        && m.mode() & 0o7777 != DIR_MODE
+                    {
+                        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(DIR_MODE))
+                            .map_err(|e| failed(&rel, e))?;
+                    }
+                    out.seen_dirs.insert(rel.clone());
+                    out.subdirs.push((path, rel));
+                } else {
+                    remove_all(&path).map_err(|e| failed("removing a directory", e))?;
+                    out.removed += 1;
+                }
+                continue;
+            }
+            let intact = rel.as_deref().is_some_and(|rel| {
+                self.written.get(rel).is_some_and(|w| {
+                    meta.as_ref().is_none_or(|m| w.stamp == Stamp::of(m))
+                        && (self.same
+                            || self
+                                .entries
+                                .binary_search_by(|e| e.path.as_str().cmp(rel))
+                                .is_ok_and(|i| w.is(&self.entries[i])))
+                })
+            });
+            match rel {
+                Some(rel) if intact => {
+                    out.kept.insert(rel);
+                }
+                _ => {
+                    std::fs::remove_file(&path).map_err(|e| failed("removing a file", e))?;
+                    out.removed += 1;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Drop for Tree {
     fn drop(&mut self) {
         if !self.root.as_os_str().is_empty() {
@@ -400,12 +472,24 @@ struct Idle {
     since: Instant,
 }
 
+#[derive(Default)]
+struct State {
+    idle: Vec<Idle>,
+    /// `(owner, digest)` of trees being cleaned after their run.
+    cleaning: Vec<(Owner, String)>,
+}
+
+/// How long a run waits for a tree of its workspace that is being cleaned after the
+/// previous run, rather than copying a fresh one.
+const CLEANING_WAIT: Duration = Duration::from_secs(2);
+
 /// The idle trees of a gateway, for reuse by the next run of the same owner.
 pub struct Trees {
     base: PathBuf,
     keep: usize,
     max_age: Duration,
-    idle: Mutex<Vec<Idle>>,
+    state: Mutex<State>,
+    cleaned: Condvar,
 }
 
 impl Trees {
@@ -416,36 +500,62 @@ impl Trees {
             base,
             keep,
             max_age,
-            idle: Mutex::new(Vec::new()),
+            state: Mutex::new(State::default()),
+            cleaned: Condvar::new(),
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Idle>> {
-        self.idle.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// A tree holding exactly `run`'s workspace, for one run: an idle tree of the same
-    /// owner brought up to date (the same version's first), else a fresh one. Blocking.
+    /// owner brought up to date (the same version's first, waiting a little for one being
+    /// cleaned after its run), else a fresh one. Blocking.
     pub fn check_out(
         &self,
         run: &WorkspaceRun,
         pin: &Pinned,
     ) -> Result<(Tree, SyncStats), ErrorBody> {
-        let (reuse, expired) = {
-            let mut idle = self.lock();
-            let now = Instant::now();
-            let (old, young): (Vec<Idle>, Vec<Idle>) = idle
-                .drain(..)
-                .partition(|t| now.saturating_duration_since(t.since) > self.max_age);
-            *idle = young;
-            let owner = &run.workspace.owner;
-            let pick = idle
-                .iter()
-                .enumerate()
-                .filter(|(_, t)| t.owner == *owner)
-                .max_by_key(|(_, t)| (t.digest == run.workspace.digest, t.since))
-                .map(|(i, _)| i);
-            (pick.map(|i| idle.swap_remove(i)), old)
+        let owner = &run.workspace.owner;
+        let digest = &run.workspace.digest;
+        let deadline = Instant::now() + CLEANING_WAIT;
+        let mut expired = Vec::new();
+        let reuse = {
+            let mut st = self.lock();
+            loop {
+                let now = Instant::now();
+                let (old, young): (Vec<Idle>, Vec<Idle>) = st
+                    .idle
+                    .drain(..)
+                    .partition(|t| now.saturating_duration_since(t.since) > self.max_age);
+                st.idle = young;
+                expired.extend(old);
+                let same = st
+                    .idle
+                    .iter()
+                    .position(|t| t.owner == *owner && t.digest == *digest);
+                if let Some(i) = same {
+                    break Some(st.idle.swap_remove(i));
+                }
+                let coming = st.cleaning.iter().any(|(o, d)| o == owner && d == digest);
+                if coming && now < deadline {
+                    st = self
+                        .cleaned
+                        .wait_timeout(st, deadline - now)
+                        .map(|(g, _)| g)
+                        .unwrap_or_else(|p| p.into_inner().0);
+                    continue;
+                }
+                let other = st
+                    .idle
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, t)| t.owner == *owner)
+                    .max_by_key(|(_, t)| t.since)
+                    .map(|(i, _)| i);
+                break other.map(|i| st.idle.swap_remove(i));
+            }
         };
         drop(expired);
         if let Some(mut idle) = reuse {
@@ -468,34 +578,39 @@ impl Trees {
         if self.keep == 0 {
             return;
         }
-        if let Err(e) = tree.clean(run) {
-            tracing::warn!(
-                "a workspace tree could not be cleaned, removing it: {}",
-                e.message
-            );
-            return;
-        }
+        let key = (run.workspace.owner.clone(), run.workspace.digest.clone());
+        self.lock().cleaning.push(key.clone());
+        let cleaned = tree.clean(run);
         let evicted = {
-            let mut idle = self.lock();
-            idle.push(Idle {
-                tree,
-                owner: run.workspace.owner.clone(),
-                digest: run.workspace.digest.clone(),
-                since: Instant::now(),
-            });
+            let mut st = self.lock();
+            if let Some(i) = st.cleaning.iter().position(|k| *k == key) {
+                st.cleaning.swap_remove(i);
+            }
             let mut evicted = Vec::new();
-            while idle.len() > self.keep {
-                if let Some((i, _)) = idle.iter().enumerate().min_by_key(|(_, t)| t.since) {
-                    evicted.push(idle.swap_remove(i));
+            match cleaned {
+                Ok(()) => st.idle.push(Idle {
+                    tree,
+                    owner: key.0,
+                    digest: key.1,
+                    since: Instant::now(),
+                }),
+                Err(e) => {
+                    tracing::warn!(
+                        "a workspace tree could not be cleaned, removing it: {}",
+                        e.message
+                    );
+                    evicted.push(tree);
+                }
+            }
+            while st.idle.len() > self.keep {
+                if let Some((i, _)) = st.idle.iter().enumerate().min_by_key(|(_, t)| t.since) {
+                    evicted.push(st.idle.swap_remove(i).tree);
                 }
             }
             evicted
         };
+        self.cleaned.notify_all();
+        // Removed outside the lock.
         drop(evicted);
-    }
-
-    /// How many idle trees are kept now.
-    pub fn idle(&self) -> usize {
-        self.lock().len()
     }
 }

@@ -73,6 +73,9 @@ impl Stamp {
 pub struct HashCache {
     file: Option<PathBuf>,
     entries: HashMap<String, (Stamp, String)>,
+    /// Changed since loaded: [`HashCache::save`] writes only then (an unchanged rerun
+    /// rewrites nothing).
+    changed: bool,
 }
 
 impl HashCache {
@@ -118,12 +121,16 @@ impl HashCache {
         Self {
             file: Some(file),
             entries,
+            changed: false,
         }
     }
 
     /// Writes the cache back (best effort: a cache that cannot be written costs time only).
     pub fn save(&self) {
         let Some(file) = &self.file else { return };
+        if !self.changed {
+            return;
+        }
         let mut text = String::with_capacity(self.entries.len() * 128);
         for (path, (s, hash)) in &self.entries {
             if path.contains('\n') {
@@ -249,8 +256,11 @@ pub fn walk(root: &Path, cache: &mut HashCache) -> Result<Walked, WalkError> {
         let stamp = Stamp::of(&meta);
         // A file changed within the last two seconds may change again within the clock's
         // granularity without a new stamp ("racy git"): not remembered.
-        if now_ns - stamp.mtime_ns > 2_000_000_000 {
+        if now_ns - stamp.mtime_ns > 2_000_000_000
+            && !matches!(cache.entries.get(&rel), Some((s, h)) if *s == stamp && *h == hash)
+        {
             cache.entries.insert(rel.clone(), (stamp, hash.clone()));
+            cache.changed = true;
         }
         let executable = meta.mode() & 0o111 != 0;
         sources.entry(hash.clone()).or_insert(path);

@@ -253,6 +253,11 @@ pub async fn exec(
     if !env.iter().any(|(k, _)| k == "PATH") {
         env.push(("PATH".into(), std::env::var("PATH").unwrap_or_default()));
     }
+    let user = if shared.opts.run_as_pod_user {
+        pod_user(&pod, &spec)
+    } else {
+        None
+    };
     let cwd = spec
         .working_dir
         .filter(|d| !d.is_empty())
@@ -267,6 +272,7 @@ pub async fn exec(
             env,
             cwd,
             refused,
+            user,
         };
         session.run(socket).await;
     })
@@ -282,6 +288,45 @@ struct Session {
     cwd: String,
     /// The kubelet refused the stream (v5 only; the socket is already upgraded).
     refused: Option<String>,
+    /// `(uid, gid)` the process runs as (`DoubleOptions::run_as_pod_user`).
+    user: Option<(u32, u32)>,
+}
+
+/// With `run_as_pod_user`, when the double runs as root: the uid and gid of the container's
+/// (else the pod's) security context, as the runtime would use them; and, as the kubelet
+/// does when it sets up the pod, each `emptyDir` mount created world-writable (0777) if it
+/// does not exist yet. Without a runAsUser (or not root) processes run as the double's user.
+fn pod_user(pod: &Pod, container: &k8s_openapi::api::core::v1::Container) -> Option<(u32, u32)> {
+    use std::os::unix::fs::PermissionsExt as _;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { nix::libc::geteuid() } != 0 {
+        return None;
+    }
+    let spec = pod.spec.as_ref()?;
+    let empty_dirs: Vec<&str> = spec
+        .volumes
+        .iter()
+        .flatten()
+        .filter(|v| v.empty_dir.is_some())
+        .map(|v| v.name.as_str())
+        .collect();
+    for m in container.volume_mounts.iter().flatten() {
+        let dir = FsPath::new(&m.mount_path);
+        if empty_dirs.contains(&m.name.as_str()) && !dir.exists() {
+            let _ = std::fs::create_dir_all(dir);
+            let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o777));
+        }
+    }
+    let csc = container.security_context.as_ref();
+    let psc = spec.security_context.as_ref();
+    let uid = csc
+        .and_then(|s| s.run_as_user)
+        .or_else(|| psc.and_then(|s| s.run_as_user))?;
+    let gid = csc
+        .and_then(|s| s.run_as_group)
+        .or_else(|| psc.and_then(|s| s.run_as_group))
+        .unwrap_or(0);
+    Some((u32::try_from(uid).ok()?, u32::try_from(gid).ok()?))
 }
 
 fn plain(code: u16, text: String) -> Response {
@@ -574,6 +619,9 @@ impl Session {
             .stdout(pipe(self.req.stdout))
             .stderr(pipe(self.req.stderr || (self.req.tty && self.req.stdout)))
             .kill_on_drop(true);
+        if let Some((uid, gid)) = self.user {
+            cmd.uid(uid).gid(gid);
+        }
         let spawned = match self.refused.clone() {
             Some(why) => Err(why),
             None => Ok(cmd.spawn()),

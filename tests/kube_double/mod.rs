@@ -200,6 +200,11 @@ pub struct DoubleOptions {
     pub idle_timeout: Option<Duration>,
     /// Whose words a failed exec start is reported in.
     pub runtime: Runtime,
+    /// Like a kubelet, when the double runs as root: exec'd processes run as the
+    /// container's (else the pod's) `runAsUser`/`runAsGroup`, and `emptyDir` mounts are
+    /// created 0777 on first use (see `exec::pod_user`). Off by default: most tests run
+    /// commands in directories only root can enter.
+    pub run_as_pod_user: bool,
 }
 
 /// The container runtime whose wording an exec of a missing program comes back in.
@@ -238,6 +243,7 @@ impl Default for DoubleOptions {
             force_kill_delay: Duration::from_millis(300),
             idle_timeout: None,
             runtime: Runtime::Runc,
+            run_as_pod_user: false,
         }
     }
 }

@@ -99,8 +99,8 @@ impl Executor for KubeExecutor {
     fn check(&self, spec: &ExecSpec) -> Result<(), ErrorBody> {
         let name = spec.profile.as_deref().unwrap_or("default");
         let profile = self.profile(name)?;
-        if let Some(run) = &spec.workspace {
-            workspace::workspace_path(name, profile, run)?;
+        if spec.workspace.is_some() {
+            workspace::workspace_path(name, profile)?;
         }
         Ok(())
     }

@@ -203,7 +203,7 @@ impl KubeExecutor {
         );
         let mut cwd = spec.cwd.clone();
         if let Some(run) = &spec.workspace {
-            let path = super::workspace::workspace_path(profile_name, profile, run)?;
+            let path = super::workspace::workspace_path(profile_name, profile)?;
             cwd = Some(self.place_workspace(&name, run, path, &opts.cancel).await?);
             timings.mark("workspace placed");
         }
@@ -276,6 +276,23 @@ impl KubeExecutor {
             can_close,
             ping: self.shared.ping_interval,
         };
+        let before_exit = match (&spec.workspace, profile.workspace_path.clone()) {
+            (Some(run), Some(path)) if !run.sync_back.is_empty() => {
+                let (pods, pod, run, cancel) = (
+                    self.shared.pods.clone(),
+                    guard.name.clone(),
+                    run.clone(),
+                    token.clone(),
+                );
+                let hook: super::stream::BeforeExit = Box::new(move || {
+                    Box::pin(async move {
+                        super::workspace::sync_back(&pods, &pod, &path, &run, &cancel).await
+                    })
+                });
+                Some(hook)
+            }
+            _ => None,
+        };
         tokio::spawn(supervise(
             connection.into_stream(),
             input,
@@ -284,6 +301,7 @@ impl KubeExecutor {
             guard,
             spec.executable,
             profile.shell().to_string(),
+            before_exit,
         ));
         Ok(Execution::new(context, rx, token))
     }

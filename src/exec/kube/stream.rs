@@ -52,6 +52,11 @@ pub(super) struct Input {
     pub ping: Duration,
 }
 
+/// Runs when the command ended with an exit status, before that `exit` is reported, while
+/// the pod still exists (workspace sync-back); its events go out before the `exit`.
+pub(super) type BeforeExit =
+    Box<dyn FnOnce() -> futures_util::future::BoxFuture<'static, Vec<Event>> + Send>;
+
 /// Streams the exec's output into the event channel, then its exit; deletes the pod on the
 /// way out (the guard). Killing (timeout, client gone, shutdown) deletes the pod at once.
 pub(super) async fn supervise<S>(
@@ -62,6 +67,7 @@ pub(super) async fn supervise<S>(
     mut guard: PodGuard,
     executable: String,
     shell: String,
+    before_exit: Option<BeforeExit>,
 ) where
     S: Stream<Item = Result<Message, tungstenite::Error>>
         + Sink<Message, Error = tungstenite::Error>
@@ -218,6 +224,15 @@ pub(super) async fn supervise<S>(
             }
         }
     };
+    if let (Event::Exit(_), Some(hook)) = (&event, before_exit)
+        && !tx.is_closed()
+    {
+        for e in hook().await {
+            if tx.send(e).await.is_err() {
+                return;
+            }
+        }
+    }
     let _ = tx.send(event).await;
 }
 

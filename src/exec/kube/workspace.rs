@@ -3,7 +3,15 @@
 //! it works for warm-pool pods that existed before the request, and as any user, e.g.
 //! runAsNonRoot 65532, that can write the profile's `emptyDir`). The image needs `tar` that
 //! reads `-x -f - -C DIR` (GNU tar, busybox, bsdtar all do).
+//!
+//! Sync-back: after the command, before the pod goes, a second exec sends the workspace's
+//! files that may match the globs back as a tar stream on stdout ([`SYNC_BACK_SCRIPT`]:
+//! `sh`, `find`, `tar -c -T -`). The gateway trusts nothing of it: it keeps regular files
+//! whose path is valid and matches the globs exactly, hashes each as it reads it, and reports
+//! those whose content or executable bit differs from the manifest (no timestamps involved).
 
+use k8s_openapi::api::core::v1::Pod;
+use kube::Api;
 use kube::api::AttachParams;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio_util::sync::CancellationToken;
@@ -11,24 +19,14 @@ use tokio_util::sync::CancellationToken;
 use super::KubeExecutor;
 use super::config::Profile;
 use super::pod::CONTAINER;
-use crate::contract::{ErrorBody, ErrorCode};
+use crate::contract::{ChangedFile, ErrorBody, ErrorCode, Event};
 use crate::workspace::WorkspaceRun;
 
 /// The most of `tar`'s stderr kept for an error message.
 const MAX_STDERR: u64 = 16 * 1024;
 
 /// The profile's workspace path, or why it takes no workspace.
-pub fn workspace_path<'a>(
-    profile_name: &str,
-    p: &'a Profile,
-    run: &WorkspaceRun,
-) -> Result<&'a str, ErrorBody> {
-    if !run.sync_back.is_empty() {
-        return Err(ErrorBody::new(
-            ErrorCode::InvalidRequest,
-            "`sync_back` is not supported on the kubernetes backend yet (docs/workspaces.md)",
-        ));
-    }
+pub fn workspace_path<'a>(profile_name: &str, p: &'a Profile) -> Result<&'a str, ErrorBody> {
     p.workspace_path.as_deref().ok_or_else(|| {
         ErrorBody::new(
             ErrorCode::InvalidRequest,
@@ -165,4 +163,262 @@ impl KubeExecutor {
             format!("{base}/{}", run.cwd)
         })
     }
+}
+
+/// Run in the pod after the command (`sh -c SCRIPT sh WORKSPACE PATTERN...`): the regular
+/// files below the workspace whose `./path` matches one of the `case` patterns, as a tar
+/// stream on stdout (nothing at all when none does). The patterns match more than the globs
+/// (in `case`, `*` also matches `/`); the gateway applies the globs exactly. Names with a
+/// backslash are skipped (GNU tar unquotes names read with `-T`); a name with a newline
+/// splits into lines that name no file.
+pub const SYNC_BACK_SCRIPT: &str = r#"cd "$1" || exit 1
+shift
+list=$(find . -type f | while IFS= read -r f; do
+  case "$f" in *'\'*) continue;; esac
+  for p in "$@"; do
+    case "$f" in ./$p) printf '%s\n' "$f"; break;; esac
+  done
+done)
+[ -n "$list" ] || exit 0
+printf '%s\n' "$list" | tar -c -f - -T -"#;
+
+/// A sync-back glob as a `case` pattern matching at least what the glob matches.
+fn widen(glob: &str) -> String {
+    if glob.starts_with("**") || glob.contains(['{', '\\']) {
+        "*".into()
+    } else {
+        glob.replace("**", "*")
+    }
+}
+
+/// After the command: the files of the workspace matching the run's globs that the command
+/// created or changed, stored in the cache; a `workspace_changes` event (and a line on
+/// stderr when the pod could not send them all).
+pub(super) async fn sync_back(
+    pods: &Api<Pod>,
+    pod: &str,
+    path: &str,
+    run: &WorkspaceRun,
+    cancel: &CancellationToken,
+) -> Vec<Event> {
+    let (files, truncated, problem) = match fetch_changes(pods, pod, path, run, cancel).await {
+        Ok((files, truncated, problem)) => (files, truncated, problem),
+        Err(e) => (Vec::new(), true, Some(e)),
+    };
+    let mut events = Vec::new();
+    if let Some(p) = problem {
+        tracing::warn!(pod, "sync-back: {p}");
+        events.push(Event::Stderr {
+            data: format!("mcp-run: sync-back from runner pod {pod}: {p}\n").into(),
+        });
+    }
+    events.push(Event::WorkspaceChanges {
+        workspace: run.workspace.id.clone(),
+        files,
+        truncated,
+    });
+    events
+}
+
+/// The changed files, whether the list is cut short, and what went wrong in the pod.
+async fn fetch_changes(
+    pods: &Api<Pod>,
+    pod: &str,
+    path: &str,
+    run: &WorkspaceRun,
+    cancel: &CancellationToken,
+) -> Result<(Vec<ChangedFile>, bool, Option<String>), String> {
+    let params = AttachParams {
+        container: Some(CONTAINER.into()),
+        stdin: false,
+        stdout: true,
+        stderr: true,
+        tty: false,
+        ..Default::default()
+    };
+    let mut argv = vec![
+        "sh".to_owned(),
+        "-c".into(),
+        SYNC_BACK_SCRIPT.into(),
+        "sh".into(),
+        path.to_owned(),
+    ];
+    argv.extend(run.sync_back.iter().map(|g| widen(g)));
+    let mut attached = tokio::select! {
+        r = pods.exec(pod, argv, &params) => r.map_err(|e| format!("cannot exec: {e}"))?,
+        _ = cancel.cancelled() => return Err("cancelled".into()),
+    };
+    let Some(stdout) = attached.stdout() else {
+        attached.abort();
+        return Err("no stdout on the exec".into());
+    };
+    let stderr = attached.stderr();
+    let status = attached.take_status();
+    // Drained to the end (the first bytes kept): an unread stderr would hold up stdout.
+    let err_text = tokio::spawn(async move {
+        let mut kept = Vec::new();
+        if let Some(mut e) = stderr {
+            let mut buf = [0u8; 4096];
+            while let Ok(n @ 1..) = e.read(&mut buf).await {
+                let room = (MAX_STDERR as usize).saturating_sub(kept.len());
+                kept.extend_from_slice(&buf[..n.min(room)]);
+            }
+        }
+        String::from_utf8_lossy(&kept).into_owned()
+    });
+    let reader = tokio_util::io::SyncIoBridge::new(stdout);
+    let parse_run = run.clone();
+    let parse = tokio::task::spawn_blocking(move || read_changes(reader, &parse_run));
+    let parsed = tokio::select! {
+        r = parse => r,
+        _ = cancel.cancelled() => {
+            attached.abort();
+            return Err("cancelled".into());
+        }
+    };
+    let parsed = match parsed {
+        Ok(Ok(p)) => p,
+        Ok(Err(e)) => {
+            attached.abort();
+            return Err(format!("the archive is not valid: {e}"));
+        }
+        Err(e) => {
+            attached.abort();
+            return Err(format!("reading the archive failed: {e}"));
+        }
+    };
+    let (files, truncated, complete) = parsed;
+    if !complete {
+        // Cut short at the limits: the rest of the stream is not wanted.
+        attached.abort();
+        return Ok((files, truncated, None));
+    }
+    let err_text = tokio::select! {
+        t = err_text => t.unwrap_or_default(),
+        _ = cancel.cancelled() => {
+            attached.abort();
+            return Err("cancelled".into());
+        }
+    };
+    let status = match status {
+        Some(s) => tokio::select! {
+            s = s => s,
+            _ = cancel.cancelled() => {
+                attached.abort();
+                return Err("cancelled".into());
+            }
+        },
+        None => None,
+    };
+    let ok = status.as_ref().and_then(|s| s.status.as_deref()) == Some("Success");
+    if ok {
+        return Ok((files, truncated, None));
+    }
+    let why = status
+        .and_then(|s| s.message)
+        .unwrap_or_else(|| "no exit status".into());
+    let hint = if err_text.contains("not found") {
+        " (the image needs `sh`, `find` and `tar`)"
+    } else {
+        ""
+    };
+    Ok((
+        files,
+        true,
+        Some(format!("{}{hint}: {}", why.trim(), err_text.trim())),
+    ))
+}
+
+/// Reads the pod's tar stream: `(files, truncated, read to the end)`. Blocking.
+fn read_changes(
+    reader: impl std::io::Read,
+    run: &WorkspaceRun,
+) -> std::io::Result<(Vec<ChangedFile>, bool, bool)> {
+    use crate::workspace::manifest::{self, EntryKind, MODE_EXEC, MODE_FILE};
+    let set = crate::workspace::local::globs(&run.sync_back).map_err(std::io::Error::other)?;
+    let cfg = run.store.config();
+    let entries = &run.workspace.manifest.entries;
+    let owner = &run.workspace.owner;
+    let mut out: Vec<ChangedFile> = Vec::new();
+    // Every regular file read, for hard-link entries naming one: (hash, size).
+    let mut read: std::collections::HashMap<String, (String, u64)> = Default::default();
+    let mut bytes = 0u64;
+    let mut truncated = false;
+    let mut archive = tar::Archive::new(reader);
+    for entry in archive.entries()? {
+        let mut entry = entry?;
+        let raw = entry.path_bytes().into_owned();
+        let Ok(name) = std::str::from_utf8(&raw) else {
+            continue;
+        };
+        let rel = name.strip_prefix("./").unwrap_or(name).to_owned();
+        if manifest::check_path(&rel, cfg.max_path_bytes).is_err() || !set.is_match(&rel) {
+            continue;
+        }
+        let header = entry.header();
+        let mode = if header.mode().unwrap_or(0) & 0o111 != 0 {
+            MODE_EXEC
+        } else {
+            MODE_FILE
+        };
+        let kind = header.entry_type();
+        let before = entries
+            .binary_search_by(|e| e.path.as_str().cmp(&rel))
+            .ok()
+            .map(|i| &entries[i]);
+        let unchanged = |hash: &str| {
+            before.is_some_and(|b| b.kind == EntryKind::File && b.hash == hash && b.mode == mode)
+        };
+        let size = entry.size();
+        if out.len() >= cfg.max_files || bytes + size > cfg.max_bytes {
+            return Ok((out, true, false));
+        }
+        let got = if kind.is_file() {
+            match run
+                .store
+                .add_stream(&mut entry, &rel, owner, cfg.max_file_bytes, &|h| {
+                    !unchanged(h)
+                }) {
+                Ok(Some((hash, size))) => {
+                    read.insert(rel.clone(), (hash.clone(), size));
+                    Some((hash, size))
+                }
+                Ok(None) => {
+                    if let Some(b) = before {
+                        read.insert(rel.clone(), (b.hash.clone(), b.size));
+                    }
+                    None
+                }
+                Err(e) => {
+                    tracing::warn!("sync-back of {rel:?} skipped: {}", e.message);
+                    truncated = true;
+                    None
+                }
+            }
+        } else if kind.is_hard_link() {
+            let target = entry
+                .link_name_bytes()
+                .and_then(|t| String::from_utf8(t.into_owned()).ok())
+                .map(|t| t.strip_prefix("./").map(str::to_owned).unwrap_or(t));
+            target
+                .and_then(|t| read.get(&t).cloned())
+                .filter(|(hash, _)| !unchanged(hash))
+        } else {
+            None
+        };
+        if let Some((hash, size)) = got {
+            bytes += size;
+            out.push(ChangedFile {
+                path: rel,
+                mode,
+                size,
+                hash,
+            });
+        }
+    }
+    // The stream goes on after the end marker (tar pads to its record size): read to its
+    // end, or the exec would wait for a reader to take it.
+    std::io::copy(&mut archive.into_inner(), &mut std::io::sink())?;
+    out.sort_by(|a, b| a.path.cmp(&b.path));
+    Ok((out, truncated, true))
 }
