@@ -443,20 +443,29 @@ impl WorkspaceStore {
 
     /// Holds every content of `ws` in the cache until the returned guard is dropped, or
     /// says how many are missing (not uploaded, or evicted since).
-    pub fn pin(self: &Arc<Self>, ws: &Workspace) -> Result<Pinned, ErrorBody> {
+    pub fn pin(self: &Arc<Self>, ws: &Arc<Workspace>) -> Result<Pinned, ErrorBody> {
         let now = Instant::now();
         let mut inner = self.lock();
-        let missing = ws
-            .contents
-            .keys()
-            .filter(|h| {
-                !inner
-                    .blobs
-                    .get(*h)
-                    .is_some_and(|b| b.owners.contains(&ws.owner))
-            })
-            .count();
+        // One pass (a rerun pins every content of a large tree): pinned as found, undone
+        // when one is missing.
+        let mut missing = 0;
+        for h in ws.contents.keys() {
+            match inner.blobs.get_mut(h) {
+                Some(b) if b.owners.contains(&ws.owner) => {
+                    b.pins += 1;
+                    b.used = now;
+                }
+                _ => missing += 1,
+            }
+        }
         if missing > 0 {
+            for h in ws.contents.keys() {
+                if let Some(b) = inner.blobs.get_mut(h)
+                    && b.owners.contains(&ws.owner)
+                {
+                    b.pins = b.pins.saturating_sub(1);
+                }
+            }
             return Err(ErrorBody::new(
                 ErrorCode::WorkspaceIncomplete,
                 format!(
@@ -466,15 +475,9 @@ impl WorkspaceStore {
                 ),
             ));
         }
-        for h in ws.contents.keys() {
-            if let Some(b) = inner.blobs.get_mut(h) {
-                b.pins += 1;
-                b.used = now;
-            }
-        }
         Ok(Pinned {
             store: self.clone(),
-            hashes: ws.contents.keys().cloned().collect(),
+            workspace: ws.clone(),
         })
     }
 
@@ -557,22 +560,25 @@ impl Drop for WorkspaceStore {
     }
 }
 
-/// Contents held for a run.
+/// Contents held for a run: every content of `workspace`.
 pub struct Pinned {
     store: Arc<WorkspaceStore>,
-    hashes: Vec<String>,
+    workspace: Arc<Workspace>,
 }
 
 impl Drop for Pinned {
     fn drop(&mut self) {
         let mut inner = self.store.lock();
-        for h in &self.hashes {
+        for h in self.workspace.contents.keys() {
             if let Some(b) = inner.blobs.get_mut(h) {
                 b.pins = b.pins.saturating_sub(1);
             }
         }
-        let now = Instant::now();
-        self.store.evict(&mut inner, now);
+        // Contents kept over the size bound only because they were pinned go now; age is
+        // looked at by the next post or upload.
+        if inner.total > self.store.cfg.max_cache_bytes {
+            self.store.evict(&mut inner, Instant::now());
+        }
     }
 }
 
