@@ -18,6 +18,8 @@ Generates a tree of --files files totalling --size-mb MB (half random bytes, hal
                `run-remote -- true` from the same directory: the added time. The gateway
                keeps the materialised tree between runs (workspaces.local_idle_trees).
   rerun, edit  the same after appending a line to one file (another file each time).
+  fresh tree   the unchanged rerun's added time on a gateway that copies a fresh tree for
+               every run (local_idle_trees: 0): the reference for keeping trees.
   one edit     after rewriting one file: bytes uploaded (files, content bytes), and the bytes
                run-remote sent to the gateway in total (measured by a counting TCP proxy:
                HTTP headers, the gzip manifest, the tar upload and the /raw request).
@@ -80,17 +82,19 @@ def free_port():
 
 
 class Gateway:
-    def __init__(self, tmp):
+    def __init__(self, tmp, idle_trees=None):
         self.tmp = tmp
         self.proc = None
+        self.idle_trees = idle_trees
 
     def start(self):
         self.port = free_port()
         cache = tempfile.mkdtemp(dir=self.tmp, prefix="cache")
         cfg = os.path.join(self.tmp, "config.yaml")
+        extra = "" if self.idle_trees is None else f"  local_idle_trees: {self.idle_trees}\n"
         with open(cfg, "w") as f:
             f.write(
-                f"workspaces:\n  cache_dir: {cache}\n  local_dir: {self.tmp}\n"
+                f"workspaces:\n  cache_dir: {cache}\n  local_dir: {self.tmp}\n{extra}"
                 f"server:\n  listen: 127.0.0.1:{self.port}\n"
             )
         self.proc = subprocess.Popen(
@@ -225,6 +229,8 @@ def main():
     ap.add_argument("--size-mb", type=int, default=100)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--rerun-runs", type=int, default=20)
+    ap.add_argument("--fresh-runs", type=int, default=5,
+                    help="unchanged reruns on a gateway with local_idle_trees: 0")
     a = ap.parse_args()
     for b in (GATEWAY, CLIENT):
         if not os.path.exists(b):
@@ -236,6 +242,7 @@ def main():
     ssh, sshd = start_sshd(tmp)
     baseline_name = "tar -c \\| ssh localhost tar -x" if ssh else "tar -c \\| tar -x (no sshd)"
     gw = Gateway(tmp)
+    fresh_gw = Gateway(tmp, idle_trees=0)
     try:
         # First run: fresh gateway cache and client hash cache each time.
         firsts, tars = [], []
@@ -267,6 +274,20 @@ def main():
             edit_withouts.append(run_remote(gw.port, tree, ["--", "true"], home)[0])
         edit_added = [w - o for w, o in zip(edit_withs, edit_withouts)]
 
+        # The same unchanged rerun on a gateway that copies a fresh tree for every run
+        # (local_idle_trees: 0, the behaviour before trees were kept): the reference.
+        gw.stop()
+        fresh_gw.start()
+        run_remote(fresh_gw.port, tree, ["--workspace", "--", "true"], home)
+        fresh_added = []
+        for _ in range(a.fresh_runs):
+            w = run_remote(fresh_gw.port, tree, ["--workspace", "--", "true"], home)[0]
+            o = run_remote(fresh_gw.port, tree, ["--", "true"], home)[0]
+            fresh_added.append(w - o)
+        fresh_gw.stop()
+        gw.start()
+        run_remote(gw.port, tree, ["--workspace", "--", "true"], home)
+
         # Bytes on the wire: unchanged, then one edited file.
         proxy = CountingProxy(gw.port)
         args = ["--workspace", "--output-format", "json", "--", "true"]
@@ -283,6 +304,7 @@ def main():
         gw.stop()
     finally:
         gw.stop()
+        fresh_gw.stop()
         if sshd:
             sshd.terminate()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -296,6 +318,8 @@ def main():
           f"| ratio {med(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f}) |")
     print(f"| rerun, nothing changed | {spread(withs, ms)} | same command without --workspace: "
           f"{spread(withouts, ms)} | added {spread(added, ms)} |")
+    print(f"| rerun, nothing changed, fresh tree per run (`local_idle_trees: 0`) | | | "
+          f"added {spread(fresh_added, ms)} |")
     print(f"| rerun after editing one file | {spread(edit_withs, ms)} | same command without "
           f"--workspace: {spread(edit_withouts, ms)} | added {spread(edit_added, ms)} |")
     print(f"| rerun, nothing changed: upload | {unchanged['uploaded_files']} files, "

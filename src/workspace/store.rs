@@ -55,6 +55,9 @@ struct Inner {
     blobs: HashMap<String, Blob>,
     total: u64,
     workspaces: HashMap<String, (Arc<Workspace>, Instant)>,
+    /// The workspace id a manifest body was posted as, by [`WorkspaceStore::body_key`]: the
+    /// same body posted again (every rerun) is not parsed and validated again.
+    bodies: HashMap<String, String>,
     evicted: u64,
 }
 
@@ -125,6 +128,79 @@ impl WorkspaceStore {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The key of a manifest body posted by `owner` (SHA-256 of both).
+    pub fn body_key(body: &[u8], owner: &Owner) -> String {
+        let mut h = sha2::Sha256::new();
+        h.update(owner.as_deref().unwrap_or("").as_bytes());
+        h.update([0u8]);
+        h.update(body);
+        super::hex(&h.finalize())
+    }
+
+    /// [`WorkspaceStore::post`] of a body `owner` posted before (`key` from
+    /// [`WorkspaceStore::body_key`]), while its workspace is still registered; `None`
+    /// otherwise.
+    pub fn post_again(&self, key: &str, owner: &Owner) -> Option<Posted> {
+        let now = Instant::now();
+        let mut inner = self.lock();
+        self.evict(&mut inner, now);
+        let id = inner.bodies.get(key)?.clone();
+        let workspace = match inner.workspaces.get_mut(&id) {
+            Some((ws, used)) if ws.owner == *owner => {
+                *used = now;
+                ws.clone()
+            }
+            _ => return None,
+        };
+        let (missing, missing_bytes) = Self::missing(&mut inner, &workspace.contents, owner, now);
+        Some(Posted {
+            workspace,
+            missing,
+            missing_bytes,
+        })
+    }
+
+    /// The contents `owner` does not have (sorted) and their bytes; marks the others used.
+    fn missing(
+        inner: &mut Inner,
+        contents: &HashMap<String, u64>,
+        owner: &Owner,
+        now: Instant,
+    ) -> (Vec<String>, u64) {
+        let mut missing = Vec::new();
+        let mut missing_bytes = 0;
+        for (hash, size) in contents {
+            match inner.blobs.get_mut(hash) {
+                Some(b) if b.owners.contains(owner) => b.used = now,
+                _ => {
+                    missing.push(hash.clone());
+                    missing_bytes += size;
+                }
+            }
+        }
+        missing.sort();
+        (missing, missing_bytes)
+    }
+
+    /// Registers a manifest and says which contents `owner` still has to upload; `key`
+    /// (from [`WorkspaceStore::body_key`]) remembers the body for
+    /// [`WorkspaceStore::post_again`].
+    pub fn post_body(
+        &self,
+        manifest: Manifest,
+        owner: &Owner,
+        key: Option<String>,
+    ) -> Result<Posted, ErrorBody> {
+        let posted = self.post(manifest, owner)?;
+        if let Some(key) = key {
+            let mut inner = self.lock();
+            if inner.workspaces.contains_key(&posted.workspace.id) {
+                inner.bodies.insert(key, posted.workspace.id.clone());
+            }
+        }
+        Ok(posted)
+    }
+
     /// Registers a manifest and says which contents `owner` still has to upload.
     pub fn post(&self, manifest: Manifest, owner: &Owner) -> Result<Posted, ErrorBody> {
         let checked = manifest.check(&self.cfg)?;
@@ -136,18 +212,7 @@ impl WorkspaceStore {
         let now = Instant::now();
         let mut inner = self.lock();
         self.evict(&mut inner, now);
-        let mut missing = Vec::new();
-        let mut missing_bytes = 0;
-        for (hash, size) in &checked.contents {
-            match inner.blobs.get_mut(hash) {
-                Some(b) if b.owners.contains(owner) => b.used = now,
-                _ => {
-                    missing.push(hash.clone());
-                    missing_bytes += size;
-                }
-            }
-        }
-        missing.sort();
+        let (missing, missing_bytes) = Self::missing(&mut inner, &checked.contents, owner, now);
         let workspace = Arc::new(Workspace {
             id: id.clone(),
             owner: owner.clone(),
@@ -378,20 +443,29 @@ impl WorkspaceStore {
 
     /// Holds every content of `ws` in the cache until the returned guard is dropped, or
     /// says how many are missing (not uploaded, or evicted since).
-    pub fn pin(self: &Arc<Self>, ws: &Workspace) -> Result<Pinned, ErrorBody> {
+    pub fn pin(self: &Arc<Self>, ws: &Arc<Workspace>) -> Result<Pinned, ErrorBody> {
         let now = Instant::now();
         let mut inner = self.lock();
-        let missing = ws
-            .contents
-            .keys()
-            .filter(|h| {
-                !inner
-                    .blobs
-                    .get(*h)
-                    .is_some_and(|b| b.owners.contains(&ws.owner))
-            })
-            .count();
+        // One pass (a rerun pins every content of a large tree): pinned as found, undone
+        // when one is missing.
+        let mut missing = 0;
+        for h in ws.contents.keys() {
+            match inner.blobs.get_mut(h) {
+                Some(b) if b.owners.contains(&ws.owner) => {
+                    b.pins += 1;
+                    b.used = now;
+                }
+                _ => missing += 1,
+            }
+        }
         if missing > 0 {
+            for h in ws.contents.keys() {
+                if let Some(b) = inner.blobs.get_mut(h)
+                    && b.owners.contains(&ws.owner)
+                {
+                    b.pins = b.pins.saturating_sub(1);
+                }
+            }
             return Err(ErrorBody::new(
                 ErrorCode::WorkspaceIncomplete,
                 format!(
@@ -401,15 +475,9 @@ impl WorkspaceStore {
                 ),
             ));
         }
-        for h in ws.contents.keys() {
-            if let Some(b) = inner.blobs.get_mut(h) {
-                b.pins += 1;
-                b.used = now;
-            }
-        }
         Ok(Pinned {
             store: self.clone(),
-            hashes: ws.contents.keys().cloned().collect(),
+            workspace: ws.clone(),
         })
     }
 
@@ -442,6 +510,10 @@ impl WorkspaceStore {
                 inner.workspaces.remove(&id);
             }
         }
+        let Inner {
+            bodies, workspaces, ..
+        } = &mut *inner;
+        bodies.retain(|_, id| workspaces.contains_key(id));
         let mut drop: Vec<String> = inner
             .blobs
             .iter()
@@ -488,22 +560,25 @@ impl Drop for WorkspaceStore {
     }
 }
 
-/// Contents held for a run.
+/// Contents held for a run: every content of `workspace`.
 pub struct Pinned {
     store: Arc<WorkspaceStore>,
-    hashes: Vec<String>,
+    workspace: Arc<Workspace>,
 }
 
 impl Drop for Pinned {
     fn drop(&mut self) {
         let mut inner = self.store.lock();
-        for h in &self.hashes {
+        for h in self.workspace.contents.keys() {
             if let Some(b) = inner.blobs.get_mut(h) {
                 b.pins = b.pins.saturating_sub(1);
             }
         }
-        let now = Instant::now();
-        self.store.evict(&mut inner, now);
+        // Contents kept over the size bound only because they were pinned go now; age is
+        // looked at by the next post or upload.
+        if inner.total > self.store.cfg.max_cache_bytes {
+            self.store.evict(&mut inner, Instant::now());
+        }
     }
 }
 
@@ -585,6 +660,28 @@ mod tests {
         );
         assert!(s.open_blob(&h, &bob).is_err());
         assert!(s.open_blob(&h, &alice).is_ok());
+    }
+
+    #[test]
+    fn a_body_posted_again_answers_as_the_first_post_for_its_owner_only() {
+        let (_d, s) = store(1000);
+        let alice = Some("alice".to_owned());
+        let m = Manifest {
+            entries: vec![entry("a", b"hello")],
+        };
+        let body = serde_json::to_vec(&m).unwrap();
+        let key = WorkspaceStore::body_key(&body, &alice);
+        assert!(s.post_again(&key, &alice).is_none());
+        let p = s.post_body(m, &alice, Some(key.clone())).unwrap();
+        let again = s.post_again(&key, &alice).unwrap();
+        assert_eq!(again.workspace.id, p.workspace.id);
+        assert_eq!(again.missing, p.missing);
+        s.receive(&mut &b"hello"[..], &p.missing[0], 5, &alice)
+            .unwrap();
+        assert!(s.post_again(&key, &alice).unwrap().missing.is_empty());
+        let bob = Some("bob".to_owned());
+        assert_ne!(WorkspaceStore::body_key(&body, &bob), key);
+        assert!(s.post_again(&key, &bob).is_none(), "not another identity's");
     }
 
     #[test]

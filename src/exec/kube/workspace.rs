@@ -182,12 +182,13 @@ done)
 [ -n "$list" ] || exit 0
 printf '%s\n' "$list" | tar -c -f - -T -"#;
 
-/// A sync-back glob as a `case` pattern matching at least what the glob matches.
+/// A sync-back glob as a `case` pattern matching at least what the glob matches (`*`
+/// matches `/` in `case`; `a/**/b` also matches `a/b`, hence `a/*b`).
 fn widen(glob: &str) -> String {
     if glob.starts_with("**") || glob.contains(['{', '\\']) {
         "*".into()
     } else {
-        glob.replace("**", "*")
+        glob.replace("/**/", "/*").replace("**", "*")
     }
 }
 
@@ -421,4 +422,172 @@ fn read_changes(
     std::io::copy(&mut archive.into_inner(), &mut std::io::sink())?;
     out.sort_by(|a, b| a.path.cmp(&b.path));
     Ok((out, truncated, true))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::workspace::manifest::{Manifest, ManifestEntry};
+    use crate::workspace::{WorkspaceConfig, WorkspaceStore, hash_bytes};
+
+    /// An entry written as a hostile pod could (tar-rs's own builder refuses `..`).
+    fn entry(tar: &mut tar::Builder<Vec<u8>>, name: &[u8], kind: tar::EntryType, mode: u32) {
+        entry_with(tar, name, kind, mode, b"", None);
+    }
+
+    fn entry_with(
+        tar: &mut tar::Builder<Vec<u8>>,
+        name: &[u8],
+        kind: tar::EntryType,
+        mode: u32,
+        data: &[u8],
+        link: Option<&str>,
+    ) {
+        let mut h = tar::Header::new_gnu();
+        h.as_old_mut().name[..name.len()].copy_from_slice(name);
+        h.set_entry_type(kind);
+        h.set_mode(mode);
+        h.set_size(data.len() as u64);
+        if let Some(l) = link {
+            h.set_link_name(l).unwrap();
+        }
+        h.set_cksum();
+        tar.append(&h, data).unwrap();
+    }
+
+    fn sync_run(max_files: usize) -> (tempfile::TempDir, WorkspaceRun) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(
+            WorkspaceStore::open(WorkspaceConfig {
+                cache_dir: Some(dir.path().to_owned()),
+                max_files,
+                ..Default::default()
+            })
+            .unwrap(),
+        );
+        let same = hash_bytes(b"same\n");
+        let m = Manifest {
+            entries: vec![
+                ManifestEntry::file("out/mode.sh", false, 5, same.clone()),
+                ManifestEntry::file("out/same.txt", false, 5, same),
+            ],
+        };
+        let posted = store.post(m, &None).unwrap();
+        let run = WorkspaceRun {
+            workspace: posted.workspace,
+            store,
+            cwd: String::new(),
+            sync_back: vec!["out/**".into()],
+        };
+        (dir, run)
+    }
+
+    fn archive() -> Vec<u8> {
+        use tar::EntryType::{Link, Regular, Symlink};
+        let mut tar = tar::Builder::new(Vec::new());
+        entry_with(&mut tar, b"out/../../evil", Regular, 0o644, b"x", None);
+        entry_with(&mut tar, b"/out/abs.txt", Regular, 0o644, b"x", None);
+        entry_with(&mut tar, b"./out/mode.sh", Regular, 0o755, b"same\n", None);
+        entry_with(&mut tar, b"./out/new.txt", Regular, 0o644, b"new\n", None);
+        entry_with(&mut tar, b"./out/same.txt", Regular, 0o644, b"same\n", None);
+        entry_with(&mut tar, b"./other.txt", Regular, 0o644, b"no glob", None);
+        entry_with(
+            &mut tar,
+            b"./out/link",
+            Symlink,
+            0o777,
+            b"",
+            Some("/etc/passwd"),
+        );
+        entry(&mut tar, b"./out/dir/", tar::EntryType::Directory, 0o755);
+        entry_with(
+            &mut tar,
+            b"./out/hard.txt",
+            Link,
+            0o644,
+            b"",
+            Some("./out/new.txt"),
+        );
+        tar.into_inner().unwrap()
+    }
+
+    /// What a pod sends back is trusted for nothing: paths leaving the tree or absolute,
+    /// names outside the globs, symlinks and directories are dropped; unchanged files are
+    /// not reported; the rest is stored under the hash of its bytes.
+    #[test]
+    fn only_valid_matching_changed_regular_files_come_back() {
+        let (_d, run) = sync_run(100);
+        let (files, truncated, complete) = read_changes(&archive()[..], &run).unwrap();
+        assert!(complete && !truncated);
+        let got: Vec<(&str, u32, u64)> = files
+            .iter()
+            .map(|f| (f.path.as_str(), f.mode, f.size))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("out/hard.txt", 0o644, 4),
+                ("out/mode.sh", 0o755, 5),
+                ("out/new.txt", 0o644, 4)
+            ]
+        );
+        assert_eq!(files[0].hash, hash_bytes(b"new\n"));
+        for f in &files {
+            assert!(run.store.open_blob(&f.hash, &None).is_ok(), "{}", f.path);
+        }
+        // Cut at the workspace's file limit.
+        let (_d, run) = sync_run(2);
+        let (files, truncated, complete) = read_changes(&archive()[..], &run).unwrap();
+        assert!(truncated && !complete);
+        assert_eq!(files.len(), 2);
+        // Not a tar stream at all.
+        assert!(read_changes(&b"garbage that is no tar header"[..], &run).is_err());
+    }
+
+    /// Every path a glob matches, the widened pattern matches in `sh`'s `case` as the pod's
+    /// script uses it.
+    #[test]
+    fn globs_widen_to_case_patterns_matching_at_least_as_much() {
+        let paths = [
+            "target/b.xml",
+            "target/a/b.xml",
+            "target/a/c/b.xml",
+            "out/r.txt",
+            "out/sub/r.txt",
+            "a/x",
+            "x",
+            "src/deep/f",
+        ];
+        let globs = [
+            "target/**/*.xml",
+            "target/**",
+            "out/*.txt",
+            "**/x",
+            "{a,b}/x",
+            "src/*/f",
+            "*",
+        ];
+        for g in globs {
+            let set = crate::workspace::local::globs(&[g.to_owned()]).unwrap();
+            let pattern = widen(g);
+            for p in paths.iter().filter(|p| set.is_match(p)) {
+                let matched = std::process::Command::new("sh")
+                    .args([
+                        "-c",
+                        r#"case "$1" in ./$2) exit 0;; esac; exit 1"#,
+                        "sh",
+                        &format!("./{p}"),
+                        &pattern,
+                    ])
+                    .status()
+                    .unwrap()
+                    .success();
+                assert!(matched, "{g} matches {p}, but {pattern} does not in sh");
+            }
+        }
+        assert_eq!(widen("target/**/*.xml"), "target/*.xml");
+        assert_eq!(widen("{a,b}/x"), "*");
+    }
 }
