@@ -299,9 +299,11 @@ impl KubeExecutor {
             tx,
             token.clone(),
             guard,
-            spec.executable,
-            profile.shell().to_string(),
-            before_exit,
+            super::stream::Ending {
+                executable: spec.executable,
+                shell: profile.shell().to_string(),
+                before_exit,
+            },
         ));
         Ok(Execution::new(context, rx, token))
     }

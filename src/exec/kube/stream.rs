@@ -57,6 +57,15 @@ pub(super) struct Input {
 pub(super) type BeforeExit =
     Box<dyn FnOnce() -> futures_util::future::BoxFuture<'static, Vec<Event>> + Send>;
 
+/// What telling and reporting the end of a run needs beyond the stream.
+pub(super) struct Ending {
+    /// The command's program: a missing one is exit 127.
+    pub executable: String,
+    /// The profile's shell, to ask the pod whether the program exists.
+    pub shell: String,
+    pub before_exit: Option<BeforeExit>,
+}
+
 /// Streams the exec's output into the event channel, then its exit; deletes the pod on the
 /// way out (the guard). Killing (timeout, client gone, shutdown) deletes the pod at once.
 pub(super) async fn supervise<S>(
@@ -65,9 +74,7 @@ pub(super) async fn supervise<S>(
     tx: mpsc::Sender<Event>,
     cancel: CancellationToken,
     mut guard: PodGuard,
-    executable: String,
-    shell: String,
-    before_exit: Option<BeforeExit>,
+    ending: Ending,
 ) where
     S: Stream<Item = Result<Message, tungstenite::Error>>
         + Sink<Message, Error = tungstenite::Error>
@@ -75,6 +82,11 @@ pub(super) async fn supervise<S>(
         + Unpin
         + 'static,
 {
+    let Ending {
+        executable,
+        shell,
+        before_exit,
+    } = ending;
     let started = Instant::now();
     let (sink, mut frames) = ws.split();
     let stop_writer = CancellationToken::new();
