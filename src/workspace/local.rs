@@ -23,6 +23,10 @@ pub struct LocalTree {
     run: WorkspaceRun,
     tree: Option<Tree>,
     trees: Arc<Trees>,
+    /// Set once the command has exited: only then is the tree handed back for reuse. A run
+    /// that ended otherwise (client gone, error) may still have processes writing into it,
+    /// so the tree is removed instead.
+    exited: bool,
 }
 
 /// A tree holding exactly the run's workspace, from `trees` (an idle one brought up to date,
@@ -46,6 +50,7 @@ pub fn materialize(run: &WorkspaceRun, trees: &Arc<Trees>) -> Result<LocalTree, 
         run: run.clone(),
         tree: Some(tree),
         trees: trees.clone(),
+        exited: false,
     })
 }
 
@@ -66,9 +71,12 @@ impl LocalTree {
 }
 
 impl Drop for LocalTree {
-    /// Blocking: cleans the tree of the run's output (or removes it).
+    /// Blocking: cleans the tree of the run's output for reuse after an exit, else removes
+    /// it (`Tree`'s own drop).
     fn drop(&mut self) {
-        if let Some(tree) = self.tree.take() {
+        if let Some(tree) = self.tree.take()
+            && self.exited
+        {
             self.trees.check_in(tree, &self.run);
         }
     }
@@ -171,8 +179,9 @@ pub fn relay(mut rx: mpsc::Receiver<Event>, tree: LocalTree) -> mpsc::Receiver<E
         let mut tree = Some(tree);
         while let Some(ev) = rx.recv().await {
             if matches!(ev, Event::Exit(_))
-                && let Some(t) = tree.take()
+                && let Some(mut t) = tree.take()
             {
+                t.exited = true;
                 let id = t.run.workspace.id.clone();
                 // Nobody to report to when the consumer is gone.
                 let wanted = !t.run.sync_back.is_empty() && !tx.is_closed();

@@ -151,8 +151,13 @@ impl Tree {
         };
         let newest = written.iter().map(|(_, w)| w.stamp.ctime).max();
         self.written.extend(written);
-        if let Some(newest) = newest {
-            self.settle(newest)?;
+        if let Some(newest) = newest
+            && !self.settle(newest)?
+        {
+            // A file system whose clock did not move on (1-second timestamps: ext3, FAT,
+            // some FUSE mounts): a later edit could keep the ctime just recorded, so nothing
+            // written is trusted, and the next run of this tree writes every file again.
+            self.written.clear();
         }
         self.synced = Some(run.workspace.digest.clone());
         Ok(stats)
@@ -308,8 +313,9 @@ impl Tree {
 
     /// Waits until the file system's clock (as it stamps a change of the root) is past
     /// `newest`, so that any later change of a written file gets a later ctime than the
-    /// one recorded. At most a clock tick (1 to 10 ms) after copying, and only then.
-    fn settle(&self, newest: (i64, i64)) -> Result<(), ErrorBody> {
+    /// one recorded. At most a clock tick (1 to 10 ms) after copying, and only then; false
+    /// when the clock did not move on within 200 ms.
+    fn settle(&self, newest: (i64, i64)) -> Result<bool, ErrorBody> {
         for _ in 0..200 {
             std::fs::set_permissions(&self.root, std::fs::Permissions::from_mode(0o700))
                 .map_err(|e| failed("the tree's root", e))?;
@@ -318,14 +324,11 @@ impl Tree {
                 .symlink_metadata()
                 .map_err(|e| failed("the tree's root", e))?;
             if (m.ctime(), m.ctime_nsec()) > newest {
-                return Ok(());
+                return Ok(true);
             }
             std::thread::sleep(Duration::from_millis(1));
         }
-        Err(failed(
-            "the file system's clock",
-            std::io::Error::other("it did not advance for 200 ms"),
-        ))
+        Ok(false)
     }
 }
 
@@ -602,6 +605,14 @@ impl Trees {
                     evicted.push(tree);
                 }
             }
+            // Expired ones go here too, not only when a run checks a tree out: a quiet
+            // gateway does not keep copies of sources past `max_age`.
+            let now = Instant::now();
+            let (expired, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut st.idle)
+                .into_iter()
+                .partition(|t| now.saturating_duration_since(t.since) > self.max_age);
+            st.idle = keep;
+            evicted.extend(expired.into_iter().map(|t| t.tree));
             while st.idle.len() > self.keep {
                 if let Some((i, _)) = st.idle.iter().enumerate().min_by_key(|(_, t)| t.since) {
                     evicted.push(st.idle.swap_remove(i).tree);
