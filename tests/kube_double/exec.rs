@@ -585,10 +585,13 @@ impl Session {
         let writer_idle = idle.clone();
         let writer = tokio::spawn(async move {
             loop {
-                // A cut connection: the socket is dropped without a close frame.
+                // A cut connection: the socket is dropped without a close frame, and nothing
+                // queued after the cut goes out (biased: the status of the process the cut
+                // killed must not reach the client, as it could not through a real cut).
                 let m = tokio::select! {
-                    m = rx.recv() => m,
+                    biased;
                     _ = writer_idle.cut.cancelled() => break,
+                    m = rx.recv() => m,
                 };
                 let Some(m) = m else { break };
                 let close = matches!(m, Message::Close(_));
