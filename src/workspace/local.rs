@@ -10,7 +10,7 @@ use tokio::sync::mpsc;
 
 use super::WorkspaceRun;
 use super::manifest::EntryKind;
-use super::trees::{SyncStats, Tree, Trees};
+use super::trees::{Tree, Trees};
 use crate::contract::{ChangedFile, ErrorBody, Event};
 
 /// A workspace written out for one run; handed back to the idle trees when dropped.
@@ -18,8 +18,6 @@ pub struct LocalTree {
     pub root: PathBuf,
     /// The command's working directory inside `root`.
     pub cwd: PathBuf,
-    /// What bringing the tree to the manifest took.
-    pub stats: SyncStats,
     run: WorkspaceRun,
     tree: Option<Tree>,
     trees: Arc<Trees>,
@@ -46,7 +44,6 @@ pub fn materialize(run: &WorkspaceRun, trees: &Arc<Trees>) -> Result<LocalTree, 
     Ok(LocalTree {
         cwd: root.join(&run.cwd),
         root,
-        stats,
         run: run.clone(),
         tree: Some(tree),
         trees: trees.clone(),

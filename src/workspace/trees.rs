@@ -93,7 +93,7 @@ fn failed(what: &str, e: std::io::Error) -> ErrorBody {
     )
 }
 
-/// Files the last [`Tree::sync`] kept and wrote (what the benchmark and tests look at).
+/// Files the last [`Tree::sync`] kept, wrote and removed (logged at debug level).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SyncStats {
     pub kept: usize,
