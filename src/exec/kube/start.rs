@@ -284,9 +284,10 @@ impl KubeExecutor {
                     run.clone(),
                     token.clone(),
                 );
+                let shell = profile.shell().to_owned();
                 let hook: super::stream::BeforeExit = Box::new(move || {
                     Box::pin(async move {
-                        super::workspace::sync_back(&pods, &pod, &path, &run, &cancel).await
+                        super::workspace::sync_back(&pods, &pod, &path, &shell, &run, &cancel).await
                     })
                 });
                 Some(hook)

@@ -199,10 +199,12 @@ pub(super) async fn sync_back(
     pods: &Api<Pod>,
     pod: &str,
     path: &str,
+    shell: &str,
     run: &WorkspaceRun,
     cancel: &CancellationToken,
 ) -> Vec<Event> {
-    let (files, truncated, problem) = match fetch_changes(pods, pod, path, run, cancel).await {
+    let (files, truncated, problem) = match fetch_changes(pods, pod, path, shell, run, cancel).await
+    {
         Ok((files, truncated, problem)) => (files, truncated, problem),
         Err(e) => (Vec::new(), true, Some(e)),
     };
@@ -226,6 +228,7 @@ async fn fetch_changes(
     pods: &Api<Pod>,
     pod: &str,
     path: &str,
+    shell: &str,
     run: &WorkspaceRun,
     cancel: &CancellationToken,
 ) -> Result<(Vec<ChangedFile>, bool, Option<String>), String> {
@@ -237,8 +240,9 @@ async fn fetch_changes(
         tty: false,
         ..Default::default()
     };
+    // The profile's shell, as the exec wrapper's.
     let mut argv = vec![
-        "sh".to_owned(),
+        shell.to_owned(),
         "-c".into(),
         SYNC_BACK_SCRIPT.into(),
         "sh".into(),
