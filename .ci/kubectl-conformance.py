@@ -4,7 +4,7 @@ engineer would try it: run, get -o yaml/json, get -w, wait, exec (stdout and std
 exit code, a 20 MB binary round trip both ways, stdin), auth can-i, delete.
 
 Usage: kubectl-conformance.py KUBECTL SERVE_BINARY
-SERVE_BINARY is the built test binary of tests/kube_double_serve.rs; it serves the double and
+SERVE_BINARY is the built integration-test binary (tests/main.rs, with tests/kube_double_serve.rs); it serves the double and
 prints KUBECONFIG=... until its stdin closes. Every divergence found here is a bug of the double
 (fixed in tests/kube_double, not worked around here). Standard library only.
 """
@@ -37,7 +37,7 @@ def main():
     kubectl, serve_bin = sys.argv[1], sys.argv[2]
     work = tempfile.mkdtemp(prefix="kubectl-conformance-")
     server = subprocess.Popen(
-        [serve_bin, "--ignored", "--nocapture", "--exact", "serve"],
+        [serve_bin, "--ignored", "--nocapture", "--exact", "kube_double_serve::serve"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,

@@ -3,7 +3,7 @@
 double's own start delay measured in the same run (docs/performance.md, "Kubernetes backend
 through the double").
 
-    cargo build --bins && cargo test --no-run --test kube_double_serve
+    cargo build --bins && cargo test --no-run --test integration
     python3 bench/kube_double_bench.py [--runs 30] [--step-ms 100] [--release]
 
 Starts the double (tests/kube_double_serve.rs) with each simulated lifecycle step taking
@@ -84,7 +84,7 @@ def main():
     profile = "release" if a.release else "debug"
     bins = os.path.join(ROOT, "target", profile)
     serve = subprocess.Popen(
-        ["cargo", "test", "-q", "--test", "kube_double_serve", "--", "--ignored", "--nocapture", "serve"],
+        ["cargo", "test", "-q", "--test", "integration", "--", "--ignored", "--nocapture", "--exact", "kube_double_serve::serve"],
         cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         env=dict(os.environ, KUBE_DOUBLE_STEP_MS=str(a.step_ms)),
     )

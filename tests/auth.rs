@@ -1,7 +1,7 @@
 //! Auth, the concurrency limit and the rate limit through the real gateway, `run-remote`
 //! and an MCP client.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 
@@ -145,16 +145,31 @@ async fn auth_on_protects_raw_mcp_and_capabilities_but_not_probes() {
     );
 }
 
-/// The whole behavioural suite through a gateway that asks for a token, as the e2e suite
-/// meets a Helm-installed gateway (auth is on by default there): the harness sends it on
-/// every request and to run-remote.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn behavioural_suite_with_a_token() {
-    let (mut gw, _dir) = with_tokens("");
+/// The whole behavioural suite (one test per check) through a gateway that asks for a token,
+/// as the e2e suite meets a Helm-installed gateway (auth is on by default there): the harness
+/// sends it on every request and to run-remote.
+struct TokenHost {
+    gw: Gateway,
+    _dir: tempfile::TempDir,
+}
+
+impl support::suite::Host for TokenHost {
+    fn gateway(&self) -> &Gateway {
+        &self.gw
+    }
+}
+
+fn token_host() -> TokenHost {
+    let (mut gw, dir) = with_tokens("");
     gw.token = Some(TOKEN_CI.into());
-    support::suite::run_all(&gw).await;
-    // And the same gateway refuses the harness without it.
-    gw.token = None;
+    TokenHost { gw, _dir: dir }
+}
+
+support::suite::behavioural_suite!(token_host());
+
+#[tokio::test]
+async fn the_harness_is_refused_without_the_token() {
+    let (gw, _dir) = with_tokens("");
     assert_eq!(raw(&gw, json!({"executable": "true"})).await.status, 401);
 }
 

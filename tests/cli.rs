@@ -2,7 +2,7 @@
 //! completions, start-up errors, and run-remote's failures (one line on stderr, exit 125, the
 //! reason in `--output-format json` too), including a gateway that stops mid-run.
 
-mod support;
+use crate::support;
 
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;

@@ -1,7 +1,7 @@
 //! The docs hold against the binaries: what README.md and docs/ show is run or compared here,
 //! so that an edit on either side that makes them disagree fails.
 
-mod support;
+use crate::support;
 
 use std::process::Command;
 

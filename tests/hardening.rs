@@ -1,7 +1,7 @@
 //! Issue 15, through the real binary: what an adversarial client must not get from the
 //! gateway (foreign hosts, policy bypass through the environment, protocol edges).
 
-mod support;
+use crate::support;
 
 use std::process::{Command, Stdio};
 

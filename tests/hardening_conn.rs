@@ -1,7 +1,7 @@
 //! Issue 15.4, through the real binary: connections that send nothing, half a request or
 //! a huge declared body, and floods of idle connections, cannot hold the gateway.
 
-mod support;
+use crate::support;
 
 use std::io::Write;
 use std::time::{Duration, Instant};

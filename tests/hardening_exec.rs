@@ -2,7 +2,7 @@
 //! (stalled readers) and that nothing outlives (timeouts, gateway death), and allow lists
 //! that the request's environment cannot walk around.
 
-mod support;
+use crate::support;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;

@@ -1,7 +1,7 @@
 //! Issue 15.5 and 15.9 at `/mcp`, through the real binary: sessions are bounded, errors are
 //! JSON, malformed JSON-RPC gets a JSON-RPC error, and a reused request id is refused.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

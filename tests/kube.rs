@@ -3,8 +3,8 @@
 //! failures with their reasons, the reaper, the concurrency limit and the readiness checks.
 //! e2e/ runs the same suite against a real cluster.
 
-mod kube_double;
-mod support;
+use crate::kube_double;
+use crate::support;
 
 use std::time::{Duration, Instant};
 
@@ -33,13 +33,28 @@ fn no_pods_left(double: &KubeDouble, within: Duration) {
     assert!(ok, "pods left: {:?}", double.pod_names(NS));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn behavioural_suite() {
+/// A gateway on its own double; no pod may be left once a check passed.
+struct SuiteHost {
+    gw: Gateway,
+    double: KubeDouble,
+}
+
+impl support::suite::Host for SuiteHost {
+    fn gateway(&self) -> &Gateway {
+        &self.gw
+    }
+    fn finish(self) {
+        no_pods_left(&self.double, Duration::from_secs(10));
+    }
+}
+
+fn suite_host() -> SuiteHost {
     let double = KubeDouble::start();
     let gw = gateway(&double, &["--max-concurrent-pods", "64"]);
-    support::suite::run_all(&gw).await;
-    no_pods_left(&double, Duration::from_secs(10));
+    SuiteHost { gw, double }
 }
+
+support::suite::behavioural_suite!(suite_host());
 
 #[tokio::test(flavor = "multi_thread")]
 async fn started_context_names_pod_node_and_image_and_the_pod_is_hardened() {

@@ -3,8 +3,8 @@
 //! limits, API-server overload and rollouts), pods that go under a running command, stdin,
 //! start-up phases, and what travels where.
 
-mod kube_double;
-mod support;
+use crate::kube_double;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::time::Duration;

@@ -1,12 +1,12 @@
 //! Serves the API-server test double on its own, for tools outside the test suite
-//! (bench/kube_double_bench.py): `cargo test --test kube_double_serve -- --ignored
+//! (bench/kube_double_bench.py): `cargo test --test integration -- --ignored --exact kube_double_serve::serve
 //! --nocapture`. Prints `KUBECONFIG=<path>` (and `TOKEN`, `URL`, `CA`) and serves until its
 //! stdin closes.
 //! `KUBE_DOUBLE_STEP_MS` sets the delay of each simulated lifecycle step (default 20 ms);
 //! `KUBE_DOUBLE_DENY=NS/RESOURCE/SUBRESOURCE/VERB,...` makes SelfSubjectAccessReview answer
 //! "no" for those (`KubeDouble::deny`), for `kubectl auth can-i`.
 
-mod kube_double;
+use crate::kube_double;
 
 use std::io::{BufRead as _, Write as _};
 use std::time::Duration;

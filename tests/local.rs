@@ -1,7 +1,7 @@
 //! The local backend through the real binaries: the shared behavioural suite, plus what only
 //! a local gateway lets a test observe (processes, signals, the gateway's own environment).
 
-mod support;
+use crate::support;
 
 use std::io::Write;
 use std::time::{Duration, Instant};
@@ -9,11 +9,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use support::{Gateway, config_file, http, pid_alive, raw, wait_until};
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn behavioural_suite() {
-    let gw = Gateway::start(&[]);
-    support::suite::run_all(&gw).await;
-}
+support::suite::behavioural_suite!(Gateway::start(&[]));
 
 #[tokio::test]
 async fn health_and_unknown_paths() {

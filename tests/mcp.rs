@@ -2,7 +2,7 @@
 //! gateway, `mcp-run stdio` as a child process, and `mcp-run stdio --backend remote` in
 //! front of a gateway.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

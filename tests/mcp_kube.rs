@@ -2,8 +2,8 @@
 //! double (tests/kube_double): while the runner pod starts, progress notifications carry its
 //! real phases, as the double's pod goes through them, before the command's output.
 
-mod kube_double;
-mod support;
+use crate::kube_double;
+use crate::support;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

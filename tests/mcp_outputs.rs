@@ -3,7 +3,7 @@
 //! resources/read of whole outputs, pages, ranges and searches, expiry, and templates over a
 //! failure in the middle of a 10 MB log.
 
-mod support;
+use crate::support;
 
 use rmcp::ServiceExt as _;
 use rmcp::model::{

@@ -1,7 +1,7 @@
 //! `GET /metrics` of the real gateway binary: the text format parses, and running commands
 //! moves the counters the way the requests say.
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};

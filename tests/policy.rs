@@ -1,7 +1,7 @@
 //! The execution policy through the real gateway: every rule allowed and denied over `/raw`,
 //! and configuration errors that name the field.
 
-mod support;
+use crate::support;
 
 use serde_json::{Value, json};
 use support::{Gateway, config_file, gateway_bin, raw};

@@ -6,7 +6,7 @@
 //! while (the local backend reports no phases); it sends phases only when asked for them
 //! with `Mcp-Run-Progress: 1`, as the real one does.
 
-mod support;
+use crate::support;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;

@@ -1,6 +1,6 @@
 //! Redaction and the audit log through the real gateway.
 
-mod support;
+use crate::support;
 
 use serde_json::json;
 use support::{Gateway, config_file, raw};

@@ -1,7 +1,7 @@
 //! stdin through `/raw` (`application/vnd.mcp-run.stdin`), the local and remote backends and
 //! `run-remote -i`, through the real binaries.
 
-mod support;
+use crate::support;
 
 use std::time::{Duration, Instant};
 

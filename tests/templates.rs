@@ -1,7 +1,7 @@
 //! Output templates against real tool logs (tests/fixtures/templates/, see the README there)
 //! and `run-remote --template` end to end against a gateway.
 
-mod support;
+use crate::support;
 
 use std::path::{Path, PathBuf};
 
@@ -164,7 +164,7 @@ fn every_failure_line_survives_and_the_output_shrinks() {
     );
 }
 
-/// Prints one fixture's filtered output: `FIXTURE=name cargo test --test templates show -- --nocapture`.
+/// Prints one fixture's filtered output: `FIXTURE=name cargo test --test integration templates::show -- --nocapture`.
 #[test]
 fn show() {
     let Ok(name) = std::env::var("FIXTURE") else {

@@ -1,7 +1,7 @@
 //! Operator-declared CLI tools end to end: the real gateway with a `tools:` config, an rmcp
 //! client over `/mcp`, and `mcp-run stdio`.
 
-mod support;
+use crate::support;
 
 use rmcp::ServiceExt as _;
 use rmcp::model::{CallToolRequestParams, CallToolResult};

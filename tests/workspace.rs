@@ -3,7 +3,7 @@
 //! directory, uploads are incremental, `--sync-back` brings results home, concurrent runs
 //! do not see each other, and nothing is left behind.
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt as _;

@@ -5,8 +5,8 @@
 //! the caller's tree; all of it as the pod's non-root user. (The double runs exec'd commands
 //! on this host, so the profile's workspace path is a temporary directory here.)
 
-mod kube_double;
-mod support;
+use crate::kube_double;
+use crate::support;
 
 use std::os::unix::fs::PermissionsExt as _;
 use std::time::Duration;

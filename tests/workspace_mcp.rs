@@ -2,7 +2,7 @@
 //! streamable HTTP, and `mcp-run stdio --backend remote --workspace DIR`, which syncs DIR
 //! before every call so that the agent's latest edits are what runs.
 
-mod support;
+use crate::support;
 
 use rmcp::ServiceExt as _;
 use rmcp::model::{CallToolRequestParams, CallToolResult};

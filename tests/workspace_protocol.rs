@@ -3,7 +3,7 @@
 //! them; the cache stays within its bound and a run whose contents were evicted is refused
 //! (409) until they are uploaded again, which `run-remote` does by itself.
 
-mod support;
+use crate::support;
 
 use std::io::Write as _;
 

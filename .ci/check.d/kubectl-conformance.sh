@@ -15,14 +15,14 @@ if [ ! -x "$kubectl" ]; then
 fi
 
 # Build the double's server first, so that the check's own time is the clients'.
-serve="$(cargo test --locked --quiet --test kube_double_serve --no-run --message-format=json |
+serve="$(cargo test --locked --quiet --test integration --no-run --message-format=json |
   python3 -c 'import json, sys
 for line in sys.stdin:
     m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "kube_double_serve":
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "integration":
         print(m["executable"])')" || serve=""
 if [ -z "$serve" ]; then
-  echo "kubectl-conformance: cannot build tests/kube_double_serve.rs" >&2
+  echo "kubectl-conformance: cannot build the integration tests (tests/main.rs)" >&2
   exit 1
 fi
 # Not `| head -1`: under pipefail, kubectl's SIGPIPE would fail the check.

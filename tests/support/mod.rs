@@ -1,7 +1,7 @@
 //! Test support shared by the integration tests and the e2e suite: start the real gateway
 //! binary on a loopback port, talk to `/raw` as a client would, run the real `run-remote`.
 //!
-//! Include with `mod support;` (from `tests/`) or `#[path = "../tests/support/mod.rs"] mod support;`.
+//! Declared once in `tests/main.rs` (the integration tests) or `#[path = "../tests/support/mod.rs"] mod support;`.
 #![allow(dead_code)]
 
 pub mod suite;

@@ -11,7 +11,64 @@ use serde_json::json;
 
 use super::{Gateway, raw};
 
-/// Runs every check; each panics with a message naming what broke.
+/// What a backend's tests hand the suite: the gateway to drive, and whatever else must live
+/// as long as it (a test double, a temporary directory), checked once a check is done.
+pub trait Host {
+    fn gateway(&self) -> &Gateway;
+    /// Runs after a check passed (e.g. "no pod left behind").
+    fn finish(self)
+    where
+        Self: Sized,
+    {
+    }
+}
+
+impl Host for Gateway {
+    fn gateway(&self) -> &Gateway {
+        self
+    }
+}
+
+/// One `#[test]` per check of the suite, each against its own host from `$setup` (an
+/// expression evaluated in a child module of the caller, so the caller's private helpers
+/// are in reach), in a module `behavioural_suite`: a failure names its check, and the
+/// checks run in parallel. e2e/ runs the same checks in order with [`run_all`].
+#[allow(unused_macros)] // e2e/ includes this file and runs `run_all` instead
+macro_rules! behavioural_suite {
+    ($setup:expr) => {
+        mod behavioural_suite {
+            #[allow(unused_imports)]
+            use super::*;
+            use $crate::support::suite::Host as _;
+
+            $crate::support::suite::behavioural_suite!(@check $setup, started_context);
+            $crate::support::suite::behavioural_suite!(@check $setup, stream_separation_and_order);
+            $crate::support::suite::behavioural_suite!(@check $setup, exit_codes);
+            $crate::support::suite::behavioural_suite!(@check $setup, killed_by_signal);
+            $crate::support::suite::behavioural_suite!(@check $setup, missing_executable_and_bad_cwd);
+            $crate::support::suite::behavioural_suite!(@check $setup, arguments_arrive_unchanged);
+            $crate::support::suite::behavioural_suite!(@check $setup, cwd_and_env);
+            $crate::support::suite::behavioural_suite!(@check $setup, binary_round_trip, 50 * 1024 * 1024);
+            $crate::support::suite::behavioural_suite!(@check $setup, timeout_kills);
+            $crate::support::suite::behavioural_suite!(@check $setup, run_remote_mirrors_exit_codes);
+            $crate::support::suite::behavioural_suite!(@check $setup, rejections);
+            $crate::support::suite::behavioural_suite!(@check $setup, concurrent_requests, 50);
+        }
+    };
+    (@check $setup:expr, $name:ident $(, $arg:expr)?) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn $name() {
+            let host = $setup;
+            $crate::support::suite::$name(host.gateway() $(, $arg)?).await;
+            host.finish();
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use behavioural_suite;
+
+/// Runs every check in order (e2e against a real cluster); each panics with a message
+/// naming what broke.
 pub async fn run_all(gw: &Gateway) {
     started_context(gw).await;
     stream_separation_and_order(gw).await;
@@ -22,7 +79,7 @@ pub async fn run_all(gw: &Gateway) {
     cwd_and_env(gw).await;
     binary_round_trip(gw, 50 * 1024 * 1024).await;
     timeout_kills(gw).await;
-    run_remote_mirrors_exit_codes(gw);
+    run_remote_mirrors_exit_codes(gw).await;
     rejections(gw).await;
     concurrent_requests(gw, 50).await;
 }
@@ -241,7 +298,8 @@ pub async fn timeout_kills(gw: &Gateway) {
     );
 }
 
-pub fn run_remote_mirrors_exit_codes(gw: &Gateway) {
+/// `async` only to share the suite's shape: it runs run-remote and blocks on it.
+pub async fn run_remote_mirrors_exit_codes(gw: &Gateway) {
     for code in [0, 1, 3, 255] {
         let out = gw
             .run_remote()

@@ -3,8 +3,7 @@
 //! the double's seams: REST (`rest`), watch (`watch`), the simulated kubelet (`lifecycle`),
 //! exec over WebSocket (`exec`, `exec_errors`, with the raw client in `ws`).
 
-#[path = "../kube_double/mod.rs"]
-mod kube_double;
+use crate::kube_double;
 
 mod exec;
 mod exec_errors;
