@@ -115,7 +115,7 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         Some(store) => workspace::routes(store.clone(), state.runner.metrics().clone()),
         None => Router::new(),
     };
-    Router::new()
+    let app = Router::new()
         .merge(workspaces)
         .route("/raw", post(raw::raw))
         .route("/capabilities", get(capabilities))
@@ -149,7 +149,11 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
             state.guard.clone(),
             crate::guard::middleware,
         ))
-        .with_state(state)
+        .with_state(state);
+    // Around the whole router: a route's `Allow` header is set outside its own layers.
+    Router::new()
+        .fallback_service(app)
+        .layer(axum::middleware::map_response(name_allowed_methods))
 }
 
 /// Serves `router` on `listener` until `shutdown` fires, then drains: the listener stays
@@ -174,6 +178,25 @@ pub async fn serve(
         drained.cancel();
     };
     crate::connections::run(listener, router, limits, metrics, drain).await
+}
+
+/// A 405 names the methods the endpoint takes (axum puts them in `Allow`), so that e.g.
+/// `curl -T` (a PUT) on `/raw` says to POST instead of only refusing.
+async fn name_allowed_methods(res: Response) -> Response {
+    if res.status() != StatusCode::METHOD_NOT_ALLOWED {
+        return res;
+    }
+    let Some(allow) = res.headers().get(header::ALLOW).cloned() else {
+        return res;
+    };
+    let methods = allow.to_str().unwrap_or_default().replace(',', ", ");
+    let mut named = ErrorBody::new(
+        ErrorCode::MethodNotAllowed,
+        format!("method not allowed on this endpoint; it takes {methods}"),
+    )
+    .into_response();
+    named.headers_mut().insert(header::ALLOW, allow);
+    named
 }
 
 async fn capabilities(State(state): State<AppState>) -> Response {

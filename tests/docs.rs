@@ -74,6 +74,36 @@ async fn configuration_example_starts_as_written() {
     assert_eq!(refused["error"]["code"], "policy_violation", "{refused}");
 }
 
+/// docs/policy.md's first example is a whole configuration file: it starts as written and
+/// its rules hold (`rm` denied, naming the rule).
+#[tokio::test]
+async fn policy_example_starts_as_written() {
+    let example = blocks(&doc("docs/policy.md"), "yaml")
+        .into_iter()
+        .next()
+        .expect("the example");
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("policy.yaml"), &example).unwrap();
+    let gw = Gateway::start_in(Some(dir.path()), &["--config", "policy.yaml"], &[]);
+    let refused: Value = http()
+        .post(gw.raw_url())
+        .json(&json!({"executable": "rm", "args": ["-rf", "/tmp/x"]}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(refused["error"]["code"], "policy_violation", "{refused}");
+    assert!(
+        refused["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("policy.executables"),
+        "{refused}"
+    );
+}
+
 /// docs/mcp.md names the versions `initialize` negotiates and the one it answers otherwise.
 #[tokio::test]
 async fn mcp_protocol_versions_match_initialize() {

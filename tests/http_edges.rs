@@ -105,6 +105,20 @@ async fn unknown_paths_are_404_and_wrong_methods_405() {
         (status, code(&body)),
         (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed")
     );
+    // `curl -T` is a PUT: the answer says which method the endpoint takes.
+    let put = Request::put("/raw")
+        .header(header::HOST, "localhost")
+        .body(Body::empty())
+        .unwrap();
+    let (status, body) = send(&r, put).await;
+    assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED);
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .ends_with("it takes POST"),
+        "{body}"
+    );
 }
 
 #[tokio::test]

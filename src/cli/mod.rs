@@ -25,7 +25,7 @@ pub fn tune_allocator() {
 /// Sets up logging on stderr (stdout may carry a protocol). `RUST_LOG` overrides the level.
 pub fn init_logging(default_level: &str, json: bool) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter(default_level)));
     use std::io::IsTerminal as _;
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -37,6 +37,14 @@ pub fn init_logging(default_level: &str, json: bool) {
     } else {
         builder.init();
     }
+}
+
+/// The default log filter: `level` for mcp-run, but the MCP library only from `warn` (at
+/// `info` it logs every session's start, its whole peer info, and its end), and its
+/// per-request service errors (a client's unknown run id, a malformed call: answered to the
+/// client, not an operator's concern) only from `error`. `RUST_LOG` replaces all of it.
+fn default_filter(level: &str) -> String {
+    format!("{level},rmcp=warn,rmcp::service=error")
 }
 
 /// The shells `completions` knows, for usage messages.

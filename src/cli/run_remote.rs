@@ -27,6 +27,11 @@ use crate::result::StructuredResult;
 /// The one-line synopsis, also the hint after a usage error.
 pub const SYNOPSIS: &str = "run-remote [OPTIONS] -- COMMAND [ARGS...]";
 
+/// The usage block of `--help`: the run, then the subcommands (parsed in [`parse`]).
+const USAGE: &str = "run-remote [OPTIONS] -- COMMAND [ARGS...]
+       run-remote templates [NAME]      (list the output templates, or show one)
+       run-remote completions SHELL     (a completion script: bash, zsh or fish)";
+
 const AFTER_HELP: &str = "\
 Examples:
   export RUN_REMOTE_SERVER=http://127.0.0.1:8080/raw
@@ -60,7 +65,7 @@ summary), and names the file that keeps the full output. `run-remote templates` 
 #[command(
     name = "run-remote",
     version,
-    override_usage = SYNOPSIS,
+    override_usage = USAGE,
     after_help = AFTER_HELP
 )]
 pub struct Args {
@@ -97,7 +102,9 @@ pub struct Args {
     /// (.gitignore'd files and .git excluded). DIR defaults to the git work tree around the
     /// current directory, else the current directory; the command runs in the same
     /// directory relative to DIR. Only contents the gateway lacks are uploaded.
-    #[arg(long, value_name = "DIR", num_args = 0..=1, require_equals = true,
+    /// `--workspace DIR` and `--workspace=DIR` both name DIR; a bare `--workspace` before
+    /// `--` or another option means the default.
+    #[arg(long, value_name = "DIR", num_args = 0..=1,
           default_missing_value = "", conflicts_with_all = ["cwd", "no_cwd"])]
     pub workspace: Option<String>,
     /// With --workspace: after the run, copy the files matching these globs (relative to
@@ -660,6 +667,23 @@ mod tests {
 
     fn args(v: &[&str]) -> Result<Args, clap::Error> {
         Args::try_parse_from(std::iter::once("run-remote").chain(v.iter().copied()))
+    }
+
+    #[test]
+    fn workspace_takes_its_directory_with_or_without_equals() {
+        let dir = |v: &[&str]| args(v).unwrap().workspace;
+        assert_eq!(
+            dir(&["--workspace", ".", "--", "true"]).as_deref(),
+            Some(".")
+        );
+        assert_eq!(
+            dir(&["--workspace=sub", "--", "true"]).as_deref(),
+            Some("sub")
+        );
+        assert_eq!(dir(&["--workspace", "--", "make"]).as_deref(), Some(""));
+        let a = args(&["--workspace", "--sync-back", "out/*", "--", "make"]).unwrap();
+        assert_eq!(a.workspace.as_deref(), Some(""));
+        assert_eq!(a.sync_back, ["out/*"]);
     }
 
     #[test]

@@ -36,7 +36,9 @@ pub struct ExecutionContext {
     pub tool: String,
     /// The command line, quoted for reading (it ran as argv, not through a shell).
     pub command_line: String,
-    /// `kubernetes`, `local`, or what a remote gateway reported.
+    /// `kubernetes`, `local`, or what a remote gateway reported; absent when the command
+    /// never reached a backend (refused, or failed before it started).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub backend: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub namespace: Option<String>,
@@ -293,7 +295,8 @@ impl StructuredResult {
             .map(|e| format!("{}: {}", e.code, e.message));
         let how = match (&run.error, run.exit) {
             (Some(e), _) => format!("failed: {}", e.message),
-            (None, Some(e)) if e.timed_out => format!("timed out after {} ms", e.duration_ms),
+            // The summary adds the duration: "timed out in 1002 ms".
+            (None, Some(e)) if e.timed_out => "timed out".to_string(),
             (None, Some(ExitInfo { code: Some(c), .. })) => format!("exited {c}"),
             (
                 None,
