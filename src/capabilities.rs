@@ -86,9 +86,9 @@ pub struct ServerInfo {
 
 impl Capabilities {
     pub fn new(backend: BackendCapabilities, limits: &Limits, max_output_bytes: usize) -> Self {
-        // The Kubernetes backend does not feed stdin yet; the others do (`/raw`'s stdin
-        // mode, MCP's `stdin` argument).
-        let stdin = limits.allow_stdin && backend.backend != "kubernetes";
+        // Every backend feeds stdin (`/raw`'s stdin mode, MCP's `stdin` argument; on
+        // Kubernetes through the exec's stdin channel).
+        let stdin = limits.allow_stdin;
         let mut limitations = vec![
             if stdin {
                 "stdin only as given in the request (MCP: the `stdin` argument); commands read nothing else".to_string()

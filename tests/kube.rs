@@ -570,6 +570,7 @@ async fn mcp_on_kubernetes() {
     assert_eq!(caps["profiles"][0]["runtime_class"], "gvisor");
     assert_eq!(caps["profiles"][0]["warm_pool"], 1);
     assert_eq!(caps["profiles"][1]["name"], "default");
+    assert_eq!(caps["limits"]["stdin"], true, "the exec feeds stdin");
 
     let _ = rustls::crypto::ring::default_provider().install_default();
     let client = ()

@@ -214,6 +214,60 @@ async fn resources_pages_lines_and_grep() {
     c.cancel().await.unwrap();
 }
 
+/// A `bytes=` range is exact: bytes that are not UTF-8 come back as a blob, not replaced.
+#[tokio::test(flavor = "multi_thread")]
+async fn byte_ranges_that_are_not_text_come_back_exact() {
+    let gw = Gateway::start(&[]);
+    let c = client(&gw).await;
+    let r = call(
+        &c,
+        json!({"executable": "sh", "args": ["-c", "printf 'A\\377\\376\\000B'; printf 'caf\\303\\251' >&2"]}),
+    )
+    .await;
+    // Nothing was left out, so the result names no URI: the run is the caller's latest.
+    let base = match out(&r)["full_output"]["stdout_uri"].as_str() {
+        Some(u) => u.to_owned(),
+        None => format!("mcp-run://runs/{}/stdout", run_id(&c).await),
+    };
+    let got = c
+        .read_resource(ReadResourceRequestParams::new(format!("{base}?bytes=0-5")))
+        .await
+        .unwrap();
+    match &got.contents[0] {
+        ResourceContents::BlobResourceContents {
+            blob, mime_type, ..
+        } => {
+            assert_eq!(
+                base64_simd::STANDARD.decode_to_vec(blob).unwrap(),
+                b"A\xff\xfe\x00B"
+            );
+            assert_eq!(mime_type.as_deref(), Some("application/octet-stream"));
+        }
+        other => panic!("a blob, not {other:?}"),
+    }
+    // Text stays text, and a range that cuts a character ends before it.
+    let err = base.replace("/stdout", "/stderr");
+    assert_eq!(read(&c, &format!("{err}?bytes=0-5")).await.unwrap(), "café");
+    let cut = read(&c, &format!("{err}?bytes=0-4")).await.unwrap();
+    assert!(cut.starts_with("caf"), "{cut}");
+    c.cancel().await.unwrap();
+}
+
+/// The id of the caller's most recent run, from `resources/list`.
+async fn run_id(c: &Client) -> String {
+    let listed = c.list_resources(None).await.unwrap().resources;
+    let uri = &listed
+        .iter()
+        .find(|r| r.uri.starts_with("mcp-run://runs/"))
+        .expect("a run is listed")
+        .uri;
+    uri.trim_start_matches("mcp-run://runs/")
+        .split('/')
+        .next()
+        .unwrap()
+        .to_owned()
+}
+
 /// A stream past the per-stream bound says what was kept; a run past the age bound says it
 /// expired.
 #[tokio::test(flavor = "multi_thread")]

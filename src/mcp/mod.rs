@@ -331,9 +331,20 @@ impl McpService {
         })?;
         let page = resources::read(&run, &parsed, self.config.result_chars)
             .map_err(|m| McpError::invalid_params(m, None))?;
-        Ok(ReadResourceResult::new(vec![ResourceContents::text(
-            page.text, uri,
-        )]))
+        let contents = match page.blob {
+            None => vec![ResourceContents::text(page.text, uri)],
+            Some(bytes) => {
+                let blob = base64_simd::STANDARD.encode_to_string(&bytes);
+                let mut c = vec![
+                    ResourceContents::blob(blob, uri).with_mime_type("application/octet-stream"),
+                ];
+                if !page.text.is_empty() {
+                    c.push(ResourceContents::text(page.text, uri));
+                }
+                c
+            }
+        };
+        Ok(ReadResourceResult::new(contents))
     }
 }
 

@@ -1,7 +1,8 @@
 //! Reading kept output back: `mcp-run://runs/{id}/{stream}{?lines,bytes,grep}`.
 //!
 //! - no query: the stream from its start;
-//! - `bytes=A-B`: bytes A (from 0) up to B (exclusive; `A-` to the end), as they are;
+//! - `bytes=A-B`: bytes A (from 0) up to B (exclusive; `A-` to the end), as they are: text
+//!   when they are UTF-8, else a `blob` content (base64) beside a text content with the notes;
 //! - `lines=A-B`: lines A to B (from 1, inclusive; `A-` to the end), colour removed;
 //! - `grep=REGEX`: the lines that match, each as `N:line`, colour removed (with `lines=`,
 //!   only within that range).
@@ -143,7 +144,11 @@ impl OutputUri {
 
 /// One page of a read.
 pub struct Page {
+    /// The page, or with `blob` only the notes about it (next page, what was kept).
     pub text: String,
+    /// A `bytes=` page that is not UTF-8: its exact bytes, sent as a `blob` resource content
+    /// (base64), so that a range reads what the command wrote.
+    pub blob: Option<Vec<u8>>,
     /// The next page's URI, when this one does not reach the end.
     pub next: Option<String>,
 }
@@ -191,6 +196,7 @@ fn bytes_page(
     if start > end {
         return Ok(Page {
             text: format!("[mcp-run: the stream has {kept} bytes; nothing at {start}]\n"),
+            blob: None,
             next: None,
         });
     }
@@ -208,9 +214,22 @@ fn bytes_page(
         Some(i) if n < buf.len() && i + 1 >= n / 2 => i + 1,
         _ => n,
     };
+    let (n, blob) = match std::str::from_utf8(&buf[..n]) {
+        Ok(_) => (n, false),
+        // Text whose last character the page end cut: that character starts the next page.
+        Err(e) if e.error_len().is_none() && e.valid_up_to() > 0 => (e.valid_up_to(), false),
+        // Not text: the exact bytes, as many as fit the budget once base64 (4 per 3).
+        Err(_) => (buf.len().min(room(budget) / 4 * 3).max(1), true),
+    };
     let stop = start + n as u64;
+    let (text, blob) = if blob {
+        (String::new(), Some(buf[..n].to_vec()))
+    } else {
+        (String::from_utf8_lossy(&buf[..n]).into_owned(), None)
+    };
     Ok(Page {
-        text: String::from_utf8_lossy(&buf[..n]).into_owned(),
+        text,
+        blob,
         next: (stop < end).then(|| {
             let e = if end == kept {
                 String::new()
@@ -236,14 +255,22 @@ fn lines_page(file: std::fs::File, uri: &OutputUri, budget: usize) -> Result<Pag
             .read_until(b'\n', &mut line)
             .map_err(|e| format!("cannot read the output: {e}"))?;
         if n == 0 {
-            return Ok(Page { text, next: None });
+            return Ok(Page {
+                text,
+                blob: None,
+                next: None,
+            });
         }
         no += 1;
         if no < first {
             continue;
         }
         if last.is_some_and(|l| no > l) {
-            return Ok(Page { text, next: None });
+            return Ok(Page {
+                text,
+                blob: None,
+                next: None,
+            });
         }
         let s = String::from_utf8_lossy(&crate::templates::ansi::strip(&line)).into_owned();
         let c = cost(&s);
@@ -251,6 +278,7 @@ fn lines_page(file: std::fs::File, uri: &OutputUri, budget: usize) -> Result<Pag
             let end = last.map(|l| l.to_string()).unwrap_or_default();
             return Ok(Page {
                 text,
+                blob: None,
                 next: Some(format!("{}?lines={no}-{end}", uri.base())),
             });
         }
@@ -264,7 +292,11 @@ fn lines_page(file: std::fs::File, uri: &OutputUri, budget: usize) -> Result<Pag
             ));
             let end = last.map(|l| l.to_string()).unwrap_or_default();
             let next = (last != Some(no)).then(|| format!("{}?lines={}-{end}", uri.base(), no + 1));
-            return Ok(Page { text, next });
+            return Ok(Page {
+                text,
+                blob: None,
+                next,
+            });
         }
         used += c;
         text.push_str(&s);
@@ -298,7 +330,11 @@ fn grep_page(
             if matches == 0 {
                 text.push_str(&format!("[mcp-run: no line matches {re:?}]\n"));
             }
-            return Ok(Page { text, next: None });
+            return Ok(Page {
+                text,
+                blob: None,
+                next: None,
+            });
         }
         if no < first {
             continue;
@@ -322,6 +358,7 @@ fn grep_page(
             let end = last.map(|l| l.to_string()).unwrap_or_default();
             return Ok(Page {
                 text,
+                blob: None,
                 next: Some(format!(
                     "{}?grep={}&lines={no}-{end}",
                     uri.base(),

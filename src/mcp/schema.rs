@@ -147,6 +147,14 @@ pub fn run_input(x: &InputExtras) -> Map<String, Value> {
         "profile",
         json!({"enum": x.profiles, "description": "The runner profile (image, resources) to run in; default `default`."}),
     );
+    set(
+        "workspace",
+        json!({"description": "Leave out unless you were given a workspace id. A workspace is a copy of a caller's file tree, registered on this gateway over HTTP (`POST /workspaces`, which `run-remote --workspace` does; docs/workspaces.md) by the same identity; the command then runs in it and `cwd` is relative to its root. An MCP call cannot upload files itself."}),
+    );
+    set(
+        "sync_back",
+        json!({"description": "With `workspace`: globs (relative to its root; `*` within a path component, `**` across) of the files to report back when the command created or changed them."}),
+    );
     props.insert(
         "template".into(),
         json!({

@@ -100,9 +100,19 @@ pub fn hash_bytes(data: &[u8]) -> String {
 /// SHA-256 of a file's content, streamed.
 pub fn hash_file(path: &std::path::Path) -> std::io::Result<String> {
     use sha2::Digest as _;
+    use std::io::Read as _;
     let mut f = std::fs::File::open(path)?;
     let mut h = sha2::Sha256::new();
-    std::io::copy(&mut f, &mut h)?;
+    // digest 0.11's hashers are not io::Write: feed them by hand.
+    let mut buf = vec![0u8; 256 * 1024];
+    loop {
+        match f.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => h.update(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
     Ok(hex(&h.finalize()))
 }
 

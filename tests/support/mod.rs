@@ -381,7 +381,7 @@ pub fn config_file(dir: &tempfile::TempDir, yaml: &str) -> PathBuf {
 
 /// A file of `len` random bytes in `dir`, and its bytes (for byte-exact round trips).
 pub fn random_file(dir: &std::path::Path, len: usize) -> (std::path::PathBuf, Vec<u8>) {
-    use rand::RngCore;
+    use rand::Rng as _;
     let path = dir.join("blob");
     let mut data = vec![0u8; len];
     rand::rng().fill_bytes(&mut data);

@@ -267,7 +267,10 @@ pub async fn binary_round_trip(gw: &Gateway, size: usize) {
         .next()
         .unwrap_or_default()
         .to_string();
-    let got = format!("{:x}", sha2::Sha256::digest(&r.stdout));
+    let got = sha2::Sha256::digest(&r.stdout)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<String>();
     assert_eq!(got, want, "byte-exact");
 }
 

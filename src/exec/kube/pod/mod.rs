@@ -87,7 +87,7 @@ pub fn label_value(s: &str) -> String {
 /// A fresh pod name: `mcp-run-` and 10 random characters (the name is chosen here rather
 /// than by `generateName`, so that a pod whose create response was lost can still be deleted).
 pub fn pod_name() -> String {
-    use rand::Rng as _;
+    use rand::RngExt as _;
     // No vowels: no words in names.
     const ALPHABET: &[u8] = b"bcdfghjklmnpqrstvwxz2456789";
     let mut rng = rand::rng();
