@@ -176,7 +176,9 @@ async fn post_bundle(
     let done = blocking(move || {
         let reader = body_reader(body, gz);
         let bad = |m: String| ErrorBody::new(ErrorCode::InvalidRequest, m);
-        let mut archive = tar::Archive::new(reader);
+        // Extended headers are capped before the tar crate reads them into memory.
+        let mut archive =
+            tar::Archive::new(crate::workspace::tarcap::CappedHeaders::new(reader));
         let entries = archive
             .entries()
             .map_err(|e| bad(format!("invalid upload (a tar stream of contents): {e}")))?;

@@ -12,8 +12,10 @@ pub mod client;
 pub mod config;
 pub mod local;
 pub mod manifest;
+pub mod results;
 pub mod store;
 pub mod tarball;
+pub mod tarcap;
 pub mod trees;
 pub mod walk;
 
