@@ -1,0 +1,375 @@
+//! Issue 24, through the real binaries: a runner (or a gateway in front of one) never writes
+//! outside what the caller asked for, and hostile uploads cannot take the gateway's memory.
+
+mod support;
+
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::Path;
+use std::process::Output;
+
+use mcp_run::contract::{ChangedFile, Event, ExitInfo, RunContext};
+use support::{Gateway, config_file};
+
+/// A gateway whose workspace directories and cache are in `dir`.
+fn gateway(dir: &tempfile::TempDir, extra: &str, args: &[&str]) -> Gateway {
+    let cfg = config_file(
+        dir,
+        &format!(
+            "workspaces:\n  local_dir: {}\n  cache_dir: {}\n{extra}",
+            dir.path().join("runs").display(),
+            dir.path().join("cache").display()
+        ),
+    );
+    let mut all = vec!["--config", cfg.to_str().unwrap()];
+    all.extend_from_slice(args);
+    Gateway::start(&all)
+}
+
+/// `run-remote` in `cwd` with its own hash cache.
+fn run_remote(gw: &Gateway, home: &Path, cwd: &Path, args: &[&str]) -> Output {
+    gw.run_remote()
+        .env("XDG_CACHE_HOME", home)
+        .current_dir(cwd)
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn sha256(data: &[u8]) -> String {
+    mcp_run::workspace::hash_bytes(data)
+}
+
+/// Every file below `root`, relative.
+fn files_below(root: &Path) -> Vec<String> {
+    let mut out: Vec<String> = walk(root)
+        .into_iter()
+        .map(|p| p.strip_prefix(root).unwrap().display().to_string())
+        .collect();
+    out.sort();
+    out
+}
+
+fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        let t = e.file_type().unwrap();
+        if t.is_dir() {
+            out.extend(walk(&e.path()));
+        } else {
+            out.push(e.path());
+        }
+    }
+    out
+}
+
+/// Issue 24.1 with a real gateway: a command that writes git hooks and config into the
+/// workspace's `.git` does not get them into the caller's `.git`, whatever the globs.
+#[test]
+fn sync_back_never_writes_into_git() {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = gateway(&dir, "", &[]);
+    let tree = tempfile::tempdir().unwrap();
+    let t = tree.path();
+    std::fs::create_dir_all(t.join(".git/hooks")).unwrap();
+    std::fs::write(t.join(".git/HEAD"), "ref: refs/heads/main\n").unwrap();
+    std::fs::write(t.join(".git/config"), "[core]\n").unwrap();
+    std::fs::create_dir_all(t.join("sub")).unwrap();
+    std::fs::write(t.join("src.txt"), "x").unwrap();
+    let out = run_remote(
+        &gw,
+        dir.path(),
+        t,
+        &[
+            "--workspace",
+            "--sync-back",
+            "**",
+            "--",
+            "sh",
+            "-c",
+            "mkdir -p .git/hooks sub/.GIT && echo 'touch /tmp/pwned' > .git/hooks/pre-commit && \
+             printf '[core]\\n\\tfsmonitor = touch /tmp/pwned\\n' > .git/config && \
+             echo x > sub/.GIT/config && echo made > made.txt",
+        ],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(!t.join(".git/hooks/pre-commit").exists(), "a hook came back");
+    assert_eq!(std::fs::read_to_string(t.join(".git/config")).unwrap(), "[core]\n");
+    assert!(!t.join("sub/.GIT").exists(), "{stderr}");
+    assert_eq!(std::fs::read_to_string(t.join("made.txt")).unwrap(), "made\n");
+}
+
+/// What the fake gateway serves.
+#[derive(Clone)]
+struct Served {
+    files: Vec<ChangedFile>,
+    /// The bytes served for each hash.
+    contents: std::collections::HashMap<String, Vec<u8>>,
+}
+
+/// A malicious gateway: accepts any manifest, runs nothing, and reports `served.files` as the
+/// run's results. Returns its base URL; it lives as long as the test process.
+fn fake_gateway(served: Served) -> String {
+    use axum::routing::{get, post};
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let raw_served = served.clone();
+            let app = axum::Router::new()
+                .route(
+                    "/workspaces",
+                    post(|| async {
+                        axum::Json(serde_json::json!({"workspace": "ws_0123456789abcdef0123456789abcdef",
+                            "version": "v", "files": 1, "bytes": 1, "missing": [], "missing_bytes": 0}))
+                    }),
+                )
+                .route(
+                    "/raw",
+                    post(move || {
+                        let served = raw_served.clone();
+                        async move {
+                            let mut body = Vec::new();
+                            let context = RunContext {
+                                backend: "local".into(),
+                                ..Default::default()
+                            };
+                            for ev in [
+                                Event::Started { context },
+                                Event::WorkspaceChanges {
+                                    workspace: "ws_0123456789abcdef0123456789abcdef".into(),
+                                    files: served.files.clone(),
+                                    truncated: false,
+                                },
+                                Event::Exit(ExitInfo {
+                                    code: Some(0),
+                                    signal: None,
+                                    duration_ms: 1,
+                                    timed_out: false,
+                                }),
+                            ] {
+                                body.extend_from_slice(&ev.to_line());
+                            }
+                            ([("content-type", "application/x-ndjson")], body)
+                        }
+                    }),
+                )
+                .route(
+                    "/workspaces/blobs/{hash}",
+                    get(
+                        move |axum::extract::Path(hash): axum::extract::Path<String>| {
+                            let data = served.contents.get(&hash).cloned().unwrap_or_default();
+                            async move { data }
+                        },
+                    ),
+                );
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            tx.send(listener.local_addr().unwrap()).unwrap();
+            axum::serve(listener, app).await.unwrap();
+        });
+    });
+    format!("http://{}", rx.recv().unwrap())
+}
+
+/// The results a malicious gateway reports: the good ones, then every kind of bad one.
+fn hostile_results() -> Served {
+    let mut contents = std::collections::HashMap::new();
+    let mut files = Vec::new();
+    let mut add = |path: &str, mode: u32, announced: &[u8], served: Vec<u8>| {
+        let hash = sha256(announced);
+        contents.insert(hash.clone(), served);
+        files.push(ChangedFile {
+            path: path.into(),
+            mode,
+            size: announced.len() as u64,
+            hash,
+        });
+    };
+    add("target/ok.xml", 0o644, b"ok", b"ok".to_vec());
+    add("target/suid.xml", 0o4777, b"suid", b"suid".to_vec());
+    add(".git/hooks/pre-commit", 0o755, b"hook", b"hook".to_vec());
+    add("target/.Git/config", 0o644, b"cfg", b"cfg".to_vec());
+    add("Makefile", 0o644, b"all:", b"all:".to_vec());
+    add("target/a\nb.xml", 0o644, b"nl", b"nl".to_vec());
+    add("target/\u{1b}[31mred.xml", 0o644, b"esc", b"esc".to_vec());
+    add("target/txt\u{202e}lmx.exe", 0o644, b"rlo", b"rlo".to_vec());
+    // Announced as one byte, served as 3 MiB (the right byte first).
+    let mut big = b"b".to_vec();
+    big.resize(3 << 20, b'b');
+    add("target/zz-big.xml", 0o644, b"b", big);
+    Served { files, contents }
+}
+
+/// Issue 24.1 against a malicious gateway: run-remote writes only paths that match the
+/// globs it asked for, never into `.git`, never names with control or bidi characters,
+/// never more than announced (streamed, not held), and without setuid bits.
+#[test]
+fn run_remote_refuses_what_it_did_not_ask_for() {
+    let base = fake_gateway(hostile_results());
+    let tree = tempfile::tempdir().unwrap();
+    let t = tree.path();
+    std::fs::create_dir_all(t.join(".git/hooks")).unwrap();
+    std::fs::write(t.join("src.txt"), "x").unwrap();
+    let home = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(support::run_remote_bin())
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("RUN_REMOTE_SERVER", format!("{base}/raw"))
+        .env("XDG_CACHE_HOME", home.path())
+        .current_dir(t)
+        .args(["--workspace", "--sync-back", "target/*.xml", "--", "true"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_ne!(out.status.code(), Some(0), "{stderr}");
+    assert!(stderr.contains("sync_back") || stderr.contains("sync-back"), "{stderr}");
+    assert_eq!(
+        files_below(t),
+        ["src.txt", "target/ok.xml", "target/suid.xml"],
+        "{stderr}"
+    );
+    let mode = std::fs::metadata(t.join("target/suid.xml"))
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o7777, 0o755, "{mode:o}");
+    assert!(stderr.contains("more than the 1 bytes"), "{stderr}");
+}
+
+/// Issue 24.1 on the remote backend: a gateway in front of a malicious upstream keeps (and
+/// reports to its client) only the results the request's globs and the rules allow.
+#[tokio::test]
+async fn a_remote_backend_gateway_keeps_only_acceptable_results() {
+    let base = fake_gateway(hostile_results());
+    let dir = tempfile::tempdir().unwrap();
+    let raw = format!("{base}/raw");
+    let front = gateway(&dir, "", &["--backend", "remote", "--server", &raw]);
+    // A workspace on the front gateway (one small file).
+    let http = support::http();
+    let data = b"x";
+    let manifest = serde_json::json!({"entries": [{"path": "src.txt", "size": 1, "hash": sha256(data)}]});
+    let posted: serde_json::Value = http
+        .post(front.url("/workspaces"))
+        .json(&manifest)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let id = posted["workspace"].as_str().unwrap().to_string();
+    let put = http
+        .put(front.url(&format!("/workspaces/{id}/blobs/{}", sha256(data))))
+        .body(&data[..])
+        .send()
+        .await
+        .unwrap();
+    assert!(put.status().is_success());
+    let run = support::raw(
+        &front,
+        serde_json::json!({"executable": "true", "workspace": id, "sync_back": ["target/*.xml"]}),
+    )
+    .await;
+    let changes = run
+        .events
+        .iter()
+        .find_map(|e| match e {
+            Event::WorkspaceChanges { files, .. } => Some(files.clone()),
+            _ => None,
+        })
+        .expect("workspace_changes");
+    let kept: Vec<(String, u32)> = changes.iter().map(|f| (f.path.clone(), f.mode)).collect();
+    assert_eq!(
+        kept,
+        [
+            ("target/ok.xml".to_string(), 0o644),
+            ("target/suid.xml".to_string(), 0o755)
+        ]
+    );
+}
+
+/// `(VmRSS, VmHWM)` of a process in MiB.
+fn memory_mib(pid: u32) -> (f64, f64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+            .unwrap_or(0.0)
+            / 1024.0
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// A gzip stream of `header` followed by `len` bytes of `fill`, made as it goes.
+fn gzip_of(header: &[u8], len: u64, fill: u8) -> Vec<u8> {
+    use std::io::Write as _;
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    gz.write_all(header).unwrap();
+    let chunk = vec![fill; 1 << 20];
+    let mut left = len;
+    while left > 0 {
+        let k = left.min(chunk.len() as u64) as usize;
+        gz.write_all(&chunk[..k]).unwrap();
+        left -= k as u64;
+    }
+    gz.finish().unwrap()
+}
+
+/// A tar header block of `kind` announcing `size` bytes of data.
+fn tar_header(kind: u8, name: &str, size: u64) -> Vec<u8> {
+    let mut h = tar::Header::new_gnu();
+    h.set_path(name).unwrap();
+    h.set_size(size);
+    h.set_mode(0o644);
+    h.set_entry_type(tar::EntryType::new(kind));
+    h.set_cksum();
+    h.as_bytes().to_vec()
+}
+
+/// Posts a one-file workspace; its id.
+async fn small_workspace(gw: &Gateway, token: Option<&str>) -> String {
+    let manifest = serde_json::json!({"entries": [{"path": "f", "size": 1, "hash": sha256(b"x")}]});
+    let mut req = support::http().post(gw.url("/workspaces")).json(&manifest);
+    if let Some(t) = token {
+        req = req.bearer_auth(t);
+    }
+    let posted: serde_json::Value = req.send().await.unwrap().json().await.unwrap();
+    posted["workspace"].as_str().unwrap().to_string()
+}
+
+/// Issue 24.2: GNU long-name and PAX headers announcing hundreds of MiB (a few hundred KiB of
+/// gzip) are refused before they are read into memory; the gateway's peak stays within
+/// 32 MiB of its idle size.
+#[tokio::test]
+async fn tar_long_name_and_pax_bombs_are_refused_without_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = gateway(&dir, "", &[]);
+    let id = small_workspace(&gw, None).await;
+    let pid = gw.pid().unwrap();
+    let (idle, _) = memory_mib(pid);
+    for (kind, what) in [(b'L', "GNU long name"), (b'x', "PAX header"), (b'K', "GNU long link")] {
+        // 96 MiB announced and sent: whole in memory without the cap.
+        let body = gzip_of(&tar_header(kind, "././@LongLink", 96 << 20), 96 << 20, b'a');
+        assert!(body.len() < 1 << 20, "{}", body.len());
+        let resp = support::http()
+            .post(gw.url(&format!("/workspaces/{id}/blobs")))
+            .header("content-encoding", "gzip")
+            .header("content-type", "application/x-tar")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        let status = resp.status().as_u16();
+        let text = resp.text().await.unwrap();
+        assert_eq!(status, 400, "{text}");
+        assert!(text.contains(what), "{text}");
+        let (rss, peak) = memory_mib(pid);
+        eprintln!("{what} bomb: idle {idle:.1} MiB, now {rss:.1} MiB, peak {peak:.1} MiB");
+        assert!(peak - idle < 32.0, "peak {peak:.1} MiB against idle {idle:.1} MiB");
+    }
+}
