@@ -23,7 +23,7 @@ use futures_util::TryStreamExt as _;
 
 use crate::auth::Caller;
 use crate::contract::{ErrorBody, ErrorCode};
-use crate::workspace::manifest::{Manifest, PostResponse, UploadResponse};
+use crate::workspace::manifest::{PostResponse, UploadResponse};
 use crate::workspace::store::{Owner, Workspace, WorkspaceStore};
 
 /// What the handlers share.
@@ -105,31 +105,23 @@ async fn post_manifest(
     let max = store.config().max_manifest_bytes;
     let store2 = store.clone();
     let posted = blocking(move || {
-        let reader = body_reader(body, gz);
-        let mut text = Vec::new();
-        let n = reader
-            .take(max as u64 + 1)
-            .read_to_end(&mut text)
-            .map_err(|e| {
-                ErrorBody::new(
-                    ErrorCode::InvalidRequest,
-                    format!("cannot read the manifest (interrupted, or invalid gzip): {e}"),
-                )
-            })?;
-        if n > max {
-            return Err(ErrorBody::new(
-                ErrorCode::PayloadTooLarge,
-                format!("the manifest is larger than {max} bytes (workspaces.max_manifest_bytes)"),
-            ));
-        }
-        // A rerun posts the same body again: no need to parse and validate it again.
-        let key = WorkspaceStore::body_key(&text, &owner);
+        use crate::workspace::jsoncap::{BodyCap, Hashing, JsonStringCap};
+        // Parsed as it arrives, never held as text: the body's size, each string's length
+        // and the number of entries are bounded before anything grows with them.
+        let mut hashing = Hashing {
+            inner: BodyCap::new(body_reader(body, gz), max as u64),
+            hasher: WorkspaceStore::body_hasher(&owner),
+        };
+        let reader = std::io::BufReader::with_capacity(
+            64 * 1024,
+            JsonStringCap::new(&mut hashing),
+        );
+        let manifest = crate::workspace::manifest::parse(reader, store2.config().max_files)?;
+        // A rerun posts the same body again: no need to validate and register it again.
+        let key = WorkspaceStore::key_of(hashing.hasher);
         if let Some(posted) = store2.post_again(&key, &owner) {
             return Ok(posted);
         }
-        let manifest: Manifest = serde_json::from_slice(&text).map_err(|e| {
-            ErrorBody::new(ErrorCode::InvalidRequest, format!("invalid manifest: {e}"))
-        })?;
         store2.post_body(manifest, &owner, Some(key))
     })
     .await;

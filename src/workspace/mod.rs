@@ -10,6 +10,7 @@
 
 pub mod client;
 pub mod config;
+pub mod jsoncap;
 pub mod local;
 pub mod manifest;
 pub mod results;

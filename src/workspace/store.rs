@@ -130,10 +130,21 @@ impl WorkspaceStore {
 
     /// The key of a manifest body posted by `owner` (SHA-256 of both).
     pub fn body_key(body: &[u8], owner: &Owner) -> String {
+        let mut h = Self::body_hasher(owner);
+        h.update(body);
+        Self::key_of(h)
+    }
+
+    /// A hasher for [`WorkspaceStore::body_key`] to feed the body into as it arrives.
+    pub fn body_hasher(owner: &Owner) -> sha2::Sha256 {
         let mut h = sha2::Sha256::new();
         h.update(owner.as_deref().unwrap_or("").as_bytes());
         h.update([0u8]);
-        h.update(body);
+        h
+    }
+
+    /// The key from a [`WorkspaceStore::body_hasher`] fed the whole body.
+    pub fn key_of(h: sha2::Sha256) -> String {
         super::hex(&h.finalize())
     }
 
