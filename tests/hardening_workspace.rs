@@ -373,3 +373,160 @@ async fn tar_long_name_and_pax_bombs_are_refused_without_memory() {
         assert!(peak - idle < 32.0, "peak {peak:.1} MiB against idle {idle:.1} MiB");
     }
 }
+
+/// A manifest of `n` files sharing one empty content, as gzip JSON; `tag` makes it unique.
+fn wide_manifest(n: usize, tag: &str) -> Vec<u8> {
+    use std::io::Write as _;
+    let empty = sha256(b"");
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    gz.write_all(b"{\"entries\":[").unwrap();
+    for i in 0..n {
+        let sep = if i == 0 { "" } else { "," };
+        write!(
+            gz,
+            r#"{sep}{{"path":"{tag}/d{}/f{i}","size":0,"hash":"{empty}"}}"#,
+            i / 100
+        )
+        .unwrap();
+    }
+    gz.write_all(b"]}").unwrap();
+    gz.finish().unwrap()
+}
+
+async fn post_gzip_manifest(gw: &Gateway, token: Option<&str>, body: Vec<u8>) -> (u16, String) {
+    let mut req = support::http()
+        .post(gw.url("/workspaces"))
+        .header("content-type", "application/json")
+        .header("content-encoding", "gzip")
+        .body(body);
+    if let Some(t) = token {
+        req = req.bearer_auth(t);
+    }
+    let resp = req.send().await.unwrap();
+    (resp.status().as_u16(), resp.text().await.unwrap())
+}
+
+/// Issue 24.3: registered manifests are bounded in memory as a whole
+/// (`workspaces.max_registry_bytes`), a single one over the bound is refused with 413 naming
+/// it, and a symlink target over PATH_MAX is refused while parsing; the gateway's peak
+/// stays within 32 MiB of idle.
+#[tokio::test]
+async fn registered_manifests_and_symlink_targets_are_bounded_in_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = gateway(&dir, "  max_registry_bytes: 8388608\n", &[]);
+    let pid = gw.pid().unwrap();
+    let (idle, _) = memory_mib(pid);
+    // Each about 5 MiB registered: the registry keeps one of them.
+    for i in 0..4 {
+        let (status, text) = post_gzip_manifest(&gw, None, wide_manifest(20_000, &format!("t{i}"))).await;
+        assert_eq!(status, 200, "{text}");
+    }
+    let (rss, peak) = memory_mib(pid);
+    eprintln!("4 manifests of 20,000 files: idle {idle:.1} MiB, now {rss:.1} MiB, peak {peak:.1} MiB");
+    assert!(peak - idle < 32.0, "peak {peak:.1} MiB against idle {idle:.1} MiB");
+
+    let (status, text) = post_gzip_manifest(&gw, None, wide_manifest(60_000, "big")).await;
+    assert_eq!(status, 413, "{text}");
+    assert!(text.contains("workspaces.max_registry_bytes"), "{text}");
+    let (rss, peak) = memory_mib(pid);
+    eprintln!("and one of 60,000 files (refused): now {rss:.1} MiB, peak {peak:.1} MiB");
+    assert!(peak - idle < 32.0, "peak {peak:.1} MiB against idle {idle:.1} MiB");
+    drop(gw);
+
+    // Symlink targets of 32 MiB (a few KiB of gzip each), on a fresh gateway.
+    let dir = tempfile::tempdir().unwrap();
+    let gw = gateway(&dir, "", &[]);
+    let pid = gw.pid().unwrap();
+    let (idle, _) = memory_mib(pid);
+    let body = {
+        use std::io::Write as _;
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        gz.write_all(br#"{"entries":[{"path":"l","kind":"symlink","target":""#)
+            .unwrap();
+        let chunk = "a".repeat(1 << 20);
+        for _ in 0..32 {
+            gz.write_all(chunk.as_bytes()).unwrap();
+        }
+        gz.write_all(b"\"}]}").unwrap();
+        gz.finish().unwrap()
+    };
+    for _ in 0..4 {
+        let (status, text) = post_gzip_manifest(&gw, None, body.clone()).await;
+        assert_eq!(status, 413, "{text}");
+        assert!(text.contains("PATH_MAX"), "{text}");
+    }
+    let (rss, peak) = memory_mib(pid);
+    eprintln!("4 symlink targets of 32 MiB: idle {idle:.1} MiB, now {rss:.1} MiB, peak {peak:.1} MiB");
+    assert!(peak - idle < 32.0, "peak {peak:.1} MiB against idle {idle:.1} MiB");
+}
+
+const ALICE: &str = "alice-token-0123456789abcdef";
+const BOB: &str = "bob-token-0123456789abcdef01";
+
+/// Posts a workspace of one file as `token` and uploads its content: the id.
+async fn owned_workspace(gw: &Gateway, token: &str, name: &str, data: &[u8]) -> String {
+    let http = support::http();
+    let manifest = serde_json::json!({"entries": [{"path": name, "size": data.len(), "hash": sha256(data)}]});
+    let posted: serde_json::Value = http
+        .post(gw.url("/workspaces"))
+        .bearer_auth(token)
+        .json(&manifest)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let id = posted["workspace"].as_str().expect("workspace").to_string();
+    let put = http
+        .put(gw.url(&format!("/workspaces/{id}/blobs/{}", sha256(data))))
+        .bearer_auth(token)
+        .body(data.to_vec())
+        .send()
+        .await
+        .unwrap();
+    assert!(put.status().is_success(), "{}", put.text().await.unwrap());
+    id
+}
+
+/// Issue 24.5: one identity's uploads and manifests do not evict another's contents or
+/// workspaces while that one holds no more than its share.
+#[tokio::test]
+async fn one_identity_cannot_evict_another() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config_file(
+        &dir,
+        &format!(
+            "workspaces:\n  local_dir: {}\n  cache_dir: {}\n  max_cache_bytes: 4194304\n  max_file_bytes: 1048576\n  max_workspaces: 4\n",
+            dir.path().join("runs").display(),
+            dir.path().join("cache").display()
+        ),
+    );
+    let gw = Gateway::start_with_env(
+        &["--config", cfg.to_str().unwrap()],
+        &[("MCP_RUN_AUTH_TOKENS", &format!("alice:{ALICE},bob:{BOB}"))],
+    );
+    let mine = owned_workspace(&gw, ALICE, "mine.txt", b"alice's file\n").await;
+    // Bob: 12 MiB of uploads in 12 workspaces.
+    for i in 0..12u8 {
+        let data = vec![i; 1 << 20];
+        owned_workspace(&gw, BOB, &format!("b{i}"), &data).await;
+    }
+    let resp = support::http()
+        .post(gw.raw_url())
+        .bearer_auth(ALICE)
+        .json(&serde_json::json!({"executable": "cat", "args": ["mine.txt"], "workspace": mine}))
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    let text = resp.text().await.unwrap();
+    assert_eq!(status, 200, "{text}");
+    assert!(text.contains(r#""type":"exit""#), "{text}");
+    assert!(text.contains(&base64_of(b"alice's file\n")), "{text}");
+}
+
+fn base64_of(data: &[u8]) -> String {
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD.encode(data)
+}

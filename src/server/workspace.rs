@@ -116,7 +116,9 @@ async fn post_manifest(
             64 * 1024,
             JsonStringCap::new(&mut hashing),
         );
-        let manifest = crate::workspace::manifest::parse(reader, store2.config().max_files)?;
+        let cfg = store2.config();
+        let manifest =
+            crate::workspace::manifest::parse(reader, cfg.max_files, cfg.max_registry_bytes)?;
         // A rerun posts the same body again: no need to validate and register it again.
         let key = WorkspaceStore::key_of(hashing.hasher);
         if let Some(posted) = store2.post_again(&key, &owner) {

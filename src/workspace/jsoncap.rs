@@ -31,23 +31,42 @@ impl<R: Read> JsonStringCap<R> {
 impl<R: Read> Read for JsonStringCap<R> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         let n = self.inner.read(buf)?;
-        for &b in &buf[..n] {
+        let mut rest = &buf[..n];
+        // Jumps from quote to quote (and backslash) rather than looking at every byte.
+        while !rest.is_empty() {
             if !self.in_string {
-                if b == b'"' {
-                    self.in_string = true;
-                    self.len = 0;
+                match memchr::memchr(b'"', rest) {
+                    Some(i) => {
+                        self.in_string = true;
+                        self.len = 0;
+                        rest = &rest[i + 1..];
+                    }
+                    None => break,
                 }
                 continue;
             }
             if self.escaped {
                 self.escaped = false;
-            } else if b == b'\\' {
-                self.escaped = true;
-            } else if b == b'"' {
-                self.in_string = false;
-                continue;
+                self.len += 1;
+                rest = &rest[1..];
+            } else {
+                match memchr::memchr2(b'"', b'\\', rest) {
+                    Some(i) => {
+                        self.len += i;
+                        if rest[i] == b'"' {
+                            self.in_string = false;
+                        } else {
+                            self.escaped = true;
+                            self.len += 1;
+                        }
+                        rest = &rest[i + 1..];
+                    }
+                    None => {
+                        self.len += rest.len();
+                        rest = &[];
+                    }
+                }
             }
-            self.len += 1;
             if self.len > MAX_RAW_STRING {
                 return Err(std::io::Error::new(
                     std::io::ErrorKind::InvalidData,

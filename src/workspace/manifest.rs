@@ -2,7 +2,9 @@
 //! its mode, size and content hash. Validated once on the gateway; the rules are those of
 //! docs/protocol.md ("Workspaces").
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
+
+use sha2::Digest as _;
 
 use serde::{Deserialize, Serialize};
 
@@ -218,15 +220,27 @@ pub fn resolves_inside(path: &str, target: &str, links: &HashMap<&str, &str>) ->
 /// Parses a manifest from `reader` without holding its text: at most `max_files` entries are
 /// read (more is refused at once), and no path or target over [`MAX_MANIFEST_STRING`] bytes
 /// is copied (see [`super::jsoncap`] for what bounds the parser's own buffer).
-pub fn parse(reader: impl std::io::Read, max_files: usize) -> Result<Manifest, ErrorBody> {
+pub fn parse(
+    reader: impl std::io::Read,
+    max_files: usize,
+    max_cost: u64,
+) -> Result<Manifest, ErrorBody> {
     use serde::de::DeserializeSeed as _;
     let mut de = serde_json::Deserializer::from_reader(reader);
-    let m = ManifestSeed { max_files }
-        .deserialize(&mut de)
+    let m = ManifestSeed {
+        max_files,
+        max_cost,
+    }
+    .deserialize(&mut de)
         .and_then(|m| de.end().map(|()| m));
     m.map_err(|e| {
         let text = e.to_string();
-        if ["workspaces.max_files", "PATH_MAX", "workspaces.max_manifest_bytes"]
+        if [
+            "workspaces.max_files",
+            "PATH_MAX",
+            "workspaces.max_manifest_bytes",
+            "workspaces.max_registry_bytes",
+        ]
             .iter()
             .any(|bound| text.contains(bound))
         {
@@ -240,6 +254,7 @@ pub fn parse(reader: impl std::io::Read, max_files: usize) -> Result<Manifest, E
 /// [`Manifest`]'s deserialisation with a bound on its entries.
 struct ManifestSeed {
     max_files: usize,
+    max_cost: u64,
 }
 
 impl<'de> serde::de::DeserializeSeed<'de> for ManifestSeed {
@@ -266,6 +281,7 @@ impl<'de> serde::de::Visitor<'de> for ManifestSeed {
             }
             entries = Some(map.next_value_seed(EntriesSeed {
                 max_files: self.max_files,
+                max_cost: self.max_cost,
             })?);
         }
         Ok(Manifest {
@@ -276,6 +292,7 @@ impl<'de> serde::de::Visitor<'de> for ManifestSeed {
 
 struct EntriesSeed {
     max_files: usize,
+    max_cost: u64,
 }
 
 impl<'de> serde::de::DeserializeSeed<'de> for EntriesSeed {
@@ -292,7 +309,15 @@ impl<'de> serde::de::Visitor<'de> for EntriesSeed {
     }
     fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
         let mut out = Vec::new();
+        let mut cost = 0;
         while let Some(e) = seq.next_element::<ManifestEntry>()? {
+            cost += entry_cost(&e);
+            if cost > self.max_cost {
+                return Err(serde::de::Error::custom(format!(
+                    "the manifest would take more than the {} bytes of memory the gateway keeps for registered manifests (workspaces.max_registry_bytes)",
+                    self.max_cost
+                )));
+            }
             if out.len() == self.max_files {
                 return Err(serde::de::Error::custom(format!(
                     "the manifest lists more files than the gateway's maximum of {} (workspaces.max_files)",
@@ -303,6 +328,26 @@ impl<'de> serde::de::Visitor<'de> for EntriesSeed {
         }
         Ok(out)
     }
+}
+
+/// A writer into a hash.
+struct HashWriter(sha2::Sha256);
+
+impl std::io::Write for HashWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.update(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// About what one entry costs in the gateway's memory once registered: its fixed part and
+/// its strings, with the allocator's overhead (on the high side; docs/workspaces.md).
+pub fn entry_cost(e: &ManifestEntry) -> u64 {
+    160 + (e.path.len() + e.hash.len() + e.target.as_ref().map_or(0, |t| t.len())) as u64
 }
 
 /// A validated manifest, sorted by path, with what the gateway needs to know about it.
@@ -328,18 +373,24 @@ impl Manifest {
             )));
         }
         self.entries.sort_by(|a, b| a.path.cmp(&b.path));
-        let mut paths = BTreeSet::new();
+        let is_entry = |p: &str| {
+            self.entries
+                .binary_search_by(|e| e.path.as_str().cmp(p))
+                .is_ok()
+        };
         let mut contents = HashMap::new();
         let mut bytes = 0u64;
+        let mut prev: Option<&str> = None;
         for e in &self.entries {
             check_path(&e.path, limits.max_path_bytes)
                 .map_err(|m| invalid(format!("invalid manifest: {m}")))?;
-            if !paths.insert(e.path.as_str()) {
+            if prev.is_some_and(|p| p == e.path.as_str()) {
                 return Err(invalid(format!(
                     "invalid manifest: path {:?} is listed twice",
                     e.path
                 )));
             }
+            prev = Some(e.path.as_str());
             match e.kind {
                 EntryKind::File => {
                     if !super::is_hash(&e.hash) {
@@ -432,7 +483,7 @@ impl Manifest {
             let mut end = 0;
             while let Some(i) = e.path[end..].find('/') {
                 end += i;
-                if paths.contains(&e.path[..end]) {
+                if is_entry(&e.path[..end]) {
                     return Err(invalid(format!(
                         "invalid manifest: {:?} is below {:?}, which is not a directory",
                         e.path,
@@ -442,9 +493,11 @@ impl Manifest {
                 end += 1;
             }
         }
-        let canonical = serde_json::to_vec(&self).map_err(|e| invalid(e.to_string()))?;
+        // Hashed as it is written, not held: the canonical text is as large as the body.
+        let mut canonical = HashWriter(sha2::Sha256::new());
+        serde_json::to_writer(&mut canonical, &self).map_err(|e| invalid(e.to_string()))?;
         Ok(Checked {
-            digest: super::hash_bytes(&canonical),
+            digest: super::hex(&sha2::Digest::finalize(canonical.0)),
             files: self.entries.len(),
             bytes,
             contents,
@@ -555,16 +608,18 @@ mod tests {
             entries: vec![f.clone(), ManifestEntry { path: "b".into(), ..f }],
         })
         .unwrap();
-        assert_eq!(parse(&two[..], 2).unwrap().entries.len(), 2);
-        let e = parse(&two[..], 1).unwrap_err();
+        assert_eq!(parse(&two[..], 2, 1 << 20).unwrap().entries.len(), 2);
+        let e = parse(&two[..], 2, 300).unwrap_err();
+        assert!(e.message.contains("max_registry_bytes"), "{}", e.message);
+        let e = parse(&two[..], 1, 1 << 20).unwrap_err();
         assert_eq!(e.code, ErrorCode::PayloadTooLarge, "{}", e.message);
         let long = format!(
             r#"{{"entries":[{{"path":"l","kind":"symlink","target":"{}"}}]}}"#,
             "x".repeat(5000)
         );
-        let e = parse(long.as_bytes(), 10).unwrap_err();
+        let e = parse(long.as_bytes(), 10, 1 << 20).unwrap_err();
         assert!(e.message.contains("PATH_MAX"), "{}", e.message);
-        assert!(parse(&b"{\"entries\":[],\"x\":1}"[..], 10).is_err());
+        assert!(parse(&b"{\"entries\":[],\"x\":1}"[..], 10, 1 << 20).is_err());
     }
 
     #[test]
