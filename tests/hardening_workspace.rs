@@ -530,3 +530,126 @@ fn base64_of(data: &[u8]) -> String {
     use base64::Engine as _;
     base64::engine::general_purpose::STANDARD.encode(data)
 }
+
+/// Issue 24.10: symlink chains are resolved (`a/b -> ..` then `s -> a/b/..` leaves the
+/// tree although each is lexically inside), and an upload over `server.max_body_bytes`
+/// is accepted with a Content-Length as it is chunked.
+#[tokio::test]
+async fn chained_symlinks_are_refused_and_declared_lengths_accepted() {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = gateway(&dir, "", &[]);
+    let manifest = serde_json::json!({"entries": [
+        {"path": "a/b", "kind": "symlink", "target": ".."},
+        {"path": "s", "kind": "symlink", "target": "a/b/.."},
+    ]});
+    let resp = support::http()
+        .post(gw.url("/workspaces"))
+        .json(&manifest)
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    let text = resp.text().await.unwrap();
+    assert_eq!(status, 400, "{text}");
+    assert!(text.contains(r#"\"s\" -> \"a/b/..\""#), "{text}");
+
+    // 1.5 MiB with a Content-Length (reqwest sends one for a byte body).
+    let data = vec![b'z'; 3 << 19];
+    let id = owned_workspace_anon(&gw, &data).await;
+    let run = support::raw(
+        &gw,
+        serde_json::json!({"executable": "wc", "args": ["-c", "f"], "workspace": id}),
+    )
+    .await;
+    assert_eq!(run.stdout_str(), format!("{} f\n", 3 << 19), "{:?}", run.events);
+}
+
+/// [`owned_workspace`] without auth, named `f`.
+async fn owned_workspace_anon(gw: &Gateway, data: &[u8]) -> String {
+    let http = support::http();
+    let manifest = serde_json::json!({"entries": [{"path": "f", "size": data.len(), "hash": sha256(data)}]});
+    let posted: serde_json::Value = http
+        .post(gw.url("/workspaces"))
+        .json(&manifest)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let id = posted["workspace"].as_str().expect("workspace").to_string();
+    let put = http
+        .put(gw.url(&format!("/workspaces/{id}/blobs/{}", sha256(data))))
+        .body(data.to_vec())
+        .send()
+        .await
+        .unwrap();
+    let status = put.status();
+    assert!(status.is_success(), "{status}: {}", put.text().await.unwrap());
+    id
+}
+
+/// Entries of `dir` whose names start with `mcp-run-`.
+fn ours(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("mcp-run-"))
+        .collect();
+    v.sort();
+    v
+}
+
+/// Issue 24.10: what a SIGKILLed gateway left in `$TMPDIR` (its cache, kept outputs, idle
+/// trees) is removed, and a starting gateway removes what dead gateways left there.
+#[tokio::test]
+async fn leftovers_of_killed_gateways_are_removed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmpdir = tmp.path().to_str().unwrap().to_string();
+    // Left by a gateway that is long gone (no lock file, no such process).
+    std::fs::create_dir_all(tmp.path().join("mcp-run-ws-4999999-00ff/d")).unwrap();
+    std::fs::write(tmp.path().join("mcp-run-ws-4999999-00ff/d/f"), "x").unwrap();
+    std::fs::create_dir_all(tmp.path().join("mcp-run-cache-4999999/blobs")).unwrap();
+    std::fs::create_dir_all(tmp.path().join("mcp-run-ws-0123456789abcdef")).unwrap();
+    let gw = Gateway::start_with_env(&[], &[("TMPDIR", &tmpdir)]);
+    let pid = gw.pid().unwrap();
+    let swept = support::wait_until(std::time::Duration::from_secs(10), || {
+        !ours(tmp.path()).iter().any(|n| n.contains("4999999"))
+    });
+    assert!(swept, "{:?}", ours(tmp.path()));
+    assert!(
+        tmp.path().join("mcp-run-ws-0123456789abcdef").exists(),
+        "a directory without a pid is not judged"
+    );
+    // A run with a workspace leaves an idle tree, the cache and the output store.
+    let id = owned_workspace_anon(&gw, b"data").await;
+    let run = support::raw(
+        &gw,
+        serde_json::json!({"executable": "cat", "args": ["f"], "workspace": id}),
+    )
+    .await;
+    assert_eq!(run.stdout_str(), "data");
+    let mine = |names: Vec<String>| -> Vec<String> {
+        names
+            .into_iter()
+            .filter(|n| n.contains(&format!("-{pid}")))
+            .collect()
+    };
+    assert!(
+        support::wait_until(std::time::Duration::from_secs(10), || {
+            let m = mine(ours(tmp.path()));
+            m.iter().any(|n| n.starts_with("mcp-run-ws-"))
+                && m.iter().any(|n| n.starts_with("mcp-run-cache-"))
+        }),
+        "{:?}",
+        ours(tmp.path())
+    );
+    drop(gw); // SIGKILL
+    let gw2 = Gateway::start_with_env(&[], &[("TMPDIR", &tmpdir)]);
+    let gone = support::wait_until(std::time::Duration::from_secs(20), || {
+        mine(ours(tmp.path())).is_empty()
+    });
+    assert!(gone, "left: {:?}", ours(tmp.path()));
+    drop(gw2);
+}

@@ -103,6 +103,22 @@ async fn post_manifest(
         Err(e) => return refuse(&metrics, e),
     };
     let max = store.config().max_manifest_bytes;
+    // A declared length over the bound is refused before the body is read.
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if let Some(n) = declared.filter(|n| *n > max as u64) {
+        return refuse(
+            &metrics,
+            ErrorBody::new(
+                ErrorCode::PayloadTooLarge,
+                format!(
+                    "the manifest is {n} bytes, larger than {max} bytes (workspaces.max_manifest_bytes)"
+                ),
+            ),
+        );
+    }
     let store2 = store.clone();
     let posted = blocking(move || {
         use crate::workspace::jsoncap::{BodyCap, Hashing, JsonStringCap};
