@@ -2,11 +2,14 @@
 //! clients do.
 //! - At most `max_connections` connections; of those, at most `max_unauthenticated` that have
 //!   not yet made an authenticated request (any request when auth is off). A connection over
-//!   either cap gets a `503` JSON answer and is closed at once, so idle or malicious clients
-//!   cannot use up the gateway's file descriptors.
-//! - `header_timeout`: the time a client has to send a request's headers, which is also how
-//!   long a keep-alive connection may stay idle between requests (hyper starts the timer when
-//!   it waits for the next request head).
+//!   `max_connections` gets a `503` JSON answer and is closed at once, so idle or malicious
+//!   clients cannot use up the gateway's file descriptors. Over `max_unauthenticated`, the
+//!   oldest connection that has not authenticated is closed to make room (as sshd's
+//!   `MaxStartups` drops early): a flood of idle connections delays a new client by nothing,
+//!   and authenticated connections keep the rest of `max_connections`.
+//! - `header_timeout`: the time a client has to send its first byte, then a request's headers,
+//!   which is also how long a keep-alive connection may stay idle between requests (hyper
+//!   starts the timer when it waits for the next request head).
 //! - (The request body timeout is [`crate::guard`]'s: it depends on the request.)
 //! - Shutdown: the listener stays open while running commands drain, so that new requests
 //!   get `503 shutting_down` rather than a refused connection; then connections are asked to
@@ -54,9 +57,16 @@ pub struct Unauthenticated(Arc<Mutex<Option<OwnedSemaphorePermit>>>);
 impl Unauthenticated {
     /// This connection proved who it is: it no longer counts against the cap.
     pub fn release(&self) {
-        if let Ok(mut p) = self.0.lock() {
-            p.take();
-        }
+        self.take();
+    }
+
+    fn take(&self) -> Option<OwnedSemaphorePermit> {
+        self.0.lock().ok().and_then(|mut p| p.take())
+    }
+
+    /// Whether it still counts against the cap.
+    fn holds(&self) -> bool {
+        self.0.lock().is_ok_and(|p| p.is_some())
     }
 }
 
@@ -119,6 +129,36 @@ impl PeerClosed {
     }
 }
 
+/// The connections that have not authenticated yet, oldest first, each with the token
+/// that closes it.
+#[derive(Clone, Default)]
+struct Pending(Arc<Mutex<std::collections::VecDeque<(Unauthenticated, CancellationToken)>>>);
+
+impl Pending {
+    /// Registers a new connection; the token closes it when it is evicted.
+    fn add(&self, conn: &Unauthenticated) -> CancellationToken {
+        let token = CancellationToken::new();
+        if let Ok(mut q) = self.0.lock() {
+            // Those that authenticated or ended since are forgotten.
+            q.retain(|(c, _)| c.holds());
+            q.push_back((conn.clone(), token.clone()));
+        }
+        token
+    }
+
+    /// Closes the oldest connection still unauthenticated and hands its place over.
+    fn evict_oldest(&self) -> Option<OwnedSemaphorePermit> {
+        let mut q = self.0.lock().ok()?;
+        while let Some((conn, token)) = q.pop_front() {
+            if let Some(permit) = conn.take() {
+                token.cancel();
+                return Some(permit);
+            }
+        }
+        None
+    }
+}
+
 /// Marks requests of a gateway without auth: every request counts as authenticated.
 #[derive(Clone, Copy)]
 pub struct AuthOff;
@@ -138,6 +178,7 @@ pub async fn run(
     let tracker = TaskTracker::new();
     tokio::pin!(drained);
     let trimmer = tokio::spawn(return_freed_memory());
+    let pending = Pending::default();
     loop {
         let (stream, addr) = tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -151,32 +192,45 @@ pub async fn run(
             },
             () = &mut drained => break,
         };
-        let permits = all
-            .clone()
-            .try_acquire_owned()
-            .ok()
-            .zip(unauth.clone().try_acquire_owned().ok());
-        let Some((permit, unauth_permit)) = permits else {
+        let Ok(permit) = all.clone().try_acquire_owned() else {
+            refuse(stream, &metrics);
+            continue;
+        };
+        // Over the unauthenticated cap, the oldest connection that has not authenticated
+        // yet gives up its place: a flood of idle connections cannot keep a client out.
+        let unauth_permit = match unauth.clone().try_acquire_owned() {
+            Ok(p) => Some(p),
+            Err(_) => pending.evict_oldest(),
+        };
+        let Some(unauth_permit) = unauth_permit else {
             refuse(stream, &metrics);
             continue;
         };
         let conn_state = Unauthenticated(Arc::new(Mutex::new(Some(unauth_permit))));
+        let evicted = pending.add(&conn_state);
         let router = router.clone();
         let closing = closing.clone();
         let header_timeout = limits.header_timeout;
         let auth_on = limits.auth_on;
         tracker.spawn(async move {
             let _permit = permit;
-            serve_connection(
-                stream,
-                addr,
-                router,
-                conn_state,
-                auth_on,
-                header_timeout,
-                closing,
-            )
-            .await;
+            let state = conn_state.clone();
+            tokio::select! {
+                () = serve_connection(
+                    stream,
+                    addr,
+                    router,
+                    conn_state,
+                    auth_on,
+                    header_timeout,
+                    closing,
+                ) => {}
+                () = evicted.cancelled() => {
+                    tracing::debug!(%addr, "closed an unauthenticated connection to make room");
+                }
+            }
+            // Its place on the unauthenticated cap, if it still has one, is free again.
+            state.release();
         });
     }
     drop(listener);
@@ -363,6 +417,19 @@ async fn serve_connection(
     closing: CancellationToken,
 ) {
     let _ = stream.set_nodelay(true);
+    // hyper's header timeout starts with the first byte (the protocol is detected from it):
+    // a connection that sends nothing is closed here, after the same time.
+    let mut first = [0u8; 1];
+    tokio::select! {
+        sent = tokio::time::timeout(header_timeout, stream.peek(&mut first)) => match sent {
+            Ok(Ok(n)) if n > 0 => {}
+            _ => {
+                tracing::debug!(%addr, "closed a connection that sent nothing");
+                return;
+            }
+        },
+        () = closing.cancelled() => return,
+    }
     let closed = PeerClosed(std::os::fd::AsRawFd::as_raw_fd(&stream));
     let service = hyper::service::service_fn(move |mut req: Request<Incoming>| {
         let ext = req.extensions_mut();

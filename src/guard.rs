@@ -160,7 +160,16 @@ pub async fn middleware(State(guard): State<Arc<Guard>>, req: Request, next: Nex
     } else {
         guard.check_host(req.uri(), req.headers())
     }
-    .and_then(|()| guard.check_length(req.headers()));
+    .and_then(|()| {
+        // Workspace uploads have bounds of their own (the manifest's declared sizes,
+        // workspaces.max_manifest_bytes), checked as they stream whether the body is sent
+        // with a Content-Length or chunked.
+        if req.uri().path().starts_with("/workspaces/") || req.uri().path() == "/workspaces" {
+            Ok(())
+        } else {
+            guard.check_length(req.headers())
+        }
+    });
     if let Err(e) = checked {
         tracing::info!(path = %req.uri().path(), code = %e.code, "refused: {}", e.message);
         if let Some(m) = &guard.metrics {

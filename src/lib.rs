@@ -28,6 +28,7 @@ pub mod contract;
 pub mod exec;
 pub mod exit;
 pub mod guard;
+pub mod leftovers;
 pub mod limits;
 pub mod mcp;
 pub mod mcp_http;

@@ -209,3 +209,30 @@ fn delete_ends_a_session_with_204() {
     );
     assert_eq!(a.status, 404, "{}", a.text());
 }
+
+/// Issue 24.9: an MCP error that quotes the caller's arguments (serde's "invalid type:
+/// string ...") or names an unknown tool or resource has configured secrets redacted, as
+/// `/raw` does.
+#[test]
+fn mcp_errors_redact_configured_secrets() {
+    const SECRET: &str = "hunter2-password-0123";
+    let (gw, _dir) = gateway_with(&format!("redaction:\n  secrets: [{SECRET}]\n"), &[]);
+    let sid = open_session(&gw, &[]);
+    let header = format!("Mcp-Session-Id: {sid}");
+    let calls = [
+        json!({"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "run_network_tool", "arguments": {"executable": "echo", "args": SECRET}}}),
+        json!({"jsonrpc": "2.0", "id": 4, "method": "tools/call", "params": {"name": SECRET, "arguments": {}}}),
+        json!({"jsonrpc": "2.0", "id": 5, "method": "resources/read", "params": {"uri": format!("mcp-run://{SECRET}")}}),
+    ];
+    for call in calls {
+        let a = mcp_post(&gw, &[&header], &call);
+        let text = a.text();
+        assert!(
+            text.contains("error") || text.contains("isError"),
+            "not an error: {text}"
+        );
+        assert!(!text.contains(SECRET), "the secret came back: {text}");
+        assert!(text.contains("[REDACTED]"), "{text}");
+    }
+    assert!(!gw.log_text().contains(SECRET), "the secret was logged");
+}

@@ -511,7 +511,7 @@ async fn stream(
             (Event::Exit(info), _) => {
                 // Results come back before the status is mirrored.
                 if let Some((w, changes)) = sync_back
-                    && let Err(f) = ws::sync_back(&w.client, &w.resolved.root, changes, false).await
+                    && let Err(f) = ws::sync_back(&w.client, &w.resolved.root, &w.globs, changes, false).await
                 {
                     break Err(f);
                 }
@@ -565,7 +565,7 @@ async fn structured(
         && !args.sync_back.is_empty()
         && collected.exit.is_some()
     {
-        match ws::sync_back(&w.client, &w.resolved.root, changes, true).await {
+        match ws::sync_back(&w.client, &w.resolved.root, &w.globs, changes, true).await {
             Ok(files) => synced_back = Some(files),
             Err(f) => return f.into(),
         }
@@ -593,6 +593,8 @@ struct WorkspaceRun {
     client: crate::workspace::client::WorkspaceClient,
     resolved: ws::Resolved,
     synced: crate::workspace::client::Synced,
+    /// The `--sync-back` globs: only results matching them are written.
+    globs: Vec<String>,
 }
 
 /// Resolves and syncs the workspace, and points the request at it.
@@ -610,6 +612,7 @@ async fn start_workspace(
         client,
         resolved,
         synced,
+        globs: request.sync_back.clone(),
     })
 }
 

@@ -100,10 +100,13 @@ impl EventFilter for CaptureChanges {
     }
 }
 
-/// Copies the reported files into `root`; one summary line on stderr.
+/// Copies the reported files into `root` (only those the rules of
+/// [`crate::workspace::results`] accept for `globs`); one summary line on stderr, and one
+/// per refused file. A refused file fails the sync-back after the others are written.
 pub async fn sync_back(
     client: &WorkspaceClient,
     root: &Path,
+    globs: &[String],
     changes: &Changes,
     quiet: bool,
 ) -> Result<Vec<ChangedFile>, Failure> {
@@ -114,8 +117,10 @@ pub async fn sync_back(
             "--sync-back: the gateway reported no changed files (it may not support sync-back)",
         ));
     };
-    let written = client
-        .sync_back(root, &files)
+    let rules = crate::workspace::results::ResultRules::new(globs)
+        .map_err(|m| Failure::new(Reason::SyncBack, format!("--sync-back: {m}")))?;
+    let (written, refused) = client
+        .sync_back(root, &files, &rules)
         .await
         .map_err(|m| Failure::new(Reason::SyncBack, format!("--sync-back: {m}")))?;
     if !quiet {
@@ -132,6 +137,19 @@ pub async fn sync_back(
                 ""
             }
         );
+    }
+    if let Some(first) = refused.first() {
+        for why in &refused {
+            eprintln!("run-remote: sync-back: {why}");
+        }
+        return Err(Failure::new(
+            Reason::SyncBack,
+            format!(
+                "--sync-back: {} result{} refused ({first})",
+                refused.len(),
+                if refused.len() == 1 { "" } else { "s" },
+            ),
+        ));
     }
     Ok(written)
 }

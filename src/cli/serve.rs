@@ -396,6 +396,7 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
         drained,
         auth_on,
     } = app(&config).await?;
+    crate::leftovers::claim_and_sweep(&[config.workspaces.local_dir()]);
     let listener = tokio::net::TcpListener::bind(config.server.listen)
         .await
         .with_context(|| format!("cannot listen on {}", config.server.listen))?;
@@ -411,13 +412,38 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
             header_timeout: Duration::from_secs(config.server.header_timeout_secs),
             auth_on,
         },
-        shutdown_signal(),
+        bounded_shutdown_signal(exit_bound(&config)),
         config.shutdown_grace(),
         drained,
     )
     .await?;
     tracing::info!("stopped");
+    crate::leftovers::release(&std::env::temp_dir());
     Ok(())
+}
+
+/// After the signal, the longest the gateway takes to exit: the drain, closing connections,
+/// and removing its directories (trees of many inodes can take minutes). Past it, the
+/// process exits and what is left is removed by its reaper and by the next gateway
+/// (crate::leftovers).
+fn exit_bound(config: &Config) -> Duration {
+    config.shutdown_grace() + crate::connections::CLOSE_GRACE + CLEANUP_BOUND
+}
+
+/// The time given to removing the gateway's directories at shutdown.
+const CLEANUP_BOUND: Duration = Duration::from_secs(5);
+
+/// The shutdown signal, which also starts the clock of [`exit_bound`].
+async fn bounded_shutdown_signal(bound: Duration) {
+    shutdown_signal().await;
+    std::thread::spawn(move || {
+        std::thread::sleep(bound);
+        tracing::warn!(
+            "shutdown took longer than {} s: exiting; the reaper and the next gateway remove what is left",
+            bound.as_secs()
+        );
+        std::process::exit(0);
+    });
 }
 
 /// Refuses to serve a non-loopback address without auth unless the operator said so.

@@ -47,6 +47,8 @@ pub fn spawn() -> std::io::Result<Reaper> {
         .arg(SUBCOMMAND)
         .arg(format!("{}.", std::process::id()))
         .env_clear()
+        // Where the gateway's directories are, for the sweep after it is gone.
+        .env("TMPDIR", std::env::temp_dir())
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
@@ -74,6 +76,8 @@ pub fn run(prefix: &str) -> std::process::ExitCode {
         }
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
+    // Then what the gateway could not remove (killed, or its shutdown ran out of time).
+    crate::leftovers::sweep(&std::env::temp_dir());
     std::process::ExitCode::SUCCESS
 }
 

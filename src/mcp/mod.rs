@@ -300,6 +300,27 @@ impl McpService {
         serde_json::to_value(self.capabilities.as_ref()).unwrap_or_default()
     }
 
+    /// An error result with configured secrets redacted: its text may quote the caller's
+    /// arguments (serde's "invalid type: string ..."), which /raw redacts too.
+    fn redact_error(&self, mut r: CallToolResult) -> CallToolResult {
+        if let (Some(red), Some(true)) = (self.runner.redactor(), r.is_error) {
+            for c in &mut r.content {
+                if let rmcp::model::ContentBlock::Text(t) = c {
+                    t.text = red.redact_str(&t.text);
+                }
+            }
+        }
+        r
+    }
+
+    /// A protocol error with configured secrets redacted from its message.
+    fn redact_mcp_error(&self, mut e: McpError) -> McpError {
+        if let Some(red) = self.runner.redactor() {
+            e.message = red.redact_str(&e.message).into();
+        }
+        e
+    }
+
     /// `resources/read` of a kept output.
     fn read_output(
         &self,
@@ -417,18 +438,17 @@ impl ServerHandler for McpService {
     ) -> Result<CallToolResponse, McpError> {
         if let Some(t) = self.tools.iter().find(|t| t.name == request.name) {
             let t = t.clone();
-            return Ok(self
-                .run_cli_tool(&t, request.arguments, context)
-                .await
-                .into());
+            let r = self.run_cli_tool(&t, request.arguments, context).await;
+            return Ok(self.redact_error(r).into());
         }
         if request.name != TOOL {
-            return Err(McpError::invalid_params(
+            return Err(self.redact_mcp_error(McpError::invalid_params(
                 format!("unknown tool {:?}", request.name),
                 None,
-            ));
+            )));
         }
-        Ok(self.run(request.arguments, context).await.into())
+        let r = self.run(request.arguments, context).await;
+        Ok(self.redact_error(r).into())
     }
 
     async fn list_resources(
@@ -486,13 +506,16 @@ impl ServerHandler for McpService {
         context: RequestContext<RoleServer>,
     ) -> Result<ReadResourceResponse, McpError> {
         if resources::is_output_uri(&request.uri) {
-            return self.read_output(&request.uri, &context).map(Into::into);
+            return self
+                .read_output(&request.uri, &context)
+                .map(Into::into)
+                .map_err(|e| self.redact_mcp_error(e));
         }
         if request.uri != RESOURCE_URI {
-            return Err(McpError::resource_not_found(
+            return Err(self.redact_mcp_error(McpError::resource_not_found(
                 format!("no resource {:?}", request.uri),
                 None,
-            ));
+            )));
         }
         let text = serde_json::to_string_pretty(&self.capabilities_json()).unwrap_or_default();
         Ok(ReadResourceResult::new(vec![ResourceContents::text(text, RESOURCE_URI)]).into())

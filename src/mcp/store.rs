@@ -163,7 +163,9 @@ impl OutputStore {
     /// when `None`).
     pub fn new(parent: Option<&std::path::Path>, limits: StoreLimits) -> std::io::Result<Self> {
         let mut b = tempfile::Builder::new();
-        b.prefix("mcp-run-outputs-");
+        // Named with the gateway's pid: what a killed gateway leaves is found (crate::leftovers).
+        let prefix = crate::leftovers::prefix("outputs");
+        b.prefix(&prefix);
         let dir = match parent {
             Some(p) => b.tempdir_in(p)?,
             None => b.tempdir()?,

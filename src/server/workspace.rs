@@ -23,7 +23,7 @@ use futures_util::TryStreamExt as _;
 
 use crate::auth::Caller;
 use crate::contract::{ErrorBody, ErrorCode};
-use crate::workspace::manifest::{Manifest, PostResponse, UploadResponse};
+use crate::workspace::manifest::{PostResponse, UploadResponse};
 use crate::workspace::store::{Owner, Workspace, WorkspaceStore};
 
 /// What the handlers share.
@@ -103,33 +103,43 @@ async fn post_manifest(
         Err(e) => return refuse(&metrics, e),
     };
     let max = store.config().max_manifest_bytes;
+    // A declared length over the bound is refused before the body is read.
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if let Some(n) = declared.filter(|n| *n > max as u64) {
+        return refuse(
+            &metrics,
+            ErrorBody::new(
+                ErrorCode::PayloadTooLarge,
+                format!(
+                    "the manifest is {n} bytes, larger than {max} bytes (workspaces.max_manifest_bytes)"
+                ),
+            ),
+        );
+    }
     let store2 = store.clone();
     let posted = blocking(move || {
-        let reader = body_reader(body, gz);
-        let mut text = Vec::new();
-        let n = reader
-            .take(max as u64 + 1)
-            .read_to_end(&mut text)
-            .map_err(|e| {
-                ErrorBody::new(
-                    ErrorCode::InvalidRequest,
-                    format!("cannot read the manifest (interrupted, or invalid gzip): {e}"),
-                )
-            })?;
-        if n > max {
-            return Err(ErrorBody::new(
-                ErrorCode::PayloadTooLarge,
-                format!("the manifest is larger than {max} bytes (workspaces.max_manifest_bytes)"),
-            ));
-        }
-        // A rerun posts the same body again: no need to parse and validate it again.
-        let key = WorkspaceStore::body_key(&text, &owner);
+        use crate::workspace::jsoncap::{BodyCap, Hashing, JsonStringCap};
+        // Parsed as it arrives, never held as text: the body's size, each string's length
+        // and the number of entries are bounded before anything grows with them.
+        let mut hashing = Hashing {
+            inner: BodyCap::new(body_reader(body, gz), max as u64),
+            hasher: WorkspaceStore::body_hasher(&owner),
+        };
+        let reader = std::io::BufReader::with_capacity(
+            64 * 1024,
+            JsonStringCap::new(&mut hashing),
+        );
+        let cfg = store2.config();
+        let manifest =
+            crate::workspace::manifest::parse(reader, cfg.max_files, cfg.max_registry_bytes)?;
+        // A rerun posts the same body again: no need to validate and register it again.
+        let key = WorkspaceStore::key_of(hashing.hasher);
         if let Some(posted) = store2.post_again(&key, &owner) {
             return Ok(posted);
         }
-        let manifest: Manifest = serde_json::from_slice(&text).map_err(|e| {
-            ErrorBody::new(ErrorCode::InvalidRequest, format!("invalid manifest: {e}"))
-        })?;
         store2.post_body(manifest, &owner, Some(key))
     })
     .await;
@@ -176,7 +186,9 @@ async fn post_bundle(
     let done = blocking(move || {
         let reader = body_reader(body, gz);
         let bad = |m: String| ErrorBody::new(ErrorCode::InvalidRequest, m);
-        let mut archive = tar::Archive::new(reader);
+        // Extended headers are capped before the tar crate reads them into memory.
+        let mut archive =
+            tar::Archive::new(crate::workspace::tarcap::CappedHeaders::new(reader));
         let entries = archive
             .entries()
             .map_err(|e| bad(format!("invalid upload (a tar stream of contents): {e}")))?;

@@ -256,8 +256,8 @@ impl WorkspaceClient {
         })
     }
 
-    /// Downloads a content by hash and checks it.
-    pub async fn download(&self, hash: &str) -> Result<Vec<u8>, ErrorBody> {
+    /// Starts the download of a content by hash: the answer, its status checked.
+    pub async fn download_response(&self, hash: &str) -> Result<reqwest::Response, ErrorBody> {
         let url = self.url(&format!("/workspaces/blobs/{hash}"));
         let resp = self
             .auth(self.http.get(url.clone()))
@@ -268,82 +268,175 @@ impl WorkspaceClient {
         if !resp.status().is_success() {
             return Err(error_of(resp).await);
         }
-        let data = resp.bytes().await.map_err(|e| unreachable(&url, &e))?;
-        if super::hash_bytes(&data) != hash {
-            return Err(ErrorBody::new(
-                ErrorCode::ProtocolError,
-                format!("the content downloaded as {hash} does not hash to it"),
-            ));
-        }
-        Ok(data.to_vec())
+        Ok(resp)
     }
 
-    /// Writes sync-back results into `root`: each file downloaded, checked, and written
-    /// without following symlinks and never outside `root`. Returns the files written.
+    /// Downloads a content by hash into `out`, checking as it streams that it is at most
+    /// `size` bytes, and at the end that it is exactly `size` bytes hashing to `hash`:
+    /// a gateway cannot make the caller store more than it announced.
+    pub async fn download_into(
+        &self,
+        hash: &str,
+        size: u64,
+        out: &mut std::fs::File,
+    ) -> Result<(), String> {
+        use sha2::Digest as _;
+        let mut resp = self
+            .download_response(hash)
+            .await
+            .map_err(|e| e.message)?;
+        let mut hasher = sha2::Sha256::new();
+        let mut n = 0u64;
+        while let Some(chunk) = resp
+            .chunk()
+            .await
+            .map_err(|e| format!("the download broke off: {e}"))?
+        {
+            n += chunk.len() as u64;
+            if n > size {
+                return Err(format!(
+                    "the gateway sent more than the {size} bytes it announced"
+                ));
+            }
+            hasher.update(&chunk);
+            out.write_all(&chunk).map_err(|e| e.to_string())?;
+        }
+        if n != size {
+            return Err(format!(
+                "the gateway sent {n} bytes, not the {size} it announced"
+            ));
+        }
+        if super::hex(&hasher.finalize()) != hash {
+            return Err("the content does not hash to its announced hash".into());
+        }
+        Ok(())
+    }
+
+    /// Writes sync-back results into `root`, each only if `rules` accept it: streamed into a
+    /// temporary file beside its target, checked, then renamed into place; never through a
+    /// symlink nor outside `root`. Returns the files written and those refused (with why).
     pub async fn sync_back(
         &self,
         root: &Path,
         files: &[ChangedFile],
-    ) -> Result<Vec<ChangedFile>, String> {
+        rules: &super::results::ResultRules,
+    ) -> Result<(Vec<ChangedFile>, Vec<String>), String> {
         let mut written = Vec::new();
+        let mut refused = Vec::new();
         for f in files {
-            let data = self
-                .download(&f.hash)
+            if let Err(why) = rules.check(f) {
+                refused.push(why);
+                continue;
+            }
+            let (root2, f2) = (root.to_owned(), f.clone());
+            let mut temp = tokio::task::spawn_blocking(move || ResultTemp::beside(&root2, &f2))
                 .await
-                .map_err(|e| format!("cannot download {}: {}", f.path, e.message))?;
-            let root = root.to_owned();
-            let file = f.clone();
-            tokio::task::spawn_blocking(move || write_inside(&root, &file, &data))
+                .map_err(|e| e.to_string())??;
+            if let Err(e) = self.download_into(&f.hash, f.size, &mut temp.file).await {
+                return Err(format!("cannot download {}: {e}", f.path));
+            }
+            tokio::task::spawn_blocking(move || temp.commit())
                 .await
                 .map_err(|e| e.to_string())??;
             written.push(f.clone());
         }
-        Ok(written)
+        Ok((written, refused))
     }
 }
 
-/// Writes one result file below `root`: the path must be a plain relative path, no
-/// directory on the way may be a symlink, and an existing symlink is not written through.
-pub fn write_inside(root: &Path, f: &ChangedFile, data: &[u8]) -> Result<(), String> {
-    use std::os::unix::fs::PermissionsExt as _;
-    super::manifest::check_path(&f.path, 4096).map_err(|m| format!("refused result: {m}"))?;
-    let mut dir = root.to_owned();
-    let parts: Vec<&str> = f.path.split('/').collect();
-    for part in &parts[..parts.len() - 1] {
-        dir.push(part);
-        match std::fs::symlink_metadata(&dir) {
-            Ok(m) if m.is_dir() => {}
-            Ok(_) => {
-                return Err(format!(
-                    "refused result {}: {} is not a directory",
-                    f.path,
-                    dir.display()
-                ));
+/// A result being downloaded: a new file beside its destination, removed unless committed.
+pub struct ResultTemp {
+    path: PathBuf,
+    dest: PathBuf,
+    mode: u32,
+    pub file: std::fs::File,
+    done: bool,
+}
+
+impl ResultTemp {
+    /// Checks the way to `f.path` below `root` (creating missing directories, refusing
+    /// symlinks and non-directories on the way, and a destination that is not a regular
+    /// file) and creates the temporary file (0600) beside it.
+    pub fn beside(root: &Path, f: &ChangedFile) -> Result<Self, String> {
+        use std::os::unix::fs::OpenOptionsExt as _;
+        super::results::check_result_path(&f.path)?;
+        let mut dir = root.to_owned();
+        let parts: Vec<&str> = f.path.split('/').collect();
+        for part in &parts[..parts.len() - 1] {
+            dir.push(part);
+            match std::fs::symlink_metadata(&dir) {
+                Ok(m) if m.is_dir() => {}
+                Ok(_) => {
+                    return Err(format!(
+                        "refused result {}: {} is not a directory",
+                        f.path,
+                        dir.display()
+                    ));
+                }
+                Err(_) => {
+                    std::fs::create_dir(&dir).map_err(|e| format!("{}: {e}", dir.display()))?
+                }
             }
-            Err(_) => std::fs::create_dir(&dir).map_err(|e| format!("{}: {e}", dir.display()))?,
+        }
+        let dest = root.join(&f.path);
+        if let Ok(m) = std::fs::symlink_metadata(&dest)
+            && !m.is_file()
+        {
+            return Err(format!(
+                "refused result {}: the local path is not a regular file",
+                f.path
+            ));
+        }
+        let path = dest.with_file_name(format!(
+            ".{}.mcp-run-{}-{:08x}",
+            parts[parts.len() - 1],
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(nix::libc::O_NOFOLLOW)
+            .open(&path)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        Ok(Self {
+            path,
+            dest,
+            mode: super::results::safe_mode(f.mode),
+            file,
+            done: false,
+        })
+    }
+
+    /// Gives the file its mode (0644 or 0755) and renames it over the destination.
+    pub fn commit(mut self) -> Result<(), String> {
+        use std::os::unix::fs::PermissionsExt as _;
+        self.file
+            .set_permissions(std::fs::Permissions::from_mode(self.mode))
+            .map_err(|e| format!("{}: {e}", self.path.display()))?;
+        std::fs::rename(&self.path, &self.dest)
+            .map_err(|e| format!("{}: {e}", self.dest.display()))?;
+        self.done = true;
+        Ok(())
+    }
+}
+
+impl Drop for ResultTemp {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = std::fs::remove_file(&self.path);
         }
     }
-    let dest = root.join(&f.path);
-    if let Ok(m) = std::fs::symlink_metadata(&dest)
-        && !m.is_file()
-    {
-        return Err(format!(
-            "refused result {}: the local path is not a regular file",
-            f.path
-        ));
-    }
-    // Written beside, then renamed over: never through a symlink, never half written.
-    let tmp = dest.with_file_name(format!(
-        ".{}.mcp-run-{}",
-        parts[parts.len() - 1],
-        std::process::id()
-    ));
-    std::fs::write(&tmp, data).map_err(|e| format!("{}: {e}", tmp.display()))?;
-    let _ = std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(f.mode & 0o777));
-    std::fs::rename(&tmp, &dest).map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        format!("{}: {e}", dest.display())
-    })
+}
+
+/// Writes one result file below `root` (the rules of [`ResultTemp`]).
+pub fn write_inside(root: &Path, f: &ChangedFile, data: &[u8]) -> Result<(), String> {
+    let mut temp = ResultTemp::beside(root, f)?;
+    temp.file
+        .write_all(data)
+        .map_err(|e| format!("{}: {e}", temp.path.display()))?;
+    temp.commit()
 }
 
 /// Why a sync failed: on this machine (the tree) or at the gateway.

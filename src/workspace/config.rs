@@ -19,8 +19,13 @@ pub struct WorkspaceConfig {
     pub max_cache_bytes: u64,
     /// Contents and workspaces unused for this long are dropped.
     pub max_age_secs: u64,
-    /// Workspaces (manifests) kept at once; the least recently used goes first.
+    /// Workspaces (manifests) kept at once; over it, the least recently used of the identity
+    /// holding the most goes first.
     pub max_workspaces: usize,
+    /// Memory the registered manifests may take, estimated (about 200 bytes per file plus
+    /// its path); over it, the least recently used workspace of the identity holding the
+    /// most goes first, and a single manifest larger than this is refused (413).
+    pub max_registry_bytes: u64,
     /// Files (and symlinks) in one workspace.
     pub max_files: usize,
     /// Bytes of all files of one workspace.
@@ -50,6 +55,7 @@ impl Default for WorkspaceConfig {
             max_cache_bytes: 2048 * MIB,
             max_age_secs: 24 * 3600,
             max_workspaces: 1000,
+            max_registry_bytes: 64 * MIB,
             max_files: 100_000,
             max_bytes: 1024 * MIB,
             max_file_bytes: 256 * MIB,
@@ -80,6 +86,7 @@ impl WorkspaceConfig {
         min("max_path_bytes", self.max_path_bytes as u64, 16)?;
         min("max_manifest_bytes", self.max_manifest_bytes as u64, 1024)?;
         min("max_workspaces", self.max_workspaces as u64, 1)?;
+        min("max_registry_bytes", self.max_registry_bytes, MIB)?;
         min("max_age_secs", self.max_age_secs, 1)?;
         if self.max_cache_bytes < self.max_file_bytes {
             return Err((

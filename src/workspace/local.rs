@@ -119,7 +119,8 @@ pub fn collect_changes(root: &Path, run: &WorkspaceRun) -> (Vec<ChangedFile>, bo
             continue;
         };
         let Some(rel) = rel.to_str() else { continue };
-        if !set.is_match(rel) {
+        // Never reported: what no caller may write (`.git`, unprintable names).
+        if !set.is_match(rel) || super::results::check_result_path(rel).is_err() {
             continue;
         }
         let Ok(meta) = entry.metadata() else { continue };

@@ -2,7 +2,9 @@
 //! its mode, size and content hash. Validated once on the gateway; the rules are those of
 //! docs/protocol.md ("Workspaces").
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
+
+use sha2::Digest as _;
 
 use serde::{Deserialize, Serialize};
 
@@ -35,6 +37,7 @@ pub const MODE_EXEC: u32 = 0o755;
 #[serde(deny_unknown_fields)]
 pub struct ManifestEntry {
     /// Relative to the workspace root, `/`-separated, without `.` or `..` components.
+    #[serde(deserialize_with = "bounded_string")]
     pub path: String,
     #[serde(default, skip_serializing_if = "is_file")]
     pub kind: EntryKind,
@@ -48,8 +51,41 @@ pub struct ManifestEntry {
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub hash: String,
     /// Symlinks: the link's target, relative and inside the workspace.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "bounded_target"
+    )]
     pub target: Option<String>,
+}
+
+/// The longest path or symlink target a manifest may carry (Linux's PATH_MAX); refused while
+/// parsing, before it is copied.
+pub const MAX_MANIFEST_STRING: usize = 4096;
+
+/// A string of at most [`MAX_MANIFEST_STRING`] bytes.
+fn bounded_string<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    struct Bounded;
+    impl serde::de::Visitor<'_> for Bounded {
+        type Value = String;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            write!(f, "a string of at most {MAX_MANIFEST_STRING} bytes")
+        }
+        fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<String, E> {
+            if v.len() > MAX_MANIFEST_STRING {
+                return Err(E::custom(format!(
+                    "a path or symlink target of {} bytes is longer than {MAX_MANIFEST_STRING} (PATH_MAX)",
+                    v.len()
+                )));
+            }
+            Ok(v.to_owned())
+        }
+    }
+    d.deserialize_str(Bounded)
+}
+
+fn bounded_target<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    bounded_string(d).map(Some)
 }
 
 fn is_file(k: &EntryKind) -> bool {
@@ -145,6 +181,175 @@ pub fn symlink_stays_inside(path: &str, target: &str) -> bool {
     true
 }
 
+/// Whether a symlink at `path` with `target` stays inside the tree once the symlinks of the
+/// tree it passes through (`links`: path → target) are followed too, as the kernel will:
+/// `a/b -> ..` then `s -> a/b/..` leaves the tree although each is lexically inside. More
+/// than 40 links on the way (Linux's limit) counts as leaving.
+pub fn resolves_inside(path: &str, target: &str, links: &HashMap<&str, &str>) -> bool {
+    use std::collections::VecDeque;
+    let mut at: Vec<&str> = path.split('/').collect();
+    at.pop();
+    let mut todo: VecDeque<&str> = target.split('/').collect();
+    let mut hops = 0;
+    while let Some(c) = todo.pop_front() {
+        match c {
+            "" | "." => {}
+            ".." => {
+                if at.pop().is_none() {
+                    return false;
+                }
+            }
+            name => {
+                at.push(name);
+                if let Some(next) = links.get(at.join("/").as_str()) {
+                    hops += 1;
+                    if hops > 40 || next.starts_with('/') {
+                        return false;
+                    }
+                    at.pop();
+                    for tc in next.split('/').rev() {
+                        todo.push_front(tc);
+                    }
+                }
+            }
+        }
+    }
+    true
+}
+
+/// Parses a manifest from `reader` without holding its text: at most `max_files` entries are
+/// read (more is refused at once), and no path or target over [`MAX_MANIFEST_STRING`] bytes
+/// is copied (see [`super::jsoncap`] for what bounds the parser's own buffer).
+pub fn parse(
+    reader: impl std::io::Read,
+    max_files: usize,
+    max_cost: u64,
+) -> Result<Manifest, ErrorBody> {
+    use serde::de::DeserializeSeed as _;
+    let mut de = serde_json::Deserializer::from_reader(reader);
+    let m = ManifestSeed {
+        max_files,
+        max_cost,
+    }
+    .deserialize(&mut de)
+        .and_then(|m| de.end().map(|()| m));
+    m.map_err(|e| {
+        let text = e.to_string();
+        if [
+            "workspaces.max_files",
+            "PATH_MAX",
+            "workspaces.max_manifest_bytes",
+            "workspaces.max_registry_bytes",
+        ]
+            .iter()
+            .any(|bound| text.contains(bound))
+        {
+            too_large(format!("invalid manifest: {text}"))
+        } else {
+            invalid(format!("invalid manifest: {text}"))
+        }
+    })
+}
+
+/// [`Manifest`]'s deserialisation with a bound on its entries.
+struct ManifestSeed {
+    max_files: usize,
+    max_cost: u64,
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for ManifestSeed {
+    type Value = Manifest;
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Manifest, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for ManifestSeed {
+    type Value = Manifest;
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("an object with `entries`")
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Manifest, A::Error> {
+        use serde::de::Error as _;
+        let mut entries = None;
+        while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+            if key != "entries" {
+                return Err(A::Error::unknown_field(&key, &["entries"]));
+            }
+            if entries.is_some() {
+                return Err(A::Error::duplicate_field("entries"));
+            }
+            entries = Some(map.next_value_seed(EntriesSeed {
+                max_files: self.max_files,
+                max_cost: self.max_cost,
+            })?);
+        }
+        Ok(Manifest {
+            entries: entries.ok_or_else(|| A::Error::missing_field("entries"))?,
+        })
+    }
+}
+
+struct EntriesSeed {
+    max_files: usize,
+    max_cost: u64,
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for EntriesSeed {
+    type Value = Vec<ManifestEntry>;
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_seq(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for EntriesSeed {
+    type Value = Vec<ManifestEntry>;
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a list of entries")
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut out = Vec::new();
+        let mut cost = 0;
+        while let Some(e) = seq.next_element::<ManifestEntry>()? {
+            cost += entry_cost(&e);
+            if cost > self.max_cost {
+                return Err(serde::de::Error::custom(format!(
+                    "the manifest would take more than the {} bytes of memory the gateway keeps for registered manifests (workspaces.max_registry_bytes)",
+                    self.max_cost
+                )));
+            }
+            if out.len() == self.max_files {
+                return Err(serde::de::Error::custom(format!(
+                    "the manifest lists more files than the gateway's maximum of {} (workspaces.max_files)",
+                    self.max_files
+                )));
+            }
+            out.push(e);
+        }
+        Ok(out)
+    }
+}
+
+/// A writer into a hash.
+struct HashWriter(sha2::Sha256);
+
+impl std::io::Write for HashWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.update(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// About what one entry costs in the gateway's memory once registered: its fixed part and
+/// its strings, with the allocator's overhead (on the high side; docs/workspaces.md).
+pub fn entry_cost(e: &ManifestEntry) -> u64 {
+    160 + (e.path.len() + e.hash.len() + e.target.as_ref().map_or(0, |t| t.len())) as u64
+}
+
 /// A validated manifest, sorted by path, with what the gateway needs to know about it.
 #[derive(Debug, Clone)]
 pub struct Checked {
@@ -168,18 +373,24 @@ impl Manifest {
             )));
         }
         self.entries.sort_by(|a, b| a.path.cmp(&b.path));
-        let mut paths = BTreeSet::new();
+        let is_entry = |p: &str| {
+            self.entries
+                .binary_search_by(|e| e.path.as_str().cmp(p))
+                .is_ok()
+        };
         let mut contents = HashMap::new();
         let mut bytes = 0u64;
+        let mut prev: Option<&str> = None;
         for e in &self.entries {
             check_path(&e.path, limits.max_path_bytes)
                 .map_err(|m| invalid(format!("invalid manifest: {m}")))?;
-            if !paths.insert(e.path.as_str()) {
+            if prev.is_some_and(|p| p == e.path.as_str()) {
                 return Err(invalid(format!(
                     "invalid manifest: path {:?} is listed twice",
                     e.path
                 )));
             }
+            prev = Some(e.path.as_str());
             match e.kind {
                 EntryKind::File => {
                     if !super::is_hash(&e.hash) {
@@ -219,6 +430,12 @@ impl Manifest {
                 }
                 EntryKind::Symlink => {
                     let target = e.target.as_deref().unwrap_or_default();
+                    if target.len() > MAX_MANIFEST_STRING {
+                        return Err(too_large(format!(
+                            "invalid manifest: the target of symlink {:?} is longer than {MAX_MANIFEST_STRING} bytes (PATH_MAX)",
+                            e.path
+                        )));
+                    }
                     if !symlink_stays_inside(&e.path, target) {
                         return Err(invalid(format!(
                             "invalid manifest: symlink {:?} -> {target:?} leaves the workspace",
@@ -247,13 +464,26 @@ impl Manifest {
                 limits.max_cache_bytes
             )));
         }
+        let links: HashMap<&str, &str> = self
+            .entries
+            .iter()
+            .filter(|e| e.kind == EntryKind::Symlink)
+            .map(|e| (e.path.as_str(), e.target.as_deref().unwrap_or_default()))
+            .collect();
+        for (path, target) in &links {
+            if !resolves_inside(path, target, &links) {
+                return Err(invalid(format!(
+                    "invalid manifest: symlink {path:?} -> {target:?} leaves the workspace through the symlinks it passes (or passes more than 40)"
+                )));
+            }
+        }
         // A file or symlink cannot also be a directory of another entry (nothing may be
         // written through a symlink).
         for e in &self.entries {
             let mut end = 0;
             while let Some(i) = e.path[end..].find('/') {
                 end += i;
-                if paths.contains(&e.path[..end]) {
+                if is_entry(&e.path[..end]) {
                     return Err(invalid(format!(
                         "invalid manifest: {:?} is below {:?}, which is not a directory",
                         e.path,
@@ -263,9 +493,11 @@ impl Manifest {
                 end += 1;
             }
         }
-        let canonical = serde_json::to_vec(&self).map_err(|e| invalid(e.to_string()))?;
+        // Hashed as it is written, not held: the canonical text is as large as the body.
+        let mut canonical = HashWriter(sha2::Sha256::new());
+        serde_json::to_writer(&mut canonical, &self).map_err(|e| invalid(e.to_string()))?;
         Ok(Checked {
-            digest: super::hash_bytes(&canonical),
+            digest: super::hex(&sha2::Digest::finalize(canonical.0)),
             files: self.entries.len(),
             bytes,
             contents,
@@ -356,6 +588,38 @@ mod tests {
         .check(&small)
         .unwrap_err();
         assert_eq!(e.code, ErrorCode::PayloadTooLarge);
+    }
+
+    #[test]
+    fn chained_symlinks_are_resolved() {
+        let l = |p: &str, t: &str| ManifestEntry::symlink(p, t.into());
+        let m = |e: Vec<ManifestEntry>| Manifest { entries: e }.check(&limits());
+        assert!(m(vec![l("a/b", ".."), l("s", "a/b/..")]).is_err());
+        assert!(m(vec![l("a/b", ".."), l("s", "a/b/x")]).is_ok());
+        assert!(m(vec![l("x", "y"), l("y", "x")]).is_err(), "a loop");
+        assert!(m(vec![l("d/up", ".."), l("d/s", "up/d/up/..")]).is_err());
+        assert!(m(vec![l("p", "q/r"), l("q/r", "../z")]).is_ok());
+    }
+
+    #[test]
+    fn parsing_bounds_entries_and_strings() {
+        let f = ManifestEntry::file("a", false, 1, h('a'));
+        let two = serde_json::to_vec(&Manifest {
+            entries: vec![f.clone(), ManifestEntry { path: "b".into(), ..f }],
+        })
+        .unwrap();
+        assert_eq!(parse(&two[..], 2, 1 << 20).unwrap().entries.len(), 2);
+        let e = parse(&two[..], 2, 300).unwrap_err();
+        assert!(e.message.contains("max_registry_bytes"), "{}", e.message);
+        let e = parse(&two[..], 1, 1 << 20).unwrap_err();
+        assert_eq!(e.code, ErrorCode::PayloadTooLarge, "{}", e.message);
+        let long = format!(
+            r#"{{"entries":[{{"path":"l","kind":"symlink","target":"{}"}}]}}"#,
+            "x".repeat(5000)
+        );
+        let e = parse(long.as_bytes(), 10, 1 << 20).unwrap_err();
+        assert!(e.message.contains("PATH_MAX"), "{}", e.message);
+        assert!(parse(&b"{\"entries\":[],\"x\":1}"[..], 10, 1 << 20).is_err());
     }
 
     #[test]

@@ -10,10 +10,13 @@
 
 pub mod client;
 pub mod config;
+pub mod jsoncap;
 pub mod local;
 pub mod manifest;
+pub mod results;
 pub mod store;
 pub mod tarball;
+pub mod tarcap;
 pub mod trees;
 pub mod walk;
 

@@ -40,6 +40,17 @@ pub struct Workspace {
     pub contents: HashMap<String, u64>,
     pub files: usize,
     pub bytes: u64,
+    /// About what the workspace costs in the gateway's memory ([`registry_cost`]).
+    pub memory: u64,
+}
+
+/// About what a registered manifest costs in memory: each entry's strings and fixed part
+/// (with allocator overhead), and each distinct content in the index. An estimate, on the
+/// high side (docs/workspaces.md has the measured figure).
+pub fn registry_cost(manifest: &Manifest, contents: usize) -> u64 {
+    const CONTENT: u64 = 160;
+    let entries: u64 = manifest.entries.iter().map(super::manifest::entry_cost).sum();
+    entries + contents as u64 * CONTENT
 }
 
 struct Blob {
@@ -130,10 +141,21 @@ impl WorkspaceStore {
 
     /// The key of a manifest body posted by `owner` (SHA-256 of both).
     pub fn body_key(body: &[u8], owner: &Owner) -> String {
+        let mut h = Self::body_hasher(owner);
+        h.update(body);
+        Self::key_of(h)
+    }
+
+    /// A hasher for [`WorkspaceStore::body_key`] to feed the body into as it arrives.
+    pub fn body_hasher(owner: &Owner) -> sha2::Sha256 {
         let mut h = sha2::Sha256::new();
         h.update(owner.as_deref().unwrap_or("").as_bytes());
         h.update([0u8]);
-        h.update(body);
+        h
+    }
+
+    /// The key from a [`WorkspaceStore::body_hasher`] fed the whole body.
+    pub fn key_of(h: sha2::Sha256) -> String {
         super::hex(&h.finalize())
     }
 
@@ -209,11 +231,22 @@ impl WorkspaceStore {
         h.update([0u8]);
         h.update(checked.digest.as_bytes());
         let id = format!("ws_{}", &super::hex(&h.finalize())[..32]);
+        let memory = registry_cost(&checked.manifest, checked.contents.len());
+        if memory > self.cfg.max_registry_bytes {
+            return Err(ErrorBody::new(
+                ErrorCode::PayloadTooLarge,
+                format!(
+                    "the manifest would take about {memory} bytes of the gateway's memory, more than its registry of {} bytes (workspaces.max_registry_bytes)",
+                    self.cfg.max_registry_bytes
+                ),
+            ));
+        }
         let now = Instant::now();
         let mut inner = self.lock();
         self.evict(&mut inner, now);
         let (missing, missing_bytes) = Self::missing(&mut inner, &checked.contents, owner, now);
         let workspace = Arc::new(Workspace {
+            memory,
             id: id.clone(),
             owner: owner.clone(),
             digest: checked.digest,
@@ -492,62 +525,120 @@ impl WorkspaceStore {
         (inner.total, inner.blobs.len(), inner.evicted)
     }
 
-    /// Drops what is too old, then the least recently used until the cache fits its bound.
-    /// Pinned contents stay.
+    /// Drops what is too old; then, while the registry or the cache is over a bound, the least
+    /// recently used of the identity that holds the most: one identity's traffic never
+    /// evicts what another holds within its fair share (a bound divided by the identities
+    /// using it). Pinned contents stay.
     fn evict(&self, inner: &mut Inner, now: Instant) {
         let max_age = Duration::from_secs(self.cfg.max_age_secs);
         let old = |t: Instant| now.saturating_duration_since(t) > max_age;
         inner.workspaces.retain(|_, (_, used)| !old(*used));
-        if inner.workspaces.len() > self.cfg.max_workspaces {
-            let mut by_age: Vec<(Instant, String)> = inner
-                .workspaces
-                .iter()
-                .map(|(id, (_, t))| (*t, id.clone()))
-                .collect();
-            by_age.sort();
-            let excess = inner.workspaces.len() - self.cfg.max_workspaces;
-            for (_, id) in by_age.into_iter().take(excess) {
-                inner.workspaces.remove(&id);
-            }
-        }
+        self.evict_workspaces(inner);
         let Inner {
             bodies, workspaces, ..
         } = &mut *inner;
         bodies.retain(|_, id| workspaces.contains_key(id));
-        let mut drop: Vec<String> = inner
+        let aged: Vec<String> = inner
             .blobs
             .iter()
             .filter(|(_, b)| b.pins == 0 && old(b.used))
             .map(|(h, _)| h.clone())
             .collect();
-        let aged: u64 = drop
-            .iter()
-            .filter_map(|h| inner.blobs.get(h))
-            .map(|b| b.size)
-            .sum();
-        if inner.total - aged > self.cfg.max_cache_bytes {
-            let mut lru: Vec<(Instant, &String, u64)> = inner
-                .blobs
+        for h in aged {
+            self.drop_blob(inner, &h);
+        }
+        if inner.total > self.cfg.max_cache_bytes {
+            self.evict_blobs(inner);
+        }
+    }
+
+    /// Over `max_workspaces` or `max_registry_bytes`: the least recently used workspace of
+    /// the identity holding the most goes, until both hold.
+    fn evict_workspaces(&self, inner: &mut Inner) {
+        loop {
+            let count = inner.workspaces.len();
+            let bytes: u64 = inner.workspaces.values().map(|(w, _)| w.memory).sum();
+            let by_count = count > self.cfg.max_workspaces;
+            if !by_count && bytes <= self.cfg.max_registry_bytes {
+                return;
+            }
+            let mut held: HashMap<&Owner, (u64, usize)> = HashMap::new();
+            for (w, _) in inner.workspaces.values() {
+                let h = held.entry(&w.owner).or_default();
+                h.0 += w.memory;
+                h.1 += 1;
+            }
+            let Some(top) = held
+                .into_iter()
+                .max_by_key(|(_, (b, n))| if by_count { (*n as u64, *b) } else { (*b, *n as u64) })
+                .map(|(o, _)| o.clone())
+            else {
+                return;
+            };
+            let victim = inner
+                .workspaces
                 .iter()
-                .filter(|(_, b)| b.pins == 0 && !old(b.used))
-                .map(|(h, b)| (b.used, h, b.size))
-                .collect();
-            lru.sort();
-            let mut total = inner.total - aged;
-            for (_, h, size) in lru {
-                if total <= self.cfg.max_cache_bytes {
-                    break;
+                .filter(|(_, (w, _))| w.owner == top)
+                .min_by_key(|(_, (_, used))| *used)
+                .map(|(id, _)| id.clone());
+            match victim {
+                Some(id) => {
+                    inner.workspaces.remove(&id);
                 }
-                total -= size;
-                drop.push(h.clone());
+                None => return,
             }
         }
-        for h in drop {
-            if let Some(b) = inner.blobs.remove(&h) {
-                inner.total -= b.size;
-                inner.evicted += 1;
-                let _ = std::fs::remove_file(self.blob_path(&h));
+    }
+
+    /// Over `max_cache_bytes`: the identity holding the most bytes (every owner of a content
+    /// is charged its size) gives up its least recently used unpinned content; a content
+    /// nobody holds any longer is deleted. Until the cache fits.
+    fn evict_blobs(&self, inner: &mut Inner) {
+        let mut charged: HashMap<Owner, u64> = HashMap::new();
+        let mut lru: HashMap<Owner, std::collections::VecDeque<(Instant, String)>> =
+            HashMap::new();
+        for (h, b) in &inner.blobs {
+            for o in &b.owners {
+                *charged.entry(o.clone()).or_default() += b.size;
+                if b.pins == 0 {
+                    lru.entry(o.clone()).or_default().push_back((b.used, h.clone()));
+                }
             }
+        }
+        for q in lru.values_mut() {
+            q.make_contiguous().sort();
+        }
+        while inner.total > self.cfg.max_cache_bytes {
+            let Some(top) = charged
+                .iter()
+                .filter(|(o, _)| lru.get(*o).is_some_and(|q| !q.is_empty()))
+                .max_by_key(|(_, c)| **c)
+                .map(|(o, _)| o.clone())
+            else {
+                return;
+            };
+            let Some((_, h)) = lru.get_mut(&top).and_then(|q| q.pop_front()) else {
+                return;
+            };
+            let Some(b) = inner.blobs.get_mut(&h) else {
+                continue;
+            };
+            b.owners.retain(|o| *o != top);
+            if let Some(c) = charged.get_mut(&top) {
+                *c = c.saturating_sub(b.size);
+            }
+            if b.owners.is_empty() {
+                self.drop_blob(inner, &h);
+            }
+        }
+    }
+
+    /// Deletes a content from the cache.
+    fn drop_blob(&self, inner: &mut Inner, hash: &str) {
+        if let Some(b) = inner.blobs.remove(hash) {
+            inner.total -= b.size;
+            inner.evicted += 1;
+            let _ = std::fs::remove_file(self.blob_path(hash));
         }
     }
 }
@@ -682,6 +773,28 @@ mod tests {
         let bob = Some("bob".to_owned());
         assert_ne!(WorkspaceStore::body_key(&body, &bob), key);
         assert!(s.post_again(&key, &bob).is_none(), "not another identity's");
+    }
+
+    #[test]
+    fn one_identity_cannot_evict_another_within_its_share() {
+        let (_d, s) = store(200);
+        let (alice, bob) = (Some("alice".to_owned()), Some("bob".to_owned()));
+        let data = vec![7u8; 40];
+        let m = Manifest {
+            entries: vec![entry("a", &data)],
+        };
+        let p = s.post(m, &alice).unwrap();
+        s.receive(&mut &data[..], &p.missing[0], 40, &alice).unwrap();
+        for i in 0..20u8 {
+            let data = vec![i; 40];
+            let m = Manifest {
+                entries: vec![entry(&format!("f{i}"), &data)],
+            };
+            let p = s.post(m, &bob).unwrap();
+            s.receive(&mut &data[..], &p.missing[0], 40, &bob).unwrap();
+        }
+        assert!(s.usage().0 <= 200);
+        assert!(s.pin(&s.get(&p.workspace.id, &alice).unwrap()).is_ok());
     }
 
     #[test]

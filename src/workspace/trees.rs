@@ -110,7 +110,12 @@ impl Tree {
     /// run as that user).
     fn create(base: &Path) -> Result<Self, ErrorBody> {
         std::fs::create_dir_all(base).map_err(|e| failed(&base.display().to_string(), e))?;
-        let root = base.join(format!("mcp-run-ws-{:016x}", rand::random::<u64>()));
+        // Named with the gateway's pid: what a killed gateway leaves is found (crate::leftovers).
+        let root = base.join(format!(
+            "{}{:016x}",
+            crate::leftovers::prefix("ws"),
+            rand::random::<u64>()
+        ));
         std::fs::DirBuilder::new()
             .mode(0o700)
             .create(&root)

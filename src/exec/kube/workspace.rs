@@ -349,7 +349,8 @@ fn read_changes(
     let mut read: std::collections::HashMap<String, (String, u64)> = Default::default();
     let mut bytes = 0u64;
     let mut truncated = false;
-    let mut archive = tar::Archive::new(reader);
+    // A runner is untrusted: extended headers are capped before the tar crate reads them.
+    let mut archive = tar::Archive::new(crate::workspace::tarcap::CappedHeaders::new(reader));
     for entry in archive.entries()? {
         let mut entry = entry?;
         let raw = entry.path_bytes().into_owned();
@@ -357,7 +358,10 @@ fn read_changes(
             continue;
         };
         let rel = name.strip_prefix("./").unwrap_or(name).to_owned();
-        if manifest::check_path(&rel, cfg.max_path_bytes).is_err() || !set.is_match(&rel) {
+        if manifest::check_path(&rel, cfg.max_path_bytes).is_err()
+            || crate::workspace::results::check_result_path(&rel).is_err()
+            || !set.is_match(&rel)
+        {
             continue;
         }
         let header = entry.header();

@@ -15,7 +15,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::RemoteExecutor;
-use crate::contract::{ErrorBody, ErrorCode, Event, RunRequest};
+use crate::contract::{ChangedFile, ErrorBody, ErrorCode, Event, RunRequest};
 use crate::exec::{ExecSpec, Execution, Executor, StartOptions};
 use crate::workspace::client::{SyncError, WorkspaceClient};
 
@@ -200,27 +200,24 @@ async fn relay_changes(
         {
             let mut kept = Vec::new();
             let mut cut = truncated;
+            let rules = crate::workspace::results::ResultRules::new(&run.sync_back);
             for f in files {
-                let stored = match client.download(&f.hash).await {
-                    Ok(data) => {
-                        let store = run.store.clone();
-                        let owner = run.workspace.owner.clone();
-                        let (hash, size) = (f.hash.clone(), f.size);
-                        tokio::task::spawn_blocking(move || {
-                            store.receive(&mut &data[..], &hash, size, &owner)
-                        })
-                        .await
-                        .map_err(|e| ErrorBody::new(ErrorCode::Internal, e.to_string()))
-                        .and_then(|r| r)
-                    }
-                    Err(e) => Err(e),
+                let stored = match &rules {
+                    Ok(rules) => match rules.check(&f) {
+                        Ok(()) => store_result(&client, &run, &f).await,
+                        Err(why) => Err(ErrorBody::new(ErrorCode::ProtocolError, why)),
+                    },
+                    Err(e) => Err(ErrorBody::new(ErrorCode::InvalidRequest, e.clone())),
                 };
                 match stored {
-                    Ok(()) => kept.push(f),
+                    Ok(()) => kept.push(ChangedFile {
+                        mode: crate::workspace::results::safe_mode(f.mode),
+                        ..f
+                    }),
                     Err(e) => {
                         tracing::warn!(
-                            "sync-back of {:?} from upstream failed: {}",
-                            f.path,
+                            "sync-back of {:?} from upstream refused or failed: {}",
+                            f.path.escape_debug().to_string(),
                             e.message
                         );
                         cut = true;
@@ -243,4 +240,24 @@ async fn relay_changes(
             return;
         }
     }
+}
+
+/// Streams one upstream result into this gateway's cache, for the workspace's owner: never
+/// more than its announced size, stored only when it hashes to its announced hash.
+async fn store_result(
+    client: &WorkspaceClient,
+    run: &crate::workspace::WorkspaceRun,
+    f: &ChangedFile,
+) -> Result<(), ErrorBody> {
+    use futures_util::TryStreamExt as _;
+    let resp = client.download_response(&f.hash).await?;
+    let stream = resp.bytes_stream().map_err(std::io::Error::other);
+    let mut reader =
+        tokio_util::io::SyncIoBridge::new(tokio_util::io::StreamReader::new(stream));
+    let store = run.store.clone();
+    let owner = run.workspace.owner.clone();
+    let (hash, size) = (f.hash.clone(), f.size);
+    tokio::task::spawn_blocking(move || store.receive(&mut reader, &hash, size, &owner))
+        .await
+        .map_err(|e| ErrorBody::new(ErrorCode::Internal, e.to_string()))?
 }
