@@ -1,7 +1,7 @@
 //! Issue 24, through the real binaries: a runner (or a gateway in front of one) never writes
 //! outside what the caller asked for, and hostile uploads cannot take the gateway's memory.
 
-mod support;
+use crate::support;
 
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::Path;
@@ -527,8 +527,7 @@ async fn one_identity_cannot_evict_another() {
 }
 
 fn base64_of(data: &[u8]) -> String {
-    use base64::Engine as _;
-    base64::engine::general_purpose::STANDARD.encode(data)
+    base64_simd::STANDARD.encode_to_string(data)
 }
 
 /// Issue 24.10: symlink chains are resolved (`a/b -> ..` then `s -> a/b/..` leaves the

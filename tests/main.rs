@@ -16,6 +16,7 @@ mod hardening;
 mod hardening_conn;
 mod hardening_exec;
 mod hardening_mcp;
+mod hardening_workspace;
 mod http_edges;
 mod kube;
 mod kube_clusters;
