@@ -130,7 +130,12 @@ async fn http_initialize_tools_and_calls() {
     );
     let r = tool_call(&c, json!({"executable": "true", "shell": true})).await;
     assert_eq!(r.is_error, Some(true));
-    assert!(text(&r).contains("unknown field"), "{}", text(&r));
+    // The message names every argument the tool takes, MCP's own too.
+    let t = text(&r);
+    assert!(t.contains(r#"unknown argument "shell""#), "{t}");
+    for name in ["executable", "template", "stdin", "result_chars"] {
+        assert!(t.contains(name), "{name} missing from {t}");
+    }
 
     // The capabilities document as a resource, and over HTTP.
     let res = c

@@ -185,13 +185,13 @@ impl McpService {
             max_result_chars: self.config.max_result_chars,
             max_stdin_bytes: self.config.max_stdin_bytes,
         });
-        // Workspaces (docs/workspaces.md), when this gateway takes them.
+        // Workspaces (docs/workspaces.md) only when this gateway takes them.
         let mut input = input;
-        if self.runner.workspaces().is_some() {
-            input["properties"]["workspace"] = serde_json::json!({
-                "type": "string",
-                "description": "A workspace id returned by POST /workspaces (docs/workspaces.md): the command runs in a fresh copy of that tree, and `cwd` is relative to its root."
-            });
+        if self.runner.workspaces().is_none()
+            && let Some(props) = input.get_mut("properties").and_then(Value::as_object_mut)
+        {
+            props.remove("workspace");
+            props.remove("sync_back");
         }
         let description = format!(
             "Run a command and get its stdout, stderr and exit code. {} Limits: timeout up to {} s (default {} s); no TTY; the result carries up to {} characters of output (head and tail kept, each cut marked), and the full output stays readable as a resource (mcp-run://runs/{{id}}/stdout, with ?lines=, ?bytes= or ?grep=) for {} s.",
@@ -277,6 +277,9 @@ impl McpService {
             Ok(c) => c,
             Err(e) => return error_result(&e),
         };
+        if let Some(unknown) = self.unknown_argument(&arguments) {
+            return error_result(&ErrorBody::new(ErrorCode::InvalidRequest, unknown));
+        }
         let req: RunRequest = match serde_json::from_value(Value::Object(arguments)) {
             Ok(r) => r,
             Err(e) => {
@@ -294,6 +297,23 @@ impl McpService {
             }
             Err(stopped) => error_result(&stopped.error()),
         }
+    }
+
+    /// An argument the tool's input schema does not have, named with every argument it
+    /// has (serde's own message would list only the `/raw` fields, not MCP's).
+    fn unknown_argument(&self, arguments: &Map<String, Value>) -> Option<String> {
+        let tool = self.tool();
+        let known = tool.input_schema.get("properties")?.as_object()?;
+        let unknown = arguments.keys().find(|k| !known.contains_key(k.as_str()))?;
+        // A client's text, shown back: bounded.
+        let unknown: String = unknown.chars().take(64).collect();
+        let mut names: Vec<&str> = known.keys().map(String::as_str).collect();
+        names.sort_unstable();
+        Some(format!(
+            "invalid arguments: unknown argument {:?}; the arguments are {}",
+            unknown,
+            names.join(", ")
+        ))
     }
 
     fn capabilities_json(&self) -> Value {
