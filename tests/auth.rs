@@ -295,9 +295,11 @@ async fn rate_limit_per_identity() {
     let anon = Gateway::start(&["--config", path.to_str().unwrap()]);
     assert_eq!(raw(&anon, body.clone()).await.status, 200);
     assert_eq!(raw(&anon, body.clone()).await.status, 200);
-    assert_eq!(raw(&anon, body.clone()).await.status, 429);
-    tokio::time::sleep(Duration::from_millis(1100)).await;
-    assert_eq!(raw(&anon, body.clone()).await.status, 200);
+    // Without auth the bucket is the address's; one token a second comes back (the refill
+    // itself is checked on the clock in src/rate_limit.rs, not by waiting here).
+    let limited = post_raw(&anon, None, body.clone()).await;
+    assert_eq!(limited.status(), 429);
+    assert_eq!(limited.headers()["retry-after"], "1");
 }
 
 #[test]

@@ -188,6 +188,7 @@ async fn gateway_stopped_mid_run_is_a_client_error_with_a_message() {
     let cfg = config_file(&dir, "server:\n  shutdown_grace_secs: 1\n");
     let gw = Gateway::start(&["--config", cfg.to_str().unwrap()]);
     let spawn = |format: &str| {
+        let started = dir.path().join(format);
         gw.run_remote()
             .args([
                 "--output-format",
@@ -195,7 +196,7 @@ async fn gateway_stopped_mid_run_is_a_client_error_with_a_message() {
                 "--",
                 "sh",
                 "-c",
-                "echo up >&2; sleep 60",
+                &format!("echo up >&2; : > '{}'; sleep 60", started.display()),
             ])
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -203,13 +204,18 @@ async fn gateway_stopped_mid_run_is_a_client_error_with_a_message() {
             .unwrap()
     };
     let (mut stream, json) = (spawn("stream"), spawn("json"));
-    // The streamed command runs (its first line arrived) before the gateway is told to stop;
-    // the json one gets a moment too.
+    // Both commands run (the streamed one's first line arrived, and each wrote its marker)
+    // before the gateway is told to stop.
     let mut stream_err = stream.stderr.take().unwrap();
     let mut up = [0u8; 3];
     stream_err.read_exact(&mut up).unwrap();
     assert_eq!(&up, b"up\n");
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        support::wait_until(Duration::from_secs(10), || {
+            dir.path().join("stream").exists() && dir.path().join("json").exists()
+        }),
+        "both commands started"
+    );
     let (status, _gw) = support::terminate(gw).await;
     assert!(status.is_some_and(|s| s.success()));
 

@@ -224,13 +224,18 @@ fn a_half_closed_request_still_gets_its_whole_answer() {
 
 #[test]
 fn new_requests_during_shutdown_get_503_shutting_down() {
-    let (mut gw, _dir) = gateway_with("server:\n  shutdown_grace_secs: 10\n");
+    let (mut gw, dir) = gateway_with("server:\n  shutdown_grace_secs: 10\n");
     // A run that is still going when SIGTERM comes, read to its end on another thread.
     let mut running = wire::connect(&gw);
-    let body = serde_json::json!({"executable": "sh", "args": ["-c", "sleep 3; echo late"]});
+    let started = dir.path().join("started");
+    let script = format!(": > '{}'; sleep 3; echo late", started.display());
+    let body = serde_json::json!({"executable": "sh", "args": ["-c", script]});
     std::io::Write::write_all(&mut running, &post_raw("localhost", &body.to_string())).unwrap();
     let reader = std::thread::spawn(move || wire::read_answer(&mut running));
-    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert!(
+        support::wait_until(std::time::Duration::from_secs(10), || started.exists()),
+        "the run started"
+    );
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(gw.pid().unwrap() as i32),
         nix::sys::signal::SIGTERM,
@@ -326,9 +331,14 @@ fn secrets_do_not_leak_through_refusals_or_logs() {
             a.text()
         );
     }
-    std::thread::sleep(std::time::Duration::from_millis(200));
+    assert!(
+        support::wait_until(std::time::Duration::from_secs(5), || gw
+            .log_text()
+            .contains("[REDACTED]")),
+        "{}",
+        gw.log_text()
+    );
     let log = gw.log_text();
-    assert!(log.contains("[REDACTED]"), "{log}");
     assert!(!log.contains(SECRET), "leaked in the log: {log}");
 }
 

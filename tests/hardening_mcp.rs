@@ -102,7 +102,10 @@ fn a_reused_request_id_is_refused_while_the_first_runs() {
     let gw = Gateway::start(&[]);
     let sid = open_session(&gw, &[]);
     let header = format!("Mcp-Session-Id: {sid}");
-    let call = json!({"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {"name": "run_network_tool", "arguments": {"executable": "sleep", "args": ["2"]}}});
+    let dir = tempfile::tempdir().unwrap();
+    let started = dir.path().join("started");
+    let script = format!(": > '{}'; sleep 2", started.display());
+    let call = json!({"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {"name": "run_network_tool", "arguments": {"executable": "sh", "args": ["-c", script]}}});
     let first = {
         let (addr, header, call) = (wire::addr(&gw), header.clone(), call.clone());
         std::thread::spawn(move || {
@@ -122,7 +125,10 @@ fn a_reused_request_id_is_refused_while_the_first_runs() {
             wire::read_answer(&mut s)
         })
     };
-    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        support::wait_until(Duration::from_secs(10), || started.exists()),
+        "the first call runs"
+    );
     let second = mcp_post(&gw, &[&header], &call);
     assert_eq!(second.status, 409, "{}", second.text());
     assert_eq!(second.json()["error"]["code"], -32600);

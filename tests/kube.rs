@@ -253,8 +253,12 @@ async fn beyond_max_concurrent_pods_is_429() {
     let gw = gateway(&double, &["--max-concurrent-pods", "2"]);
     let long = || raw(&gw, json!({"executable": "sleep", "args": ["5"]}));
     let (a, b, c) = tokio::join!(long(), long(), async {
-        // Both long requests hold their slot from the moment they arrive.
-        tokio::time::sleep(Duration::from_millis(1500)).await;
+        // Both long requests hold their slot (their pods exist) before the third arrives.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while double.pod_names(NS).len() < 2 {
+            assert!(Instant::now() < deadline, "two pods for the two long runs");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         let r = http()
             .post(gw.raw_url())
             .json(&json!({"executable": "true"}))
@@ -667,7 +671,7 @@ async fn a_restarted_gateway_deletes_what_its_crashed_run_left() {
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL).unwrap();
     drop(gw);
     running.abort();
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Nothing deletes it now: the gateway that made it is gone.
     assert_eq!(double.pod_names(NS).len(), 1, "the crash left the pod");
     let _restarted = gateway(&double, &[]);
     no_pods_left(&double, Duration::from_secs(10));

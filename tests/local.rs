@@ -315,10 +315,12 @@ async fn graceful_shutdown_lets_short_commands_finish() {
     let cfg = config_file(&dir, "server:\n  shutdown_grace_secs: 20\n");
     let gw = Gateway::start(&["--config", cfg.to_str().unwrap()]);
     let url = gw.raw_url();
+    let started = dir.path().join("started");
+    let script = format!(": > '{}'; sleep 1; echo finished", started.display());
     let run = tokio::spawn(async move {
         http()
             .post(url)
-            .json(&json!({"executable": "sh", "args": ["-c", "sleep 1; echo finished"]}))
+            .json(&json!({"executable": "sh", "args": ["-c", script]}))
             .send()
             .await
             .unwrap()
@@ -326,7 +328,10 @@ async fn graceful_shutdown_lets_short_commands_finish() {
             .await
             .unwrap()
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        wait_until(Duration::from_secs(10), || started.exists()),
+        "the command started"
+    );
     let (status, _) = support::terminate(gw).await;
     assert!(status.is_some_and(|s| s.success()));
     let text = run.await.unwrap();
