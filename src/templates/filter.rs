@@ -155,6 +155,10 @@ pub struct Filtered {
     /// The template that was applied, as the note names it (`pytest`, or `pytest (auto, by
     /// the command)`).
     pub template: String,
+    /// `auto` found no tool and the run passed without a summary line: the stream is most
+    /// likely data that was asked for, and goes as it came (`output` is the stream itself
+    /// when it was short enough to hold; a front that has the stream uses its own copy).
+    pub declined: bool,
 }
 
 impl Filtered {
@@ -323,6 +327,8 @@ pub struct StreamFilter {
     /// Whether a stream that filtering would not shrink goes as it came (always, but for
     /// the unit tests of the other rules on tiny inputs).
     shrink_only: bool,
+    /// A summary line was seen (see [`StreamFilter::finish`] for `auto`'s generic pick).
+    saw_summary: bool,
 }
 
 impl StreamFilter {
@@ -366,6 +372,7 @@ impl StreamFilter {
             raw_whole: true,
             raw_bytes: 0,
             shrink_only: true,
+            saw_summary: false,
         }
     }
 
@@ -524,6 +531,7 @@ impl StreamFilter {
         let failure = !code && !library && !summary && ERROR_RE.is_match(text);
         if summary {
             why = Some(Why::Always);
+            self.saw_summary = true;
         }
         // Locations matter only near a failure: most lines skip the pattern.
         let near = self.window > 0 || self.block > 0 || self.after_failure || self.traceback;
@@ -729,6 +737,21 @@ impl StreamFilter {
         }
         let label = self.label();
         let failed = exit_code != Some(0);
+        // `auto` found no tool, and the command passed without a summary line: its output
+        // is most likely what was asked for (`cat`, `ls`, a script's report), not a log.
+        let declined = !failed
+            && self.picked == Picked::Output
+            && self.template.name == auto::GENERIC
+            && !self.saw_summary;
+        if declined && self.raw_whole {
+            return Filtered {
+                output: super::ansi::strip(&self.raw).into_owned(),
+                total_lines: self.lines,
+                kept_lines: self.lines,
+                template: label,
+                declined,
+            };
+        }
         let total = self.lines;
         let mut kept: Vec<(usize, &[u8])> = Vec::new();
         if failed && total <= SHORT_STREAM_LINES {
@@ -795,6 +818,7 @@ impl StreamFilter {
                 total_lines: total,
                 kept_lines,
                 template: label,
+                declined,
             };
         }
         Filtered {
@@ -802,6 +826,7 @@ impl StreamFilter {
             total_lines: total,
             kept_lines,
             template: label,
+            declined,
         }
     }
 }

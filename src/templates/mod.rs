@@ -467,9 +467,24 @@ mod tests {
             text.ends_with("test result: ok. 60 passed; 0 failed\n"),
             "{text}"
         );
-        // Nothing recognisable: the generic template.
-        let f = t.apply("x\n".repeat(40).as_bytes(), Some(0));
+        // Nothing recognisable: the generic template, which leaves a passing run without a
+        // summary line as it came (`cat`, `ls`), and filters a failing one.
+        let data = "x\n".repeat(40) + "\nlast\n";
+        let f = t.apply(data.as_bytes(), Some(0));
         assert_eq!(f.template, "generic (auto, by the output)");
+        assert_eq!(f.output, data.as_bytes());
+        let f = t.apply(data.as_bytes(), Some(1));
+        assert_eq!(
+            f.output,
+            b"[template generic (auto, by the output): 41 of 42 lines left out]\nlast\n"
+        );
+        let with_summary = data + "3 passed, 0 failed\n";
+        let f = t.apply(with_summary.as_bytes(), Some(0));
+        assert!(
+            f.output.ends_with(b"]\nlast\n3 passed, 0 failed\n"),
+            "{:?}",
+            String::from_utf8_lossy(&f.output)
+        );
     }
 
     #[test]
