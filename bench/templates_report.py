@@ -40,7 +40,7 @@ def main() -> int:
     print("|---|---|---:|---:|---:|")
     for log in sorted({log for log, _ in results}):
         base = results.get((log, "baseline grep"))
-        for case in ("baseline grep", "failed", "passed"):
+        for case in ("baseline grep", "failed", "passed", "auto failed"):
             if (log, case) not in results:
                 continue
             median, mad = results[(log, case)]
@@ -49,6 +49,7 @@ def main() -> int:
                 "baseline grep": "baseline: include_regex per line",
                 "failed": "template, exit 1",
                 "passed": "template, exit 0",
+                "auto failed": "auto (picks by the output), exit 1",
             }[case]
             print(f"| {log} | {name} | {median:.1f} ms | {mad:.2f} ms | {ratio} |")
     return 0

@@ -33,7 +33,7 @@ tools:
   - name: filtered
     description: Noisy output through the cargo-test template.
     executable: sh
-    command: ['-c', 'for i in 1 2 3 4 5 6 7 8 9; do echo "noise $i"; echo; done; echo "test result: ok. 9 passed"']
+    command: ['-c', 'for i in $(seq 1 40); do echo "noise $i"; echo; done; echo "test result: ok. 9 passed"']
     template: cargo-test
   - name: untemplated
     description: Names a template that does not exist.
@@ -126,7 +126,8 @@ async fn exercise(c: &Client) {
         json!({"stdout": "out\n[REDACTED]\n", "stderr": "bad\n", "exitCode": 3})
     );
 
-    // A tool's template filters its output.
+    // A tool's template filters its output (long enough that the note and the kept lines
+    // are shorter than it: an output is never made larger).
     let r = c.call_tool(call("filtered", json!({}))).await.unwrap();
     assert_eq!(r.is_error, Some(false), "{}", text(&r));
     let out = r.structured_content.unwrap()["stdout"]
@@ -134,7 +135,7 @@ async fn exercise(c: &Client) {
         .unwrap()
         .to_owned();
     assert!(out.contains("test result: ok. 9 passed"), "{out}");
-    assert!(!out.contains("noise 1"), "{out}");
+    assert!(!out.contains("noise 1\n"), "{out}");
 
     // Execution errors: nothing ran, no structured output, the reason in the text.
     for (name, args, reason) in [

@@ -53,8 +53,11 @@ timeout killed it; 141 if our stdout was closed. 125 when run-remote itself fail
 configuration, gateway unreachable, request rejected, the run failed on the gateway, an output
 error): the command did not run or its end is unknown, and one line on stderr says why.
 
-Templates: --template NAME prints the output filtered when the command ends (errors and
-summary), and names the file that keeps the full output. `run-remote templates` lists them.";
+Templates: --template NAME prints the output filtered when the command ends (failures with
+their locations, diagnostics, summary lines), and names the file that keeps the full output.
+--template auto picks the template for the tool the command runs (cargo test, pytest, npx
+eslint, go vet, make, mvn, ...) or, when the command says nothing (npm test, a script), by the
+output, and the note names its pick. `run-remote templates` lists them.";
 
 /// Run a command on an mcp-run gateway, streaming its output and mirroring its exit code.
 ///
@@ -88,7 +91,8 @@ pub struct Args {
     #[arg(long, value_name = "URL")]
     pub server: Option<String>,
     /// Filter the output with this template when the command ends (see `run-remote
-    /// templates`); the full output is saved to a file that the filtered output names.
+    /// templates`; `auto` picks one by the command or the output, `raw` is none); the full
+    /// output is saved to a file that the filtered output names.
     #[arg(long, value_name = "NAME")]
     pub template: Option<String>,
     /// Run the command in this directory (on the runner) instead of the current one.
@@ -342,7 +346,14 @@ async fn run(args: Args) -> Outcome {
 fn prepare(args: &Args) -> Result<Prepared, Failure> {
     let (server, request) =
         build_request(args, |k| std::env::var(k).ok(), std::env::current_dir())?;
-    let template = args.template.as_deref().map(resolve_template).transpose()?;
+    // `raw` asks for no template; `auto` picks by the command line (or by the output).
+    let template = args
+        .template
+        .as_deref()
+        .filter(|n| *n != crate::templates::RAW)
+        .map(resolve_template)
+        .transpose()?
+        .map(|t| t.for_command(&request.executable, &request.args));
     // Trimmed: a token from a file or a Secret's key (`secretKeyRef`) ends with a newline,
     // which no header may carry; the gateway's tokens never hold whitespace.
     let token = std::env::var("RUN_REMOTE_TOKEN")

@@ -25,7 +25,6 @@ pub fn resolve(name: &str, dir: &Path) -> Result<Template, Failure> {
 /// (in arrival order, as a terminal would show it) and to one streaming filter per stream
 /// (bounded memory, whatever the output's size).
 pub struct TemplateSink {
-    template: Template,
     raw: std::fs::File,
     raw_path: PathBuf,
     stdout: StreamFilter,
@@ -57,7 +56,6 @@ impl TemplateSink {
         Ok(TemplateSink {
             stdout: StreamFilter::new(&template),
             stderr: StreamFilter::new(&template),
-            template,
             raw,
             raw_path,
         })
@@ -101,7 +99,11 @@ impl TemplateSink {
         writeln!(
             err,
             "run-remote: template {}: {} of {} lines left out; the full output is in {}",
-            self.template.name,
+            if o.omitted_lines() > 0 {
+                &o.template
+            } else {
+                &e.template
+            },
             o.omitted_lines() + e.omitted_lines(),
             o.total_lines + e.total_lines,
             self.raw_path.display()

@@ -87,6 +87,10 @@ pub async fn execute(
         rx
     });
     let io = RunIo { progress, stdin };
+    // `auto` picks by the command line here, or by the output as it streams.
+    let template = call
+        .template
+        .map(|t| t.for_command(&req.executable, &req.args));
     let ct = &context.ct;
     let started = tokio::select! {
         s = runner.start_with(req, &caller, io) => s.map_err(Stopped::NotStarted),
@@ -102,8 +106,7 @@ pub async fn execute(
         }
     };
     let recording = store.and_then(|s| s.begin(&caller));
-    let mut filters = call
-        .template
+    let mut filters = template
         .as_ref()
         .map(|t| (StreamFilter::new(t), StreamFilter::new(t)));
     let latest = reporter.as_ref().map(|r| r.latest.clone());
@@ -147,12 +150,15 @@ pub async fn execute(
         collected.exit.and_then(|e| e.code)
     };
     let uri = |s: Stream| recording.as_ref().map(|r| r.uri(s));
-    let filtered = filters.map(|(o, e)| {
-        (
-            o.finish(code, uri(Stream::Stdout).as_deref()),
-            e.finish(code, uri(Stream::Stderr).as_deref()),
-        )
-    });
+    let filtered = filters
+        .map(|(o, e)| {
+            (
+                o.finish(code, uri(Stream::Stdout).as_deref()),
+                e.finish(code, uri(Stream::Stderr).as_deref()),
+            )
+        })
+        // `auto` found no tool in a passing run: the output as it came (data, not a log).
+        .filter(|(o, e)| !(o.declined && e.declined));
     Ok(Ran {
         collected,
         filtered,

@@ -33,6 +33,7 @@ use crate::capabilities::{Capabilities, EXPERIMENTAL_KEY, RESOURCE_URI};
 use crate::contract::{ErrorBody, ErrorCode, RunRequest};
 use crate::result::StructuredResult;
 use crate::runner::Runner;
+use crate::templates::{AUTO, RAW};
 
 pub use config::McpConfig;
 use execute::{Call, Stopped, execute};
@@ -166,10 +167,13 @@ impl McpService {
     pub fn tool(&self) -> Tool {
         let caps = &self.capabilities;
         let catalog = self.templates.catalog(&self.template_dir);
-        let listing: Vec<String> = catalog
+        let mut listing: Vec<String> = catalog
             .entries()
             .map(|(t, _)| format!("`{}`: {}", t.name, t.description))
             .collect();
+        listing.push(format!("`{RAW}`: the output as it came"));
+        let mut names = catalog.names();
+        names.push(RAW.into());
         let input = schema::run_input(&schema::InputExtras {
             profiles: caps
                 .backend
@@ -179,7 +183,7 @@ impl McpService {
                 .collect(),
             default_timeout_secs: caps.limits.default_timeout_secs,
             max_timeout_secs: caps.limits.max_timeout_secs,
-            templates: catalog.names(),
+            templates: names,
             template_listing: listing.join("; "),
             default_result_chars: self.config.result_chars,
             max_result_chars: self.config.max_result_chars,
@@ -229,8 +233,10 @@ impl McpService {
         let invalid = |m: String| {
             ErrorBody::new(ErrorCode::InvalidRequest, format!("invalid arguments: {m}"))
         };
+        // No template named: `auto` (docs/templates.md); `raw` asks for none.
         let template = match arguments.remove("template") {
-            None | Some(Value::Null) => None,
+            None | Some(Value::Null) => Some(self.template(AUTO, "unknown template")?),
+            Some(Value::String(name)) if name == RAW => None,
             Some(Value::String(name)) => Some(self.template(&name, "unknown template")?),
             Some(other) => return Err(invalid(format!("template must be a string, not {other}"))),
         };

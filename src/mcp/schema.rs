@@ -160,7 +160,7 @@ pub fn run_input(x: &InputExtras) -> Map<String, Value> {
         json!({
             "type": "string", "enum": x.templates,
             "description": format!(
-                "Filter stdout and stderr down to errors and summary (default: the raw output). The filter reads the whole output as it streams; on a failure, error lines, their locations and diagnostic blocks are always kept. {}",
+                "Filter stdout and stderr down to what matters (default `auto`: the template for the tool the command runs, picked by the command line or else by the output, named in the note; `raw` for the output as it came). Failures with their locations and expected/actual, diagnostics and summary lines are always kept; a passing run shrinks to its summary; an output that filtering would not shrink comes unchanged; the full output stays readable as a resource. {}",
                 x.template_listing
             )
         }),

@@ -6,7 +6,6 @@ use crate::templates::{StreamFilter, Template};
 /// Both streams filtered by one template as they arrive (bounded memory), for a run that is
 /// collected whole: feed it from [`super::collect`]'s `on_output`.
 pub struct Filters {
-    template: Template,
     stdout: StreamFilter,
     stderr: StreamFilter,
 }
@@ -14,7 +13,6 @@ pub struct Filters {
 impl Filters {
     pub fn new(template: &Template) -> Self {
         Self {
-            template: template.clone(),
             stdout: StreamFilter::new(template),
             stderr: StreamFilter::new(template),
         }
@@ -47,7 +45,11 @@ impl Filters {
         if removed > 0 {
             result.summary.push_str(&format!(
                 "; template `{}` left out {removed} of {} lines",
-                self.template.name,
+                if out.omitted_lines() > 0 {
+                    &out.template
+                } else {
+                    &err.template
+                },
                 out.total_lines + err.total_lines
             ));
         }

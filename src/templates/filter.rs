@@ -1,41 +1,123 @@
 //! The filtering itself: one template applied to one stream of bytes.
 //!
+//! Every template applies the same generic rules, built from kinds of lines rather than from
+//! one tool's format: failure lines (errors, failing tests of many runners, panics,
+//! tracebacks) with their locations, code frames and expected/actual detail, kept when the
+//! run failed; diagnostics (`path:line:col: warning: ...`, rule codes, `In f line 3:`) and
+//! summary or count lines (`Found 9 errors`, `Ran 12 tests`, `ℹ fail 4`, `3 failing`), kept
+//! whatever the exit; runtime noise (`at node:internal/...`, `generatedMessage: true,`) never.
+//! A template adds its tool's lines (`include_regex`), leaves some out (`exclude_regex`) and
+//! keeps the last paragraphs. The output is never larger than the input: when filtering
+//! would not shrink a stream, it is returned as it came, without a note.
+//!
 //! Lines are kept byte for byte (CR, invalid UTF-8 and a last line without a newline
 //! included); matching uses `regex::bytes`, so a line with invalid UTF-8 still matches on its
 //! valid parts, and an invalid sequence matches only patterns that accept any byte.
-//!
-//! Size: about 460 lines of code; the rest are unit tests of the generic rules, one per rule.
 
-use std::sync::LazyLock;
+use std::collections::VecDeque;
+use std::sync::{Arc, LazyLock};
 
 use regex::bytes::Regex;
 
 use super::Template;
+use super::auto::{self, Picked};
 
 /// Lines that report a failure. On a non-zero exit these survive whatever the template
-/// says: they are the lines a filter must never drop (compile errors before tests ran,
-/// collection errors, panics, tracebacks, pytest's `E   ` assertion detail). It runs once over
-/// the whole output in multi-line mode, so no alternative may match across a newline.
-static ERROR_SHAPED: LazyLock<Regex> = LazyLock::new(|| {
-    Regex::new(concat!(
-        // Every alternative starts with a literal, so that a literal search finds candidates;
-        // ASCII word boundaries, as a Unicode one slows lines with a non-ASCII byte.
-        r"(?m)(?i:(?-u:\b)error(?-u:\b))",
-        r"|(?:Error|Exception)(?-u:\b)",
-        r"|(?-u:\b)FAIL(?:ED|URE|URES)?(?-u:\b)",
-        r"|^Traceback \(most recent call last\)",
-        r"|(?-u:\b)panicked at(?-u:\b)",
-        r"|^E {2,}[^\s]",
-        r"|●[ \t]",
-        r"|: command not found",
-        r"|No such file or directory",
-    ))
-    .unwrap_or_else(|e| unreachable!("built-in regex: {e}"))
-});
+/// says: compile errors before tests ran, collection errors, panics, tracebacks, pytest's
+/// `E   ` detail, the failing-test lines of many runners (`✖ name`, `not ok 3 - name`,
+/// `1) suite`, `***Failed`, `XPASS`) and expected/actual shapes (`999 !== 1000`).
+const ERROR_SHAPED: &str = concat!(
+    // ASCII word boundaries, as a Unicode one slows lines with a non-ASCII byte.
+    r"(?i:(?-u:\b)error(?-u:\b))",
+    r"|(?:Error|Exception)(?-u:\b)",
+    r"|(?-u:\b)(?:FAIL(?:ED|URE|URES)?|[Ff]ail(?:ed|ure|ing)|failures)(?-u:\b)",
+    r"|^Traceback \(most recent call last\)",
+    r"|(?-u:\b)panicked at(?-u:\b)",
+    r"|^E {2,}[^\s]",
+    r"|●[ \t]",
+    r"|^\s*[✖✗✘×] ",
+    r"|^\s*not ok \d+",
+    r"|^\s*\d+\) \S",
+    r"|\*\*\*(?:Not Run|Exception|Timeout)",
+    r"|XPASS",
+    r"|\S !==? \S",
+    r"|: command not found",
+    r"|No such file or directory",
+    r"|(?i:could not|cannot|can't|unable to) (?:find|open|load|resolve|access|read|connect)",
+);
+
+/// Diagnostics, kept whatever the exit code (a warning-only lint run exits 0): compiler and
+/// linter lines with a location and a severity or a rule code, headers that give the
+/// location of the lines under them.
+const DIAGNOSTIC: &str = concat!(
+    // gcc, clang, javac, mypy, flake8, ruff (concise), pylint, shellcheck -f gcc, go vet.
+    r"^[^\s:]+:\d+(?::\d+)?:\s*(?:fatal error|error|warning|note|info|style|remark|[A-Z][A-Z0-9]{0,3}\d{2,5}(?-u:\b)|\[[A-Z]\d{3,5}\()",
+    // tsc, MSBuild.
+    r"|^[^\s(]+\(\d+,\d+\): (?:error|warning) ",
+    // shellcheck's tty format.
+    r"|^In \S+ line \d+:$",
+    r"|(?-u:\b)SC\d{4} \((?:error|warning|info|style)\):",
+    // eslint's stylish rows (the file is the line above the first row).
+    r"|^\s+\d+:\d+\s+(?:error|warning)\s",
+    // rustc, cargo, clippy, Go's and Swift's `warning:` (`error:` is a failure line).
+    r"|^warning(?:\[[\w:-]+\])?: \S",
+    // ruff's full format: `F401 [*] message`.
+    r"|^[A-Z]{1,4}\d{2,4} (?:\[\*\] )?\S",
+    r"|^\[WARNING\] ",
+);
+
+/// Summary and count lines: what a run came to, kept whatever the exit code.
+const SUMMARY: &str = concat!(
+    r"^Found \d+ (?:errors?|warnings?|problems?)(?-u:\b)",
+    r"|^Success: no issues found",
+    r"|^All checks passed!",
+    r"|^Ran \d+ tests? in ",
+    r"|^(?:OK|FAILED)(?: \([^)]*\))?\s*$",
+    r"|^\s*\d+ (?:passing|failing|pending)(?: \(|\s*$)",
+    r"|^ℹ (?:tests|suites|pass|fail|cancelled|skipped|todo) \d+$",
+    r"|^# (?:tests|suites|pass|fail|cancelled|skipped|todo) \d+$",
+    r"|\d+% tests passed, \d+ tests? failed out of \d+",
+    r"|^The following tests FAILED:",
+    r"|^\s+\d+ - \S+ \((?:Failed|Not Run|Timeout|SEGFAULT|Subprocess aborted|Exception|Child aborted)\)",
+    r"|^Your code has been rated at ",
+    r"|^✖ \d+ problems? \(",
+    r"|^\d+ (?:errors?|warnings?)(?: and \d+ (?:errors?|warnings?))? generated\.$",
+    r"|^\d+ (?:errors?|warnings?)$",
+    r"|^\s*(?:Test Suites|Tests|Test Files):?\s+\d",
+    r"|^[=\s]*\d+ (?:passed|failed|errors?|xfailed|xpassed)(?-u:\b).* in [\d.]+s(?-u:\b)",
+    r"|^(?:\w+: )?\d+ passed, \d+ failed",
+    r"|^test result: ",
+    r"|^(?:ok|FAIL)\s+\S+\s+(?:[\d.]+s|\(cached\))",
+    r"|^FAIL$",
+    r"|BUILD (?:SUCCESS|FAILURE|SUCCESSFUL|FAILED)",
+    r"|^\[\w+\] Tests run: \d+, Failures: \d+, Errors: \d+, Skipped: \d+\s*$",
+    r"|^\s*Finished `\w+` profile",
+);
+
+/// A caret line under a source line in a code frame (`   |     ^^^`, `  ~~~~`): the line it
+/// marks is kept on a failure, the frame's other context lines are not. The caret line itself
+/// is kept when it underlines a span (`^^^^`, `~~~~`: which expression); a single `^` only
+/// gives a column, which the failure's location (`file:line:col`) already says.
+const CARET: &str = r"^\s*(\d+\s*)?\|?\s*[\^~]+\s*$";
+
+fn compile(pattern: &str) -> Regex {
+    Regex::new(pattern).unwrap_or_else(|e| unreachable!("built-in regex: {e}"))
+}
+
+static ERROR_RE: LazyLock<Regex> = LazyLock::new(|| compile(ERROR_SHAPED));
+static DIAGNOSTIC_RE: LazyLock<Regex> = LazyLock::new(|| compile(DIAGNOSTIC));
+static SUMMARY_RE: LazyLock<Regex> = LazyLock::new(|| compile(SUMMARY));
+static CARET_RE: LazyLock<Regex> = LazyLock::new(|| compile(CARET));
+
+/// Everything a line can match to be looked at more closely, with a template's own pattern
+/// in front: most lines of a log match none, and one pass over them decides that.
+pub(super) fn any_pattern(include: &str) -> String {
+    format!("(?:{include})|{ERROR_SHAPED}|{DIAGNOSTIC}|{SUMMARY}|{CARET}")
+}
 
 /// Lines that say where a failure is: a path with a line number in the usual notations.
 static LOCATION: LazyLock<Regex> = LazyLock::new(|| {
-    Regex::new(concat!(
+    compile(concat!(
         r"^\s*-->\s",
         r#"|^\s*File "[^"]+", line \d+"#,
         r"|[\w./\\-]+\.\w+:\d+",
@@ -43,12 +125,19 @@ static LOCATION: LazyLock<Regex> = LazyLock::new(|| {
         r"|[\w./\\-]+\.\w+:\[\d+,\d+\]",
         r"|^\s*at .*[:(]\d+",
         r"|^\s*>\s*\d+\s*\|",
+        r"|^\s*location: ",
     ))
-    .unwrap_or_else(|e| unreachable!("built-in regex: {e}"))
 });
+
+/// Lines of an expected/actual diff under a failure (`- [1, 2, 3]`, `+   'b',`, `-7`).
+static DIFF: LazyLock<Regex> =
+    LazyLock::new(|| compile(r"^\s*[-+](?:\s+\S|\d|\[|\{|')|^\s*(?:expected|actual):"));
 
 /// How many lines after an error-shaped line are searched for its location lines.
 const LOCATION_WINDOW: usize = 12;
+
+/// How many lines after a kept diff line are still searched.
+const DIFF_WINDOW: usize = 6;
 
 /// On a non-zero exit, a stream of at most this many lines is kept whole: a failing tool's
 /// short stderr is the message, whatever shape it has.
@@ -63,6 +152,13 @@ pub struct Filtered {
     pub total_lines: usize,
     /// Lines of the input that were kept.
     pub kept_lines: usize,
+    /// The template that was applied, as the note names it (`pytest`, or `pytest (auto, by
+    /// the command)`).
+    pub template: String,
+    /// `auto` found no tool and the run passed without a summary line: the stream is most
+    /// likely data that was asked for, and goes as it came (`output` is the stream itself
+    /// when it was short enough to hold; a front that has the stream uses its own copy).
+    pub declined: bool,
 }
 
 impl Filtered {
@@ -87,6 +183,16 @@ pub const MAX_TAIL: usize = 256 * 1024;
 /// "paragraph" of thousands of progress lines is noise (its failure lines are kept anyway).
 pub const MAX_TAIL_LINES: usize = 50;
 
+/// A stream up to this size is held whole, so that it can be returned unchanged when
+/// filtering would not shrink it. A longer one that filtering would not shrink loses its
+/// note instead (the kept lines alone are never longer than the input).
+pub const RAW_HOLD: usize = 256 * 1024;
+
+/// `auto` looks at this many lines of the output at most (or [`SNIFF_BYTES`]) for a line
+/// that names the tool; the lines are held meanwhile, then filtered as usual.
+pub const SNIFF_LINES: usize = 300;
+pub const SNIFF_BYTES: usize = 128 * 1024;
+
 /// How many lines of a diagnostic block (an error line followed by its code frame, up to
 /// the next blank line) are kept at most.
 const BLOCK_LINES: usize = 60;
@@ -102,37 +208,43 @@ fn is_blank(line: &[u8]) -> bool {
     line.iter().all(|b| b.is_ascii_whitespace())
 }
 
-/// A line of a code frame under a diagnostic: `  |`, `12 |`, `-->`, `= note:`, `...`.
+/// A line of a code frame under a diagnostic: `  |`, `12 |`, `-->`, `= note:`, `...`, and
+/// the `---` that opens a TAP failure's YAML block.
 static FRAME: LazyLock<Regex> = LazyLock::new(|| {
-    Regex::new(r"^\s*(\d+\s*)?\||^\s*-->\s|^\s*= \w|^\s*\.\.\.\s*$|^\s*(help|note)(\[\w+\])?:")
-        .unwrap_or_else(|e| unreachable!("built-in regex: {e}"))
+    compile(
+        r"^\s*(\d+\s*)?\||^\s*-->\s|^\s*= \w|^\s*\.\.\.\s*$|^\s*(help|note)(\[\w+\])?:|^\s*---\s*$",
+    )
 });
 
 /// A stack frame inside a library or the runtime (`at ... (node_modules/...)`,
-/// `at java.base/...`): not one of the project's, so not kept as a failure's location.
+/// `at java.base/...`, a Python frame in site-packages): not one of the project's, so not
+/// kept as a failure's location.
 static LIBRARY_FRAME: LazyLock<Regex> = LazyLock::new(|| {
-    Regex::new(concat!(
-        r"^\s*at .*(node_modules/|node:internal|\(<anonymous>\)|java\.base/|jdk\.internal\.",
+    compile(concat!(
+        r"^\s*at .*(node_modules/|node:|\(<anonymous>\)|java\.base/|jdk\.internal\.",
         r"|org\.junit\.|junit\.framework\.|org\.apache\.maven\.|sun\.reflect\.|org\.gradle\.)",
+        r#"|^\s*File "[^"]*/(site-packages|dist-packages|lib/python\d[\d.]*)/"#,
     ))
-    .unwrap_or_else(|e| unreachable!("built-in regex: {e}"))
 });
 
-/// A caret line under a source line in a code frame (`   |     ^^^`, `  ~~~~`): the line it
-/// marks is kept on a failure, the frame's other context lines are not. The caret line itself
-/// is kept when it underlines a span (`^^^^`, `~~~~`: which expression); a single `^` only
-/// gives a column, which the failure's location (`file:line:col`) already says.
-static CARET: LazyLock<Regex> = LazyLock::new(|| {
-    Regex::new(r"^\s*(\d+\s*)?\|?\s*[\^~]+\s*$")
-        .unwrap_or_else(|e| unreachable!("built-in regex: {e}"))
+/// Runtime noise: never kept, whatever is around it (the fields Node's assert adds to every
+/// failure, TAP's timings, frames inside Node itself).
+static NOISE: LazyLock<Regex> = LazyLock::new(|| {
+    compile(concat!(
+        r"^\s*(?:generatedMessage: (?:true|false),?|operator: '\w+',?|code: 'ERR_[A-Z_]+',?",
+        r"|failureType: '\w+'|duration_ms: [\d.]+|type: '(?:test|suite)')\s*$",
+        r"|\(node:[\w/]+:\d+:\d+\)\s*$",
+    ))
 });
 
 /// A source line of a code frame (`  12 | code`, `> 12 | code`, `  12| code`): the program's
 /// text, not a report, so never error-shaped itself (`throw new Error(...)`) and never "the
 /// source line under a location"; it is kept only as the line a caret or a template marks.
-static CODE_LINE: LazyLock<Regex> = LazyLock::new(|| {
-    Regex::new(r"^\s*>?\s*\d+\s*\|").unwrap_or_else(|e| unreachable!("built-in regex: {e}"))
-});
+static CODE_LINE: LazyLock<Regex> = LazyLock::new(|| compile(r"^\s*>?\s*\d+\s*\|"));
+
+/// A row of a diagnostic table without its file (`  12:3  error  ...`): the file is the
+/// line above the first row.
+static ROW: LazyLock<Regex> = LazyLock::new(|| compile(r"^\s+\d+:\d+\s"));
 
 /// Kept lines shorter than this (trimmed) are kept however often they repeat (code-frame
 /// rules like `  |`); longer ones are kept once (a runner that prints every failure twice).
@@ -144,8 +256,19 @@ enum Why {
     /// The template's pattern: kept unless the run passed and the template shows only the
     /// summary then.
     Include,
+    /// A summary or a diagnostic: kept whatever the exit code.
+    Always,
     /// A failure line, its location or its block: kept when the run failed.
     Failure,
+}
+
+/// The templates `auto` picks from while it reads the first lines of the output.
+struct Sniff {
+    catalog: Arc<super::AutoCatalog>,
+    held: Vec<u8>,
+    /// How much of `held` was looked at (whole lines only).
+    scanned: usize,
+    lines: usize,
 }
 
 /// A template applied to one stream as it arrives, in bounded memory: lines are judged one
@@ -153,19 +276,24 @@ enum Why {
 /// decides what stays.
 pub struct StreamFilter {
     template: Template,
+    picked: Picked,
+    sniff: Option<Sniff>,
     partial: Vec<u8>,
     lines: usize,
     /// The first lines, for a failing stream short enough to keep whole.
     first: Vec<Vec<u8>>,
     head: Vec<(usize, Why, Vec<u8>)>,
     head_bytes: usize,
-    tail: std::collections::VecDeque<(usize, Why, Vec<u8>)>,
+    tail: VecDeque<(usize, Why, Vec<u8>)>,
     tail_bytes: usize,
     /// Candidates dropped between `head` and `tail` (bounded memory).
     dropped: usize,
-    /// The last paragraphs: (first line number, lines) per paragraph, trailing blanks included.
-    paragraphs: std::collections::VecDeque<(usize, Vec<Vec<u8>>)>,
-    paragraph_bytes: usize,
+    /// The lines of the last paragraphs: (line number, starts a paragraph, bytes), trailing
+    /// blanks included; `spare` recycles their buffers.
+    par: VecDeque<(usize, bool, Vec<u8>)>,
+    par_count: usize,
+    par_bytes: usize,
+    spare: Vec<Vec<u8>>,
     previous_blank: bool,
     /// Lines after a failure line still searched for its locations.
     window: usize,
@@ -173,6 +301,15 @@ pub struct StreamFilter {
     want_message: bool,
     /// Lines left in the diagnostic block being kept (0: none).
     block: usize,
+    /// The block is a TAP YAML block, which ends at `...` rather than at a blank line.
+    block_tap: bool,
+    /// The lines opened by the last header are kept always (a diagnostic's), not only on a
+    /// failure.
+    context_always: bool,
+    /// Lines of a numbered failure's title still to keep (mocha's `1) suite` / `test:`).
+    title: usize,
+    /// Inside a Python traceback: its `File "...", line N` frames are locations.
+    traceback: bool,
     /// The line before was a kept location: an indented source line under it is kept.
     after_location: bool,
     /// The line before was a failure line (a block starts when a frame line follows).
@@ -183,36 +320,109 @@ pub struct StreamFilter {
     /// marks), and its bytes.
     previous: Option<usize>,
     previous_line: Vec<u8>,
+    /// The stream as it came while it is at most [`RAW_HOLD`] bytes (`raw_whole`).
+    raw: Vec<u8>,
+    raw_whole: bool,
+    raw_bytes: usize,
+    /// Whether a stream that filtering would not shrink goes as it came (always, but for
+    /// the unit tests of the other rules on tiny inputs).
+    shrink_only: bool,
+    /// A summary line was seen (see [`StreamFilter::finish`] for `auto`'s generic pick).
+    saw_summary: bool,
 }
 
 impl StreamFilter {
     pub fn new(template: &Template) -> StreamFilter {
+        let sniff = template.auto.as_ref().map(|catalog| Sniff {
+            catalog: catalog.clone(),
+            held: Vec::new(),
+            scanned: 0,
+            lines: 0,
+        });
         StreamFilter {
             template: template.clone(),
+            picked: template.picked,
+            sniff,
             partial: Vec::new(),
             lines: 0,
             first: Vec::new(),
             head: Vec::new(),
             head_bytes: 0,
-            tail: std::collections::VecDeque::new(),
+            tail: VecDeque::new(),
             tail_bytes: 0,
             dropped: 0,
-            paragraphs: std::collections::VecDeque::new(),
-            paragraph_bytes: 0,
+            par: VecDeque::new(),
+            par_count: 0,
+            par_bytes: 0,
+            spare: Vec::new(),
             previous_blank: true,
             window: 0,
             want_message: false,
             block: 0,
+            block_tap: false,
+            context_always: false,
+            title: 0,
+            traceback: false,
             after_location: false,
             after_failure: false,
             seen: std::collections::HashSet::new(),
             previous: None,
             previous_line: Vec::new(),
+            raw: Vec::new(),
+            raw_whole: true,
+            raw_bytes: 0,
+            shrink_only: true,
+            saw_summary: false,
+        }
+    }
+
+    /// The template as the note names it.
+    fn label(&self) -> String {
+        match self.picked {
+            Picked::Named => self.template.name.clone(),
+            Picked::Command => format!("{} (auto, by the command)", self.template.name),
+            Picked::Output => format!("{} (auto, by the output)", self.template.name),
         }
     }
 
     /// Feeds the next bytes of the stream.
-    pub fn push(&mut self, mut data: &[u8]) {
+    pub fn push(&mut self, data: &[u8]) {
+        if let Some(s) = self.sniff.as_mut() {
+            s.held.extend_from_slice(data);
+            let mut found = None;
+            while let Some(i) = memchr::memchr(b'\n', &s.held[s.scanned..]) {
+                let line = &s.held[s.scanned..s.scanned + i];
+                s.scanned += i + 1;
+                s.lines += 1;
+                if let Some(name) = auto::by_line(content(&super::ansi::strip(line))) {
+                    found = Some(name);
+                    break;
+                }
+            }
+            if found.is_some() || s.lines >= SNIFF_LINES || s.held.len() >= SNIFF_BYTES {
+                self.pick(found);
+            }
+            return;
+        }
+        self.feed(data);
+    }
+
+    /// Ends `auto`'s look at the output: the template it points to (or the generic one)
+    /// filters the lines held so far, then the rest.
+    fn pick(&mut self, name: Option<&'static str>) {
+        let Some(s) = self.sniff.take() else {
+            return;
+        };
+        let (template, picked) = match name.and_then(|n| s.catalog.get(n)) {
+            Some(t) => (t.clone(), Picked::Output),
+            None => (s.catalog.generic(), Picked::Output),
+        };
+        self.template = template;
+        self.picked = picked;
+        self.feed(&s.held);
+    }
+
+    fn feed(&mut self, mut data: &[u8]) {
         while !data.is_empty() {
             let room = MAX_LINE - self.partial.len();
             let (n, complete) = match memchr::memchr(b'\n', &data[..data.len().min(room)]) {
@@ -263,9 +473,25 @@ impl StreamFilter {
         }
     }
 
+    fn remember_previous(&mut self, no: usize, line: &[u8]) {
+        // Kept in a reused buffer: most lines are never asked for again.
+        self.previous = Some(no);
+        self.previous_line.clear();
+        self.previous_line.extend_from_slice(line);
+    }
+
     fn line(&mut self, raw: &[u8]) {
         let no = self.lines;
         self.lines += 1;
+        self.raw_bytes += raw.len();
+        if self.raw_whole {
+            if self.raw.len() + raw.len() <= RAW_HOLD {
+                self.raw.extend_from_slice(raw);
+            } else {
+                self.raw_whole = false;
+                self.raw = Vec::new();
+            }
+        }
         // Agents and patterns see the text without colour.
         let stripped = super::ansi::strip(raw);
         let line: &[u8] = &stripped;
@@ -276,6 +502,19 @@ impl StreamFilter {
         }
         self.paragraph(no, line, blank);
 
+        let busy = self.window > 0
+            || self.block > 0
+            || self.after_failure
+            || self.want_message
+            || self.after_location
+            || self.title > 0
+            || self.traceback;
+        if !busy && !blank && !self.template.any().is_match(text) {
+            // Most lines: no rule applies and no failure is open.
+            self.remember_previous(no, line);
+            return;
+        }
+
         let mut why = None;
         if self.template.include.is_match(text) {
             why = Some(Why::Include);
@@ -283,33 +522,79 @@ impl StreamFilter {
         // Source text and library stack frames are not failure reports, whatever words they
         // contain (`throw new Error(`, `at Resolver._throwModNotFoundError (node_modules/..)`).
         let code = memchr::memchr(b'|', text).is_some() && CODE_LINE.is_match(text);
-        let library = text.trim_ascii_start().starts_with(b"at ") && LIBRARY_FRAME.is_match(text);
-        let failure = !code && !library && ERROR_SHAPED.is_match(text);
+        let trimmed = text.trim_ascii_start();
+        let library = (trimmed.starts_with(b"at ") || trimmed.starts_with(b"File \""))
+            && LIBRARY_FRAME.is_match(text);
+        let noise = NOISE.is_match(text);
+        let summary = !code && SUMMARY_RE.is_match(text);
+        let diagnostic = !code && !summary && DIAGNOSTIC_RE.is_match(text);
+        let failure = !code && !library && !summary && ERROR_RE.is_match(text);
+        if summary {
+            why = Some(Why::Always);
+            self.saw_summary = true;
+        }
         // Locations matter only near a failure: most lines skip the pattern.
-        let near = self.window > 0 || self.block > 0 || self.after_failure;
+        let near = self.window > 0 || self.block > 0 || self.after_failure || self.traceback;
         let location = !failure && near && LOCATION.is_match(text);
-        let mut keep_failure = failure;
+        // Lines kept for the header before them: always for a diagnostic's, else on failure.
+        let context = if self.context_always {
+            Why::Always
+        } else {
+            Why::Failure
+        };
+        let mut keep = None;
         if self.block > 0 {
-            if blank {
+            let end = if self.block_tap {
+                trimmed == b"..."
+            } else {
+                blank
+            };
+            if end {
                 self.block = 0;
             } else {
                 self.block -= 1;
-                keep_failure = true;
+                keep = Some(Why::Failure);
             }
         } else if self.after_failure && !blank && FRAME.is_match(text) {
             // An error line followed by its code frame: the block up to the next blank line
-            // is one diagnostic (rustc's labels under the source excerpt).
+            // is one diagnostic (rustc's labels under the source excerpt); a TAP failure's
+            // YAML block up to its `...`.
             self.block = BLOCK_LINES;
-            keep_failure = true;
+            self.block_tap = trimmed == b"---";
+            keep = Some(if FRAME_LOCATION.is_match(text) {
+                context
+            } else {
+                Why::Failure
+            });
         }
         if self.want_message && !blank {
-            keep_failure = true;
+            keep = Some(context);
             self.want_message = false;
+        }
+        if self.title > 0 && !blank {
+            keep = Some(Why::Failure);
+            self.title = if text.ends_with(b":") {
+                0
+            } else {
+                self.title - 1
+            };
         }
         if self.window > 0 {
             self.window -= 1;
             if location {
-                keep_failure = true;
+                keep = Some(context);
+            } else if !failure && !context_is_always(context) && DIFF.is_match(text) {
+                keep = Some(Why::Failure);
+                // A long diff: the location comes after it.
+                self.window = self.window.max(DIFF_WINDOW);
+            }
+        }
+        if self.traceback {
+            if location {
+                keep = Some(Why::Failure);
+            }
+            if blank || (failure && !trimmed.starts_with(b"File \"")) {
+                self.traceback = false;
             }
         }
         if self.after_location
@@ -319,23 +604,45 @@ impl StreamFilter {
             && text.first().is_some_and(|b| *b == b' ' || *b == b'\t')
         {
             // The source line under a location (`test_x.py:1: in <module>` / `    import x`).
-            keep_failure = true;
+            keep = Some(context);
         }
-        self.after_location = location && keep_failure;
+        self.after_location = location && keep.is_some();
         // Only a header (not indented, not itself a frame line) opens a diagnostic block.
-        self.after_failure = failure && text.first().is_some_and(|b| !b.is_ascii_whitespace());
-        if failure {
+        let header = failure || diagnostic;
+        self.after_failure = header && text.first().is_some_and(|b| !b.is_ascii_whitespace())
+            || (failure && trimmed.starts_with(b"not ok "));
+        if header {
             self.window = LOCATION_WINDOW;
+            self.context_always = diagnostic && !failure;
             // A header whose message is on the next line: `panicked at f.rs:1:2:`, a test
-            // header `● suite › test`.
+            // header `● suite › test`, `In f.sh line 3:`.
             if text.ends_with(b":") || memchr::memmem::find(text, "●".as_bytes()).is_some() {
                 self.want_message = true;
             }
+            if failure && NUMBERED.is_match(text) {
+                self.title = 3;
+            }
+            if failure && text.starts_with(b"Traceback (most recent call last)") {
+                self.traceback = true;
+            }
         }
-        if memchr::memchr2(b'^', b'~', text).is_some() && CARET.is_match(text) {
+        if diagnostic {
+            why = Some(Why::Always);
+            if ROW.is_match(text)
+                && let Some(p) = self.previous.take()
+            {
+                // The file an eslint-style table of rows is about.
+                let l = std::mem::take(&mut self.previous_line);
+                if !is_blank(&l) {
+                    self.candidate(p, Why::Always, &l);
+                }
+                self.previous_line = l;
+            }
+        }
+        if memchr::memchr2(b'^', b'~', text).is_some() && CARET_RE.is_match(text) {
             // A single `^` is a column (in the location too); a span says which expression.
             if memchr::memchr2_iter(b'^', b'~', text).nth(1).is_some() {
-                keep_failure = true;
+                keep = keep.or(Some(Why::Failure));
             }
             if let Some(p) = self.previous.take() {
                 let l = std::mem::take(&mut self.previous_line);
@@ -344,22 +651,26 @@ impl StreamFilter {
             }
         }
         if library {
-            keep_failure = false;
+            keep = None;
         }
-        if keep_failure && why.is_none() {
-            why = Some(Why::Failure);
+        if failure {
+            keep = Some(Why::Failure);
         }
-        if self.template.excludes(text) {
+        if why.is_none() || why == Some(Why::Include) {
+            why = match (why, keep) {
+                (Some(Why::Include), Some(Why::Always)) => Some(Why::Always),
+                (Some(w), _) => Some(w),
+                (None, k) => k,
+            };
+        }
+        if noise || self.template.excludes(text) {
             why = None;
         }
         if let Some(why) = why {
             self.candidate(no, why, line);
             self.previous = None;
         } else {
-            // Kept in a reused buffer: most lines are never asked for again.
-            self.previous = Some(no);
-            self.previous_line.clear();
-            self.previous_line.extend_from_slice(line);
+            self.remember_previous(no, line);
         }
     }
 
@@ -368,54 +679,79 @@ impl StreamFilter {
         if n == 0 {
             return;
         }
-        if !blank && self.previous_blank {
-            self.paragraphs.push_back((no, Vec::new()));
-            if self.paragraphs.len() > n
-                && let Some((_, p)) = self.paragraphs.pop_front()
-            {
-                self.paragraph_bytes -= p.iter().map(Vec::len).sum::<usize>();
+        let starts = !blank && self.previous_blank;
+        self.previous_blank = blank;
+        if starts {
+            self.par_count += 1;
+            if self.par_count > n {
+                self.drop_first_paragraph();
             }
         }
-        self.previous_blank = blank;
-        if let Some((_, p)) = self.paragraphs.back_mut() {
-            p.push(line.to_vec());
-            self.paragraph_bytes += line.len();
+        if self.par_count == 0 {
+            // Blank lines before the first paragraph.
+            return;
         }
+        let mut buf = self.spare.pop().unwrap_or_default();
+        buf.clear();
+        buf.extend_from_slice(line);
+        self.par_bytes += buf.len();
+        self.par.push_back((no, starts, buf));
         // Bounded: earlier paragraphs go whole before the last one is cut (the paragraph
         // before a summary may be the whole body: 400 `test ... ok` lines of a passing
         // `cargo test --lib`); a last paragraph of megabytes keeps its end.
-        while self.paragraph_bytes > MAX_TAIL || self.paragraph_lines() > MAX_TAIL_LINES {
-            if self.paragraphs.len() > 1 {
-                if let Some((_, p)) = self.paragraphs.pop_front() {
-                    self.paragraph_bytes -= p.iter().map(Vec::len).sum::<usize>();
-                }
+        while self.par_bytes > MAX_TAIL || self.par.len() > MAX_TAIL_LINES {
+            if self.par_count > 1 {
+                self.drop_first_paragraph();
                 continue;
             }
-            let Some((start, p)) = self.paragraphs.front_mut() else {
+            let Some((_, _, l)) = self.par.pop_front() else {
                 break;
             };
-            if p.is_empty() {
-                self.paragraphs.pop_front();
-                continue;
-            }
-            let l = p.remove(0);
-            *start += 1;
-            self.paragraph_bytes -= l.len();
+            self.par_bytes -= l.len();
+            self.spare.push(l);
         }
     }
 
-    fn paragraph_lines(&self) -> usize {
-        self.paragraphs.iter().map(|(_, p)| p.len()).sum()
+    /// Drops the lines of the first paragraph held.
+    fn drop_first_paragraph(&mut self) {
+        while let Some((_, _, l)) = self.par.pop_front() {
+            self.par_bytes -= l.len();
+            self.spare.push(l);
+            if self.par.front().is_some_and(|(_, starts, _)| *starts) {
+                break;
+            }
+        }
+        self.par_count -= 1;
+        self.spare.truncate(MAX_TAIL_LINES + 1);
     }
 
     /// Ends the stream. `exit_code` is the command's (`None`: it did not exit normally, a
     /// failure). `full` names where the full output is, for the note.
     pub fn finish(mut self, exit_code: Option<i32>, full: Option<&str>) -> Filtered {
+        if self.sniff.is_some() {
+            self.pick(None);
+        }
         if !self.partial.is_empty() {
             let line = std::mem::take(&mut self.partial);
             self.line(&line);
         }
+        let label = self.label();
         let failed = exit_code != Some(0);
+        // `auto` found no tool, and the command passed without a summary line: its output
+        // is most likely what was asked for (`cat`, `ls`, a script's report), not a log.
+        let declined = !failed
+            && self.picked == Picked::Output
+            && self.template.name == auto::GENERIC
+            && !self.saw_summary;
+        if declined && self.raw_whole {
+            return Filtered {
+                output: super::ansi::strip(&self.raw).into_owned(),
+                total_lines: self.lines,
+                kept_lines: self.lines,
+                template: label,
+                declined,
+            };
+        }
         let total = self.lines;
         let mut kept: Vec<(usize, &[u8])> = Vec::new();
         if failed && total <= SHORT_STREAM_LINES {
@@ -429,12 +765,14 @@ impl StreamFilter {
             let summary_only = self.template.suppress_on_success && !failed;
             let wanted = |why: Why| match why {
                 Why::Include => !summary_only,
+                Why::Always => true,
                 Why::Failure => failed,
             };
-            let mut tail_lines: Vec<(usize, &[u8])> = Vec::new();
-            for (start, p) in &self.paragraphs {
-                tail_lines.extend(p.iter().enumerate().map(|(i, l)| (start + i, l.as_slice())));
-            }
+            let tail_lines: Vec<(usize, &[u8])> = self
+                .par
+                .iter()
+                .map(|(i, _, l)| (*i, l.as_slice()))
+                .collect();
             let tail_from = tail_lines.first().map_or(total, |(i, _)| *i);
             let candidates = self
                 .head
@@ -449,10 +787,7 @@ impl StreamFilter {
         let omitted = total - kept_lines;
         let mut out = Vec::new();
         if omitted > 0 {
-            let mut note = format!(
-                "[template {}: {omitted} of {total} lines left out",
-                self.template.name
-            );
+            let mut note = format!("[template {label}: {omitted} of {total} lines left out");
             if self.dropped > 0 {
                 note.push_str(&format!(
                     " ({} matching lines among them, over the filter's memory bound)",
@@ -465,16 +800,47 @@ impl StreamFilter {
             note.push_str("]\n");
             out.extend_from_slice(note.as_bytes());
         }
-        for (_, line) in kept {
+        let body = out.len();
+        for (_, line) in &kept {
             out.extend_from_slice(line);
+        }
+        if self.shrink_only && omitted > 0 && out.len() >= self.raw_bytes {
+            // Filtering would not shrink the stream: it goes as it came (without colour),
+            // without a note; too long to have been held, it loses the note alone.
+            out = if self.raw_whole {
+                super::ansi::strip(&self.raw).into_owned()
+            } else {
+                out.split_off(body)
+            };
+            let kept_lines = if self.raw_whole { total } else { kept_lines };
+            return Filtered {
+                output: out,
+                total_lines: total,
+                kept_lines,
+                template: label,
+                declined,
+            };
         }
         Filtered {
             output: out,
             total_lines: total,
             kept_lines,
+            template: label,
+            declined,
         }
     }
 }
+
+fn context_is_always(w: Why) -> bool {
+    w == Why::Always
+}
+
+/// A frame line that is a location (`--> src/a.rs:3:5`): kept with its header.
+static FRAME_LOCATION: LazyLock<Regex> = LazyLock::new(|| compile(r"^\s*-->\s"));
+
+/// A numbered failure header (mocha's `  1) suite`), whose title goes on over the next
+/// lines up to one that ends with `:`.
+static NUMBERED: LazyLock<Regex> = LazyLock::new(|| compile(r"^\s*\d+\) \S"));
 
 /// Applies `template` to one stream held whole (see [`StreamFilter`]). `exit_code` is the
 /// command's (`None` when a signal ended it, which counts as a failure).
@@ -484,10 +850,22 @@ pub fn apply(template: &Template, output: &[u8], exit_code: Option<i32>) -> Filt
     f.finish(exit_code, None)
 }
 
+/// [`apply`] without the rule that returns a stream unchanged when filtering would not
+/// shrink it: the unit tests of the other rules use tiny inputs.
+#[cfg(test)]
+fn apply_any_size(template: &Template, output: &[u8], exit_code: Option<i32>) -> Filtered {
+    let mut f = StreamFilter::new(template);
+    f.shrink_only = false;
+    f.push(output);
+    f.finish(exit_code, None)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::templates::TemplateSpec;
+
+    use super::apply_any_size as apply;
 
     fn t(re: &str, tail: usize) -> Template {
         Template::new(
@@ -674,6 +1052,8 @@ mod rule_tests {
     use super::*;
     use crate::templates::TemplateSpec;
 
+    use super::apply_any_size as apply;
+
     fn t(re: &str, exclude: Option<&str>) -> Template {
         Template::new(
             "t",
@@ -817,6 +1197,65 @@ mod rule_tests {
             },
         );
         assert_eq!(bad.err().map(|e| e.0), Some("exclude_regex"));
+    }
+
+    #[test]
+    fn never_larger_than_the_input() {
+        // Every line an error: nothing to leave out worth a note, so the stream as it came.
+        let out = "error: a\nerror: b\nnoise\nerror: c\nerror: d\nerror: e\nerror: f\nerror: g\nerror: h\nerror: i\nerror: j\nerror: k\n";
+        let f = super::apply(&t("^NEVER$", None), out.as_bytes(), Some(1));
+        assert_eq!(f.output, out.as_bytes());
+        assert_eq!(f.omitted_lines(), 0);
+        // Colour goes, though: agents get no escape sequences.
+        let coloured = out.replace("noise", "\x1b[1mnoise\x1b[0m");
+        let f = super::apply(&t("^NEVER$", None), coloured.as_bytes(), Some(1));
+        assert_eq!(f.output, out.as_bytes());
+        // A stream too long to hold that filtering would not shrink loses the note alone.
+        let mut long = String::new();
+        while long.len() <= RAW_HOLD {
+            long.push_str("error: the same kind of line over and over, each one different ");
+            long.push_str(&format!("{}\n", long.len()));
+        }
+        long.push_str("x\n");
+        let f = super::apply(&t("^NEVER$", None), long.as_bytes(), Some(1));
+        assert!(f.output.len() < long.len());
+        assert!(!f.output.starts_with(b"[template"));
+        assert_eq!(f.omitted_lines(), 1);
+    }
+
+    #[test]
+    fn generic_kinds_of_lines() {
+        let out = format!(
+            "{}Found 9 errors in 2 files (checked 4 source files)\n{}F401 [*] `os` imported but unused\n --> a.py:1:8\n\n{}In bin/backup.sh line 3:\nfor f in $(ls); do\n{}  ✖ restocks by n (1.1ms)\n    4 !== 5\n      generatedMessage: true,\n      at Test.runInAsyncScope (node:async_hooks:206:9)\n{}ℹ fail 4\n{}",
+            noise(),
+            noise(),
+            noise(),
+            noise(),
+            noise(),
+            noise()
+        );
+        let failed = kept(&t("^NEVER$", None), &out, 1);
+        for needle in [
+            "Found 9 errors in 2 files",
+            "F401 [*] `os` imported but unused\n --> a.py:1:8\n",
+            "In bin/backup.sh line 3:\nfor f in $(ls); do\n",
+            "  ✖ restocks by n (1.1ms)\n    4 !== 5\n",
+            "ℹ fail 4\n",
+        ] {
+            assert!(failed.contains(needle), "{needle:?} missing from {failed}");
+        }
+        assert!(
+            !failed.contains("generatedMessage") && !failed.contains("node:async_hooks"),
+            "{failed}"
+        );
+        assert!(!failed.contains("step 3 fine"), "{failed}");
+        // A passing run keeps its summaries and diagnostics, not its failure-shaped lines.
+        let passed = kept(&t("^NEVER$", None), &out, 0);
+        assert!(
+            passed.contains("ℹ fail 4\n") && passed.contains(" --> a.py:1:8\n"),
+            "{passed}"
+        );
+        assert!(!passed.contains("!=="), "{passed}");
     }
 
     #[test]

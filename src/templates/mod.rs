@@ -10,15 +10,21 @@
 //! configuration when the file turns invalid.
 
 pub mod ansi;
+pub mod auto;
 pub mod filter;
 pub mod store;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
 
 use serde::Deserialize;
 
+pub use auto::{AUTO, GENERIC, Picked};
 pub use filter::{Filtered, StreamFilter, apply};
+
+/// The name that asks for no template at all: the output as it came.
+pub const RAW: &str = "raw";
 pub use store::TemplateStore;
 
 /// The configuration file, relative to a directory on the way up from the working directory.
@@ -58,6 +64,33 @@ pub struct Template {
     pub exclude_regex: Option<String>,
     include: regex::bytes::Regex,
     exclude: Option<regex::bytes::Regex>,
+    /// The union of `include` and the generic rules, built on first use (see
+    /// [`filter::any_pattern`]).
+    any: OnceLock<regex::bytes::Regex>,
+    /// How this template was chosen (for the note).
+    pub picked: Picked,
+    /// For `auto`: the templates it picks from.
+    auto: Option<Arc<AutoCatalog>>,
+}
+
+/// The templates `auto` picks from: a catalog's, without `auto` itself.
+#[derive(Debug)]
+pub struct AutoCatalog {
+    templates: BTreeMap<String, Template>,
+}
+
+impl AutoCatalog {
+    fn get(&self, name: &str) -> Option<&Template> {
+        self.templates.get(name)
+    }
+
+    /// The template used when neither the command nor the output names a tool.
+    fn generic(&self) -> Template {
+        self.templates
+            .get(GENERIC)
+            .cloned()
+            .unwrap_or_else(|| unreachable!("the built-in generic template is in every catalog"))
+    }
 }
 
 impl Template {
@@ -84,6 +117,48 @@ impl Template {
             exclude_regex: spec.exclude_regex,
             include,
             exclude,
+            any: OnceLock::new(),
+            picked: Picked::Named,
+            auto: None,
+        })
+    }
+
+    /// Whether this is `auto`, which picks a template by the command or the output.
+    pub fn is_auto(&self) -> bool {
+        self.auto.is_some()
+    }
+
+    /// The template for a command: for `auto`, the built-in the command line points to
+    /// (`cargo test` → `cargo-test`) or, when it points to none, `auto` still, which picks by
+    /// the output; any other template is itself.
+    pub fn for_command(&self, executable: &str, args: &[String]) -> Template {
+        let Some(catalog) = &self.auto else {
+            return self.clone();
+        };
+        let argv: Vec<String> = std::iter::once(executable.to_owned())
+            .chain(args.iter().cloned())
+            .collect();
+        match auto::by_command(&argv).and_then(|n| catalog.get(n)) {
+            Some(t) => {
+                let mut t = t.clone();
+                t.picked = Picked::Command;
+                t
+            }
+            None => self.clone(),
+        }
+    }
+
+    /// A line that matches none of this is left out unless a failure around it says
+    /// otherwise.
+    fn any(&self) -> &regex::bytes::Regex {
+        self.any.get_or_init(|| {
+            regex::bytes::RegexBuilder::new(&filter::any_pattern(&self.include_regex))
+                .size_limit(1 << 24)
+                .build()
+                // Too large together: every line is looked at closely (slower, same result).
+                .unwrap_or_else(|_| {
+                    regex::bytes::Regex::new("").unwrap_or_else(|e| unreachable!("{e}"))
+                })
         })
     }
 
@@ -170,6 +245,11 @@ pub fn parse_templates(
                     .into(),
             ));
         }
+        if name == RAW {
+            return Err(bad(format!(
+                "{RAW:?} is reserved: it asks for the output as it came"
+            )));
+        }
         let spec: TemplateSpec = yaml_serde::from_value(value).map_err(|e| bad(e.to_string()))?;
         let patterns = (spec.include_regex.clone(), spec.exclude_regex.clone());
         let t = Template::new(&name, spec).map_err(|(field, e)| {
@@ -224,13 +304,43 @@ impl Catalog {
     pub fn builtin() -> Catalog {
         let templates = parse_config(Path::new("builtin.yaml"), BUILTIN_YAML)
             .unwrap_or_else(|e| unreachable!("the built-in templates are tested: {e}"));
-        Catalog {
+        let mut c = Catalog {
             templates: templates
                 .into_iter()
                 .map(|t| (t.name.clone(), (t, Origin::BuiltIn)))
                 .collect(),
             config: None,
+        };
+        c.refresh_auto();
+        c
+    }
+
+    /// (Re)builds the built-in `auto` over this catalog's other templates (a configuration
+    /// that overrides `pytest` makes `auto` pick its `pytest`); an `auto` of a configuration
+    /// file is left as it is.
+    fn refresh_auto(&mut self) {
+        if matches!(self.templates.get(AUTO), Some((_, Origin::Config(_)))) {
+            return;
         }
+        let templates: BTreeMap<String, Template> = self
+            .templates
+            .iter()
+            .filter(|(name, _)| name.as_str() != AUTO)
+            .map(|(name, (t, _))| (name.clone(), t.clone()))
+            .collect();
+        let mut auto = Template::new(
+            AUTO,
+            TemplateSpec {
+                description: "Picks the built-in for the tool by the command line (cargo test, pytest, npx eslint, go vet, make, mvn, ...) or, when the command says nothing, by the output; generic otherwise".into(),
+                include_regex: "^$NEVER".into(),
+                tail_paragraphs: 0,
+                suppress_on_success: false,
+                exclude_regex: None,
+            },
+        )
+        .unwrap_or_else(|e| unreachable!("the auto template: {e:?}"));
+        auto.auto = Some(Arc::new(AutoCatalog { templates }));
+        self.templates.insert(AUTO.into(), (auto, Origin::BuiltIn));
     }
 
     /// The built-ins plus the nearest configuration file at or above `dir`, whose templates
@@ -274,6 +384,7 @@ impl Catalog {
             self.templates
                 .insert(t.name.clone(), (t, Origin::Config(path.to_owned())));
         }
+        self.refresh_auto();
     }
 
     /// The configuration file in use, if any.
@@ -300,18 +411,102 @@ impl Catalog {
 mod tests {
     use super::*;
 
-    const BUILTINS: [&str; 10] = [
+    const BUILTINS: [&str; 27] = [
+        "auto",
         "cargo-build",
         "cargo-test",
+        "ctest",
+        "eslint",
+        "flake8",
+        "generic",
+        "go-build",
         "go-test",
         "gradle",
         "jest",
+        "make",
         "maven-build",
         "maven-test",
+        "mocha",
+        "mypy",
+        "node-test",
+        "npm",
+        "pip",
+        "pylint",
         "pytest",
+        "ruff",
+        "rustc",
+        "shellcheck",
         "tsc",
+        "unittest",
         "vitest",
     ];
+
+    #[test]
+    fn auto_picks_by_command_then_by_output_and_names_its_pick() {
+        let c = Catalog::builtin();
+        let auto = c.get(AUTO).unwrap();
+        assert!(auto.is_auto());
+        let t = auto.for_command("cargo", &["test".into()]);
+        assert_eq!((t.name.as_str(), t.picked), ("cargo-test", Picked::Command));
+        // `npm test` says nothing: the output decides, and the note says which.
+        let t = auto.for_command("npm", &["test".into()]);
+        assert!(t.is_auto());
+        let mut out = String::from("\nrunning 60 tests\n");
+        for i in 0..60 {
+            out.push_str(&format!("test t{i} ... ok\n"));
+        }
+        out.push_str("\ntest result: ok. 60 passed; 0 failed\n");
+        let f = t.apply(out.as_bytes(), Some(0));
+        assert_eq!(f.template, "cargo-test (auto, by the output)");
+        let text = String::from_utf8(f.output).unwrap();
+        assert!(
+            text.starts_with("[template cargo-test (auto, by the output): "),
+            "{text}"
+        );
+        assert!(
+            text.ends_with("test result: ok. 60 passed; 0 failed\n"),
+            "{text}"
+        );
+        // Nothing recognisable: the generic template, which leaves a passing run without a
+        // summary line as it came (`cat`, `ls`), and filters a failing one.
+        let data = "x\n".repeat(40) + "\nlast\n";
+        let f = t.apply(data.as_bytes(), Some(0));
+        assert_eq!(f.template, "generic (auto, by the output)");
+        assert_eq!(f.output, data.as_bytes());
+        let f = t.apply(data.as_bytes(), Some(1));
+        assert_eq!(
+            f.output,
+            b"[template generic (auto, by the output): 41 of 42 lines left out]\nlast\n"
+        );
+        let with_summary = data + "3 passed, 0 failed\n";
+        let f = t.apply(with_summary.as_bytes(), Some(0));
+        assert!(
+            f.output.ends_with(b"]\nlast\n3 passed, 0 failed\n"),
+            "{:?}",
+            String::from_utf8_lossy(&f.output)
+        );
+    }
+
+    #[test]
+    fn auto_follows_a_configured_override_and_raw_is_reserved() {
+        let root = tempfile::tempdir().unwrap();
+        write(
+            root.path(),
+            "templates:\n  pytest:\n    description: ours\n    include_regex: OURS\n",
+        );
+        let c = Catalog::load(root.path()).unwrap();
+        let t = c.get(AUTO).unwrap().for_command("pytest", &[]);
+        assert_eq!(
+            (t.name.as_str(), t.description.as_str()),
+            ("pytest", "ours")
+        );
+        write(
+            root.path(),
+            "templates:\n  raw:\n    description: x\n    include_regex: X\n",
+        );
+        let e = Catalog::load(root.path()).unwrap_err().to_string();
+        assert!(e.contains("reserved"), "{e}");
+    }
 
     #[test]
     fn builtins_parse_and_are_complete() {
