@@ -186,6 +186,10 @@ pub struct Profile {
     /// Pods of this profile kept Running ahead of requests (docs/kubernetes.md).
     #[serde(skip_serializing_if = "WarmPoolConfig::is_off")]
     pub warm_pool: WarmPoolConfig,
+    /// Storage kept between runs of one caller (docs/caches.md): a PersistentVolumeClaim per
+    /// cache key on Kubernetes, a directory on the local backend.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub caches: Vec<crate::exec::cache::CacheSpec>,
 }
 
 /// `warm_pool:` of a profile.
@@ -295,6 +299,38 @@ impl Profile {
                 return err(
                     "volume_mounts",
                     format!("mount {:?} names no volume of this profile", m.name),
+                );
+            }
+        }
+        if self.warm_pool.size > 0 && !self.caches.is_empty() {
+            return err(
+                "caches",
+                "cannot be combined with a warm pool: a pod's volumes are fixed when it is created, before the run (and its caller) is known".into(),
+            );
+        }
+        for (i, c) in self.caches.iter().enumerate() {
+            let path = c.path.trim_end_matches('/');
+            if self.caches[..i].iter().any(|o| o.name == c.name) {
+                return err("caches", format!("two caches are named {:?}", c.name));
+            }
+            let clash = self.caches[..i]
+                .iter()
+                .map(|o| o.path.trim_end_matches('/'))
+                .chain(
+                    self.volume_mounts
+                        .iter()
+                        .map(|m| m.mount_path.trim_end_matches('/')),
+                )
+                .chain(self.workspace_path.iter().map(|w| w.trim_end_matches('/')))
+                .find(|o| {
+                    *o == path
+                        || path.starts_with(&format!("{o}/"))
+                        || o.starts_with(&format!("{path}/"))
+                });
+            if let Some(o) = clash {
+                return err(
+                    "caches",
+                    format!("cache {:?} at {path} overlaps another mount at {o}", c.name),
                 );
             }
         }
