@@ -306,7 +306,8 @@ pub async fn build_executor(
             profiles.entry("default".into()).or_default();
             let kube = KubeExecutor::connect(config.kubernetes.clone(), profiles, metrics.clone())
                 .await
-                .map_err(kube_setup_error)?;
+                .map_err(kube_setup_error)?
+                .with_caches(&config.caches);
             kube.prepare(Duration::from_secs(config.limits.max_timeout_secs))
                 .await;
             Arc::new(kube)
