@@ -432,6 +432,23 @@ volumes: [{name: workspace, persistentVolumeClaim: {claimName: workspace}}]
             ("keepalive_command: []", "keepalive_command"),
             ("shell: sh", "shell"),
             ("run_as_user: 0", "run_as_user"),
+            // A pod's volumes are fixed before its caller is known.
+            (
+                "{caches: [{name: c, path: /c}], warm_pool: {size: 1}}",
+                "caches",
+            ),
+            (
+                "{caches: [{name: c, path: /w/c}], workspace_path: /w}",
+                "caches",
+            ),
+            (
+                "{caches: [{name: c, path: /a}, {name: c, path: /b}]}",
+                "caches",
+            ),
+            (
+                "{caches: [{name: c, path: /a}, {name: d, path: /a/}]}",
+                "caches",
+            ),
         ];
         for (yaml, field) in cases {
             let p: Profile = yaml_serde::from_str(yaml).unwrap();
