@@ -62,6 +62,10 @@ BAD_VALUES = [
     ("runner namespace not a DNS label", {"runner": {"namespace": "Runners_1"}}),
     ("token not a string", {"auth": {"enabled": True, "tokens": [123]}}),
     ("replicas below zero", {"replicaCount": -1}),
+    ("cache without a path", {"config": {"profiles": {"default": {"image": "a", "caches": [{"name": "c"}]}}}}),
+    ("cache size as a number", {"config": {"profiles": {"default": {"image": "a", "caches": [{"name": "c", "path": "/c", "size": 5}]}}}}),
+    ("unknown cache scope", {"config": {"profiles": {"default": {"image": "a", "caches": [{"name": "c", "path": "/c", "scope": "global"}]}}}}),
+    ("unknown caches key", {"config": {"caches": {"ttl": 5}}}),
 ]
 
 # CRD kinds kubernetes-validate has no schema for: the fields the chart uses, strictly.
@@ -204,7 +208,7 @@ def validate_objects(checks: Checks, what: str, text: str) -> list[dict]:
 
 def check_gateway_config(checks: Checks, what: str, objects: list[dict]) -> None:
     """The rendered config file holds only sections the gateway knows."""
-    known = {"server", "limits", "kubernetes", "profiles", "local", "mcp", "remote", "templates", "policy", "tools", "auth", "redaction", "workspaces"}
+    known = {"server", "limits", "kubernetes", "profiles", "local", "mcp", "remote", "templates", "policy", "tools", "auth", "redaction", "workspaces", "caches"}
     for obj in objects:
         if obj["kind"] != "ConfigMap":
             continue

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """A real kubectl against the API-server test double (tests/kube_double), as a platform
 engineer would try it: run, get -o yaml/json, get -w, wait, exec (stdout and stderr apart, the
-exit code, a 20 MB binary round trip both ways, stdin), auth can-i, delete.
+exit code, a 20 MB binary round trip both ways, stdin), auth can-i, delete; and the
+PersistentVolumeClaims of cache volumes: create (twice), wait until Bound, get by label,
+annotate (with a stale resourceVersion too), delete.
 
 Usage: kubectl-conformance.py KUBECTL SERVE_BINARY
 SERVE_BINARY is the built integration-test binary (tests/main.rs, with tests/kube_double_serve.rs); it serves the double and
@@ -60,6 +62,7 @@ def main():
         threading.Thread(target=server.stdout.read, daemon=True).start()
         env = dict(os.environ, KUBECONFIG=kubeconfig, KUBECACHEDIR=os.path.join(work, "cache"))
         run_checks(kubectl, env, work)
+        run_pvc_checks(kubectl, env, work)
     finally:
         for w in watches:
             if w.proc.poll() is None:
@@ -275,6 +278,62 @@ def run_checks(kubectl, env, work):
         out + err,
     )
 
+
+
+PVC = """apiVersion: v1
+kind: PersistentVolumeClaim
+metadata:
+  name: conf-cache
+  labels: {app.kubernetes.io/component: cache, mcp-run.dev/cache: cargo}
+spec:
+  accessModes: [ReadWriteOnce]
+  resources: {requests: {storage: 1Gi}}
+"""
+
+
+def run_pvc_checks(kubectl, env, work):
+    """The claims of cache volumes (tests/kube_double/pvcs.rs), as kubectl sees them."""
+    def k(*args, **kw):
+        return kc(kubectl, env, *args, **kw)
+
+    path = os.path.join(work, "pvc.yaml")
+    with open(path, "w") as f:
+        f.write(PVC)
+    # --validate=false: kubectl reads the server's OpenAPI document to learn whether it checks
+    # fields itself, and the double serves none (a known gap of the double, not of the claims).
+    r = k("create", "--validate=false", "-f", path)
+    check(r.returncode == 0 and "persistentvolumeclaim/conf-cache created" in r.stdout,
+          "pvc: create", r.stdout + r.stderr)
+    r = k("create", "--validate=false", "-f", path)
+    check(r.returncode != 0 and "AlreadyExists" in r.stderr and "already exists" in r.stderr,
+          "pvc: a second create is AlreadyExists", r.stdout + r.stderr)
+    r = k("wait", "--for=jsonpath={.status.phase}=Bound", "pvc/conf-cache", "--timeout=20s")
+    check(r.returncode == 0 and "condition met" in r.stdout, "pvc: wait until Bound", r.stdout + r.stderr)
+    r = k("get", "pvc", "-l", "mcp-run.dev/cache=cargo", "-o", "name")
+    check(r.returncode == 0 and r.stdout.strip() == "persistentvolumeclaim/conf-cache",
+          "pvc: get by label", r.stdout + r.stderr)
+    r = k("get", "pvc", "-l", "mcp-run.dev/cache=npm", "-o", "name")
+    check(r.returncode == 0 and r.stdout.strip() == "", "pvc: a selector that matches none", r.stdout + r.stderr)
+    r = k("get", "pvc", "conf-cache", "-o", "json")
+    pvc = json.loads(r.stdout) if r.returncode == 0 else {}
+    check(pvc.get("status", {}).get("capacity", {}).get("storage") == "1Gi"
+          and "kubernetes.io/pvc-protection" in pvc.get("metadata", {}).get("finalizers", [])
+          and pvc.get("spec", {}).get("storageClassName") == "standard",
+          "pvc: get -o json: bound, protected, default class", r.stdout + r.stderr)
+    r = k("annotate", "pvc", "conf-cache", "mcp-run.dev/held-by=mcp-run-x")
+    check(r.returncode == 0 and "annotated" in r.stdout, "pvc: annotate", r.stdout + r.stderr)
+    r = k("annotate", "pvc", "conf-cache", "mcp-run.dev/held-by=mcp-run-y", "--overwrite",
+          "--resource-version=1")
+    check(r.returncode != 0 and "the object has been modified" in r.stderr,
+          "pvc: annotate with a stale resourceVersion is a conflict", r.stdout + r.stderr)
+    r = k("get", "pvc", "conf-cache", "-o", "jsonpath={.metadata.annotations.mcp-run\\.dev/held-by}")
+    check(r.returncode == 0 and r.stdout == "mcp-run-x", "pvc: the conflicting patch changed nothing",
+          r.stdout + r.stderr)
+    r = k("delete", "pvc", "conf-cache")
+    check(r.returncode == 0 and 'persistentvolumeclaim "conf-cache" deleted' in r.stdout,
+          "pvc: delete", r.stdout + r.stderr)
+    r = k("get", "pvc", "conf-cache")
+    check(r.returncode != 0 and "NotFound" in r.stderr, "pvc: gone after delete", r.stdout + r.stderr)
 
 if __name__ == "__main__":
     main()

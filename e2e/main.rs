@@ -104,7 +104,7 @@ async fn suite_against_a_real_cluster((client, context_ns): (kube::Client, Strin
             let cfg = config_file(
                 &dir,
                 &format!(
-                    "kubernetes:\n  namespace: {ns}\n  instance: {instance}\n  max_concurrent_pods: 64\n  pod_start_timeout_secs: 300\nprofiles:\n  default:\n    image: {image}\n"
+                    "kubernetes:\n  namespace: {ns}\n  instance: {instance}\n  max_concurrent_pods: 64\n  pod_start_timeout_secs: 300\nprofiles:\n  default:\n    image: {image}\n  cached:\n    image: {image}\n    caches:\n      - {{name: data, path: /cache, env: {{C: .}}, size: 64Mi}}\n"
                 ),
             );
             let mut args = vec!["--backend", "kube", "--config", cfg.to_str().unwrap()];
@@ -133,6 +133,9 @@ async fn suite_against_a_real_cluster((client, context_ns): (kube::Client, Strin
         .expect("the started context names the namespace");
 
     support::suite::run_all(&gw).await;
+    if std::env::var_os("MCP_RUN_E2E_GATEWAY").is_none() {
+        caches_on_a_real_cluster(&gw, &client, &ns, &instance).await;
+    }
 
     let pods: Api<Pod> = Api::namespaced(client, &ns);
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
@@ -154,4 +157,58 @@ async fn suite_against_a_real_cluster((client, context_ns): (kube::Client, Strin
         tokio::time::sleep(Duration::from_secs(1)).await;
     };
     assert!(left.is_empty(), "runner pods left in {ns}: {left:?}");
+}
+
+/// A cache volume on the cluster's default StorageClass: written by one run as the non-root
+/// runner (the pod's fsGroup makes the claim writable under `restricted`), read by the next,
+/// then its claim deleted (its idle TTL is days).
+async fn caches_on_a_real_cluster(gw: &Gateway, client: &kube::Client, ns: &str, instance: &str) {
+    use k8s_openapi::api::core::v1::PersistentVolumeClaim;
+    let run = |line: &str| {
+        serde_json::json!({
+            "executable": "sh",
+            "args": ["-c", "cat \"$C/log\" 2>/dev/null; echo \"$1\" >> \"$C/log\"", "sh", line],
+            "profile": "cached",
+            "timeout_secs": 300,
+        })
+    };
+    let first = raw(gw, run("one")).await;
+    assert_eq!(
+        first.code(),
+        Some(0),
+        "cache, first run: {first:?}\n{}",
+        gw.log_text()
+    );
+    let second = raw(gw, run("two")).await;
+    assert_eq!(
+        second.stdout_str(),
+        "one\n",
+        "cache, second run: {second:?}"
+    );
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
+    let selector = format!("app.kubernetes.io/component=cache,mcp-run.dev/instance={instance}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        let list = claims
+            .list(&ListParams::default().labels(&selector))
+            .await
+            .expect("list the cache claims");
+        assert!(list.items.len() <= 1, "one claim per key: {list:?}");
+        let held = list.items.iter().any(|c| {
+            c.metadata
+                .annotations
+                .as_ref()
+                .is_some_and(|a| a.contains_key("mcp-run.dev/held-by"))
+        });
+        if !held || std::time::Instant::now() > deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    let _ = claims
+        .delete_collection(
+            &Default::default(),
+            &ListParams::default().labels(&selector),
+        )
+        .await;
 }

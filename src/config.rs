@@ -70,6 +70,8 @@ pub struct Config {
     pub tools: Vec<crate::mcp::tools::ToolConfig>,
     /// Workspaces: limits and the content cache (docs/workspaces.md).
     pub workspaces: crate::workspace::WorkspaceConfig,
+    /// Bounds of the profiles' cache volumes (docs/caches.md).
+    pub caches: crate::exec::cache::CachesConfig,
     /// Output templates of the MCP tool, added to the built-ins (docs/templates.md);
     /// checked at start by `templates::Catalog::with_templates`.
     pub templates: BTreeMap<String, yaml_serde::Value>,
@@ -177,10 +179,15 @@ impl Config {
         self.kubernetes
             .validate(&self.limits)
             .map_err(|(f, m)| invalid(&f, m))?;
+        self.caches.validate().map_err(|(f, m)| invalid(&f, m))?;
         for (name, profile) in &self.profiles {
             profile
                 .validate()
                 .map_err(|(f, m)| invalid(&format!("profiles.{name}.{f}"), m))?;
+            for (i, c) in profile.caches.iter().enumerate() {
+                c.validate(&self.caches)
+                    .map_err(|(f, m)| invalid(&format!("profiles.{name}.caches[{i}].{f}"), m))?;
+            }
         }
         if !self.profiles.is_empty() && !self.profiles.contains_key("default") {
             return Err(invalid(

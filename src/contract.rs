@@ -53,6 +53,10 @@ pub struct RunRequest {
     /// `**` across) of files to report back when the command created or changed them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub sync_back: Vec<String>,
+    /// Names the project whose caches the run uses, for the profile's caches with
+    /// `scope: workspace` (default: the workspace's id). Caches are always the caller's own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_scope: Option<String>,
 }
 
 /// The most `sync_back` globs a request may give.
@@ -72,6 +76,14 @@ impl RunRequest {
             ));
         }
         check_nul("executable", &self.executable)?;
+        if let Some(s) = &self.cache_scope
+            && (s.is_empty() || s.len() > 128 || s.chars().any(char::is_control))
+        {
+            return Err(ErrorBody::new(
+                ErrorCode::InvalidRequest,
+                "`cache_scope` must be 1 to 128 characters without control characters",
+            ));
+        }
         for (i, arg) in self.args.iter().enumerate() {
             check_nul(&format!("args[{i}]"), arg)?;
         }
@@ -203,6 +215,22 @@ pub struct RunContext {
     /// The version of that workspace's tree (SHA-256 of its manifest).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub workspace_version: Option<String>,
+    /// The profile's caches and what became of each (docs/caches.md).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub caches: BTreeMap<String, CacheState>,
+}
+
+/// What became of one of a run's caches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum CacheState {
+    /// Created for this run: empty, a cold cache.
+    Created,
+    /// Kept from earlier runs of the same key.
+    Reused,
+    /// Held by another run, or one cache more than the identity may have: the run got an
+    /// empty directory there instead, gone afterwards.
+    Skipped,
 }
 
 /// A stage of preparing a command, reported while the caller waits (mostly by the Kubernetes

@@ -184,6 +184,8 @@ impl Runner {
             timeout: Duration::from_secs(allowed.timeout_secs),
             profile: req.profile,
             workspace,
+            owner: caller.identity.clone(),
+            cache_scope: req.cache_scope,
         };
         self.executor.check(&spec)?;
         Ok(spec)

@@ -303,6 +303,11 @@ fn check_hardening(i: &Install) {
             let allowed: &[&str] = match resources.as_slice() {
                 [r] if r == "pods" => &["create", "get", "list", "watch", "delete", "patch"],
                 [r] if r == "pods/exec" => &["create", "get"],
+                // Cache volumes: exactly what the claims' life needs (no update, no
+                // deletecollection).
+                [r] if r == "persistentvolumeclaims" => {
+                    &["create", "get", "list", "watch", "patch", "delete"]
+                }
                 other => panic!("the Role grants {other:?}"),
             };
             assert!(
@@ -429,6 +434,17 @@ fn default_manifests_parse_strictly_and_are_hardened() {
         .flat_map(|r| &r.verbs)
         .collect();
     assert!(!verbs.contains(&&"patch".to_string()), "{verbs:?}");
+    // No profile declares caches: no PersistentVolumeClaim rule.
+    assert!(
+        i.roles[0]
+            .rules
+            .as_ref()
+            .unwrap()
+            .iter()
+            .all(|r| r.resources.as_deref() != Some(&["persistentvolumeclaims".to_string()][..])),
+        "{:?}",
+        i.roles[0].rules
+    );
     assert!(i.secrets.is_empty() && i.service_monitors.is_empty());
     assert_eq!(i.service_accounts.len(), 1);
 }
@@ -449,6 +465,17 @@ fn full_render_parses_strictly_and_is_hardened() {
             .verbs
             .contains(&"patch".into())
     );
+    // The rust profile's caches add the claims' six verbs, and nothing else.
+    let pvc = i.roles[0]
+        .rules
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|r| r.resources.as_deref() == Some(&["persistentvolumeclaims".to_string()][..]))
+        .expect("a PersistentVolumeClaim rule");
+    let mut verbs = pvc.verbs.clone();
+    verbs.sort();
+    assert_eq!(verbs, ["create", "delete", "get", "list", "patch", "watch"]);
     // The auth Secret is mounted and named to the gateway.
     assert_eq!(i.secrets.len(), 1);
     let pod = i.deployments[0]
@@ -531,4 +558,10 @@ fn the_gateway_accepts_the_rendered_config() {
     assert_eq!(c.tools.len(), 1);
     assert!(c.templates.contains_key("make"));
     assert!(!c.policy.executables.deny.is_empty());
+    // The caches' bounds and a profile's caches reach the gateway as written.
+    assert_eq!(c.caches.storage_class.as_deref(), Some("fast-ssd"));
+    assert_eq!(c.caches.access_mode, "ReadWriteOncePod");
+    let rust = &c.profiles["rust"];
+    assert_eq!(rust.caches.len(), 2);
+    assert_eq!(rust.caches[0].env["CARGO_TARGET_DIR"], "target");
 }

@@ -119,6 +119,10 @@ pub struct Args {
     /// The gateway's runner profile (a pod template on the Kubernetes backend).
     #[arg(long, value_name = "NAME")]
     pub profile: Option<String>,
+    /// Names the project whose caches the run uses, for the profile's caches with
+    /// `scope: workspace` (docs/caches.md) [default: the workspace].
+    #[arg(long, value_name = "NAME", env = "RUN_REMOTE_CACHE_SCOPE")]
+    pub cache_scope: Option<String>,
     /// `stream`: the command's output as it arrives (default). `json` or `markdown`: the
     /// structured result (context, output, exit) after the command ends. The exit code is
     /// mirrored in every format.
@@ -314,6 +318,7 @@ pub fn build_request(
         timeout_secs: args.timeout,
         profile: args.profile.clone(),
         sync_back: args.sync_back.clone(),
+        cache_scope: args.cache_scope.clone(),
         ..RunRequest::default()
     };
     Ok((server, request))

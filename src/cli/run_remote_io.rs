@@ -131,6 +131,13 @@ pub fn started_line(context: &RunContext) -> String {
             s.push_str(&format!(" {name}={v}"));
         }
     }
+    for (name, state) in &context.caches {
+        let state = serde_json::to_value(state)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_owned))
+            .unwrap_or_default();
+        s.push_str(&format!(" cache:{name}={state}"));
+    }
     s.push_str(&format!(" at {}", utc_time(std::time::SystemTime::now())));
     s
 }

@@ -266,7 +266,24 @@ pub async fn build_executor(
             LocalExecutor::new(&config.local.inherit_env)
                 .with_profiles(config.profiles.keys().cloned())
                 .with_reaper()
-                .with_workspaces(&config.workspaces),
+                .with_workspaces(&config.workspaces)
+                .with_caches(
+                    crate::exec::cache::local::LocalCaches::start(
+                        &config.caches,
+                        config
+                            .profiles
+                            .iter()
+                            .map(|(n, p)| (n.clone(), p.caches.clone()))
+                            .collect(),
+                        tokio_util::sync::CancellationToken::new(),
+                    )
+                    .with_context(|| {
+                        format!(
+                            "cannot create the cache directory {} (caches.local_dir)",
+                            config.caches.local_dir().display()
+                        )
+                    })?,
+                ),
         ),
         BackendKind::Remote => {
             let url = config.remote.server.as_deref().context(
@@ -289,7 +306,8 @@ pub async fn build_executor(
             profiles.entry("default".into()).or_default();
             let kube = KubeExecutor::connect(config.kubernetes.clone(), profiles, metrics.clone())
                 .await
-                .map_err(kube_setup_error)?;
+                .map_err(kube_setup_error)?
+                .with_caches(&config.caches);
             kube.prepare(Duration::from_secs(config.limits.max_timeout_secs))
                 .await;
             Arc::new(kube)

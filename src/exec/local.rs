@@ -87,6 +87,8 @@ pub struct LocalExecutor {
     profiles: Vec<String>,
     /// Where runs' workspaces are written, and the trees kept between runs.
     trees: Arc<crate::workspace::trees::Trees>,
+    /// The profiles' cache directories (docs/caches.md).
+    caches: Option<Arc<super::cache::local::LocalCaches>>,
 }
 
 impl LocalExecutor {
@@ -111,7 +113,14 @@ impl LocalExecutor {
                 0,
                 Duration::ZERO,
             )),
+            caches: None,
         }
+    }
+
+    /// Keeps the caches the profiles declare in directories (see [`super::cache::local`]).
+    pub fn with_caches(mut self, caches: Option<Arc<super::cache::local::LocalCaches>>) -> Self {
+        self.caches = caches;
+        self
     }
 
     /// Starts the reaper process ([`super::reaper`]) so that descendants of commands die
@@ -406,10 +415,25 @@ impl Executor for LocalExecutor {
         opts: StartOptions,
     ) -> BoxFuture<'_, Result<Execution, ErrorBody>> {
         Box::pin(async move {
+            let mut spec = spec;
+            let hold = match &self.caches {
+                Some(c) => c.acquire(&spec, &opts.progress, &opts.cancel).await?,
+                None => None,
+            };
+            if let Some(h) = &hold {
+                super::cache::merge_env(&mut spec.env, h.env());
+            }
             let cancel = opts.cancel.child_token();
-            match spec.workspace.clone() {
+            let started = match spec.workspace.clone() {
                 Some(run) => self.start_in_workspace(spec, run, cancel, opts.stdin).await,
                 None => self.spawn(&spec, cancel, opts.stdin, None),
+            };
+            match (started, hold) {
+                (Ok(mut e), Some(h)) => {
+                    e.context_mut().caches = h.states();
+                    Ok(e.hold(h))
+                }
+                (started, _) => started,
             }
         })
     }
@@ -648,6 +672,7 @@ mod tests {
             timeout: Duration::from_secs(10),
             profile: None,
             workspace: None,
+            ..ExecSpec::default()
         }
     }
 

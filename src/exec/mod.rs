@@ -16,6 +16,7 @@
 //! Size: about 420 lines of code; the rest are the unit tests of `Execution`'s timeout, kill
 //! and filter semantics, kept beside it.
 
+pub mod cache;
 pub mod kube;
 pub mod local;
 pub mod reaper;
@@ -58,6 +59,10 @@ pub struct ExecSpec {
     /// workspace's directory). Only backends whose [`Executor::supports_workspaces`] is true
     /// get one.
     pub workspace: Option<crate::workspace::WorkspaceRun>,
+    /// The caller's identity (`None` with auth off): whose caches the run may use.
+    pub owner: Option<String>,
+    /// The request's `cache_scope` (see [`cache`]).
+    pub cache_scope: Option<String>,
 }
 
 /// What a caller hands a backend besides the spec: the cancellation token, where to report
@@ -310,6 +315,11 @@ impl Execution {
 
     pub fn context(&self) -> &RunContext {
         &self.context
+    }
+
+    /// For a backend that learns more about the run after its start (its caches).
+    pub fn context_mut(&mut self) -> &mut RunContext {
+        &mut self.context
     }
 
     /// Kills the command; its events still arrive, ending with `exit`.

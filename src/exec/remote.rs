@@ -334,6 +334,7 @@ impl Executor for RemoteExecutor {
                 env: spec.env,
                 timeout_secs: Some(spec.timeout.as_secs().max(1)),
                 profile: spec.profile,
+                cache_scope: spec.cache_scope,
                 ..RunRequest::default()
             };
             self.run_with(&req, opts).await

@@ -229,6 +229,32 @@ pub(super) async fn lifecycle(shared: Arc<Shared>, ns: String, name: String, uid
         return;
     }
     tokio::time::sleep(delay).await;
+    // Volumes are mounted before containers start (pvcs.rs), retried as the kubelet's volume
+    // manager retries; meanwhile the containers wait in ContainerCreating, saying why.
+    let mut told = String::new();
+    while let Err(why) = super::pvcs::mount(&shared, &pod) {
+        let live = if why != told {
+            told = why.clone();
+            step(&shared, &ns, &name, &uid, |p| {
+                let s = p
+                    .status
+                    .as_mut()
+                    .and_then(|s| s.container_statuses.as_mut());
+                for c in s.into_iter().flatten() {
+                    c.state = Some(waiting("ContainerCreating", Some(why.clone())));
+                }
+            })
+        } else {
+            shared.lock().pods.get(&key(&ns, &name)).is_some_and(|p| {
+                p.metadata.uid.as_deref() == Some(uid.as_str())
+                    && p.metadata.deletion_timestamp.is_none()
+            })
+        };
+        if !live {
+            return;
+        }
+        tokio::time::sleep(delay.max(Duration::from_millis(20))).await;
+    }
 
     // 3. Containers start, or fail to.
     let ip = {

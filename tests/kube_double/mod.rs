@@ -147,6 +147,7 @@ mod exec;
 mod kubelet;
 mod pods;
 pub mod protobuf;
+mod pvcs;
 mod selector;
 mod server;
 mod status;
@@ -309,6 +310,8 @@ pub(crate) struct State {
     pub exec_pings: usize,
     /// Every DELETE of one pod, with its options and answer.
     pub delete_log: Vec<DeleteRecord>,
+    /// PersistentVolumeClaims (pvcs.rs).
+    pub pvcs: pvcs::PvcStore,
 }
 
 /// One DELETE of a pod as the double received it.

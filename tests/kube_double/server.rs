@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 
 use super::Shared;
 use super::status::{ApiError, json_response};
-use super::{delete, exec, pods, protobuf, watch};
+use super::{delete, exec, pods, protobuf, pvcs, watch};
 
 const SSAR_PATH: &str = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews";
 
@@ -47,6 +47,14 @@ pub fn router(shared: Arc<Shared>) -> Router {
                 .put(pods::replace),
         )
         .route("/api/v1/namespaces/{ns}/pods/{name}/exec", any(exec::exec))
+        .route(
+            "/api/v1/namespaces/{ns}/persistentvolumeclaims",
+            get(pvcs::list).post(pvcs::create),
+        )
+        .route(
+            "/api/v1/namespaces/{ns}/persistentvolumeclaims/{name}",
+            get(pvcs::get).delete(pvcs::delete).patch(pvcs::patch),
+        )
         .fallback(unknown)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(shared.clone(), gate))
@@ -157,7 +165,10 @@ async fn core_resources() -> Response {
                  "verbs": ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"],
                  "shortNames": ["po"], "categories": ["all"]},
                 {"name": "pods/exec", "singularName": "", "namespaced": true, "kind": "PodExecOptions",
-                 "verbs": ["create", "get"]}
+                 "verbs": ["create", "get"]},
+                {"name": "persistentvolumeclaims", "singularName": "persistentvolumeclaim", "namespaced": true,
+                 "kind": "PersistentVolumeClaim", "verbs": ["create", "delete", "get", "list", "patch", "watch"],
+                 "shortNames": ["pvc"], "categories": ["all"]}
             ]
         }),
     )

@@ -186,6 +186,10 @@ pub struct Profile {
     /// Pods of this profile kept Running ahead of requests (docs/kubernetes.md).
     #[serde(skip_serializing_if = "WarmPoolConfig::is_off")]
     pub warm_pool: WarmPoolConfig,
+    /// Storage kept between runs of one caller (docs/caches.md): a PersistentVolumeClaim per
+    /// cache key on Kubernetes, a directory on the local backend.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub caches: Vec<crate::exec::cache::CacheSpec>,
 }
 
 /// `warm_pool:` of a profile.
@@ -298,6 +302,38 @@ impl Profile {
                 );
             }
         }
+        if self.warm_pool.size > 0 && !self.caches.is_empty() {
+            return err(
+                "caches",
+                "cannot be combined with a warm pool: a pod's volumes are fixed when it is created, before the run (and its caller) is known".into(),
+            );
+        }
+        for (i, c) in self.caches.iter().enumerate() {
+            let path = c.path.trim_end_matches('/');
+            if self.caches[..i].iter().any(|o| o.name == c.name) {
+                return err("caches", format!("two caches are named {:?}", c.name));
+            }
+            let clash = self.caches[..i]
+                .iter()
+                .map(|o| o.path.trim_end_matches('/'))
+                .chain(
+                    self.volume_mounts
+                        .iter()
+                        .map(|m| m.mount_path.trim_end_matches('/')),
+                )
+                .chain(self.workspace_path.iter().map(|w| w.trim_end_matches('/')))
+                .find(|o| {
+                    *o == path
+                        || path.starts_with(&format!("{o}/"))
+                        || o.starts_with(&format!("{path}/"))
+                });
+            if let Some(o) = clash {
+                return err(
+                    "caches",
+                    format!("cache {:?} at {path} overlaps another mount at {o}", c.name),
+                );
+            }
+        }
         if self.warm_pool.size > 0 && self.warm_pool.max_idle_secs == 0 {
             return err("warm_pool.max_idle_secs", "must be at least 1".into());
         }
@@ -396,6 +432,23 @@ volumes: [{name: workspace, persistentVolumeClaim: {claimName: workspace}}]
             ("keepalive_command: []", "keepalive_command"),
             ("shell: sh", "shell"),
             ("run_as_user: 0", "run_as_user"),
+            // A pod's volumes are fixed before its caller is known.
+            (
+                "{caches: [{name: c, path: /c}], warm_pool: {size: 1}}",
+                "caches",
+            ),
+            (
+                "{caches: [{name: c, path: /w/c}], workspace_path: /w}",
+                "caches",
+            ),
+            (
+                "{caches: [{name: c, path: /a}, {name: c, path: /b}]}",
+                "caches",
+            ),
+            (
+                "{caches: [{name: c, path: /a}, {name: d, path: /a/}]}",
+                "caches",
+            ),
         ];
         for (yaml, field) in cases {
             let p: Profile = yaml_serde::from_str(yaml).unwrap();

@@ -13,6 +13,7 @@
 //! gateway pod when it runs in-cluster; and the [`reaper`] deletes leftovers of a crashed
 //! gateway at start-up and periodically.
 
+mod cache;
 pub mod config;
 mod guard;
 pub mod pod;
@@ -63,6 +64,8 @@ pub struct KubeExecutor {
     missing: Mutex<Option<Vec<String>>>,
     /// Warm pools of the profiles that have one, started by `prepare`.
     pools: std::sync::OnceLock<BTreeMap<String, Arc<pool::WarmPool>>>,
+    /// The profiles' cache claims (docs/caches.md), when a profile declares caches.
+    caches: Option<Arc<cache::KubeCaches>>,
 }
 
 /// What pod guards need after the request that armed them is gone.

@@ -107,6 +107,7 @@ impl KubeExecutor {
             reaper: CancellationToken::new(),
             missing: Mutex::new(None),
             pools: std::sync::OnceLock::new(),
+            caches: None,
         })
     }
 
@@ -148,6 +149,7 @@ impl KubeExecutor {
             })
             .collect();
         let _ = self.pools.set(pools);
+        self.start_cache_sweeper();
         let interval = Duration::from_secs(self.config.reaper_interval_secs);
         let stop = self.reaper.clone();
         tokio::spawn(async move {
@@ -176,25 +178,30 @@ impl KubeExecutor {
         // Exec over WebSocket is authorized as `get` pods/exec, and from Kubernetes 1.35 as
         // `create` too. The warm pool claims pods with `patch`.
         let mut needed = vec![
-            ("", "create"),
-            ("", "get"),
-            ("", "list"),
-            ("", "watch"),
-            ("", "delete"),
-            ("exec", "create"),
-            ("exec", "get"),
+            ("pods", "", "create"),
+            ("pods", "", "get"),
+            ("pods", "", "list"),
+            ("pods", "", "watch"),
+            ("pods", "", "delete"),
+            ("pods", "exec", "create"),
+            ("pods", "exec", "get"),
         ];
         if self.profiles.values().any(|p| p.warm_pool.size > 0) {
-            needed.push(("", "patch"));
+            needed.push(("pods", "", "patch"));
+        }
+        if self.caches.is_some() {
+            for verb in ["create", "get", "list", "watch", "patch", "delete"] {
+                needed.push(("persistentvolumeclaims", "", verb));
+            }
         }
         let api: Api<SelfSubjectAccessReview> = Api::all(self.client.clone());
         let mut missing = Vec::new();
-        for (sub, verb) in needed {
+        for (resource, sub, verb) in needed {
             let review = SelfSubjectAccessReview {
                 spec: SelfSubjectAccessReviewSpec {
                     resource_attributes: Some(ResourceAttributes {
                         namespace: Some(ns.clone()),
-                        resource: Some("pods".into()),
+                        resource: Some(resource.into()),
                         subresource: (!sub.is_empty()).then(|| sub.to_string()),
                         verb: Some(verb.into()),
                         ..Default::default()
@@ -204,9 +211,9 @@ impl KubeExecutor {
                 ..Default::default()
             };
             let what = if sub.is_empty() {
-                format!("{verb} pods")
+                format!("{verb} {resource}")
             } else {
-                format!("{verb} pods/{sub}")
+                format!("{verb} {resource}/{sub}")
             };
             match api.create(&PostParams::default(), &review).await {
                 Ok(r) if r.status.as_ref().is_some_and(|s| s.allowed) => {}

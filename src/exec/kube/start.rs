@@ -67,13 +67,25 @@ impl KubeExecutor {
                     .await;
             }
         }
-        let start_timeout = Duration::from_secs(self.config.pod_start_timeout_secs);
-        let budget_end = Instant::now() + start_timeout;
         let deadline =
             spec.timeout.as_secs() + self.config.pod_start_timeout_secs + DEADLINE_MARGIN_SECS;
         let name = pod::pod_name();
+        // Before the start budget: waiting for a busy cache has its own bound.
+        let caches = self
+            .take_caches(
+                &spec,
+                &profile_name,
+                &profile,
+                &name,
+                Duration::from_secs(deadline),
+                &opts,
+            )
+            .await?;
+        let mut spec = spec;
+        let start_timeout = Duration::from_secs(self.config.pod_start_timeout_secs);
+        let budget_end = Instant::now() + start_timeout;
         let mut timings = Timings::new();
-        let manifest = pod::build(
+        let mut manifest = pod::build(
             &pod::PodRequest {
                 name: &name,
                 namespace: &self.shared.namespace,
@@ -84,6 +96,10 @@ impl KubeExecutor {
             },
             &self.shared.identity,
         );
+        if let Some(c) = &caches {
+            c.mount(&mut manifest);
+            crate::exec::cache::merge_env(&mut spec.env, c.env());
+        }
         // Armed before the create call: whatever happens from here, the pod goes.
         let guard = PodGuard::arm(self.shared.clone(), name.clone(), permit);
         let created = tokio::select! {
@@ -100,8 +116,17 @@ impl KubeExecutor {
             _ = opts.cancel.cancelled() => return Err(shutting_down()),
         };
         self.shared.metrics.observe_pod_start(timings.since_start());
-        self.exec_in(spec, opts, guard, timings, node, &profile_name, &profile)
-            .await
+        let execution = self
+            .exec_in(spec, opts, guard, timings, node, &profile_name, &profile)
+            .await?;
+        Ok(match caches {
+            Some(c) => {
+                let mut execution = execution;
+                execution.context_mut().caches = c.states();
+                execution.hold(c)
+            }
+            None => execution,
+        })
     }
 
     /// Creates the pod within the start budget: each attempt bounded, 429/500/503/504 and

@@ -98,6 +98,7 @@ impl Executor for SyncedRemote {
                 profile: spec.profile,
                 workspace: Some(self.sync().await?),
                 sync_back: Vec::new(),
+                cache_scope: spec.cache_scope,
             };
             match self.remote.run(&req, opts.cancel.clone()).await {
                 // Evicted between the sync and the run (or another replica): once more.
@@ -151,6 +152,7 @@ pub async fn forward(
         profile: spec.profile,
         workspace: Some(client.sync(&walked).await?.workspace),
         sync_back: run.sync_back.clone(),
+        cache_scope: spec.cache_scope,
     };
     let inner = match remote.run_with(&req, opts).await {
         // Evicted upstream between the sync and the run: once more (the first attempt took

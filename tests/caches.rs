@@ -1,0 +1,425 @@
+//! Cache volumes (docs/caches.md) through the real gateway: kept between one-shot runs of one
+//! key, shared by the runs of a key one at a time, never across identities, deleted after
+//! their idle TTL; on the local backend (directories) and on the Kubernetes backend
+//! (PersistentVolumeClaims, against the API-server double).
+
+mod kube_double;
+mod support;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use kube_double::{DoubleOptions, KubeDouble};
+use mcp_run::contract::CacheState;
+use serde_json::json;
+use support::{Gateway, config_file, raw, wait_until};
+
+const ALICE: &str = "alice-token-0123456789abcdef";
+const BOB: &str = "bob-token-0123456789abcdef";
+const NS: &str = "default";
+
+/// A gateway with tokens for `alice` and `bob` and this configuration.
+fn gateway(dir: &tempfile::TempDir, yaml: &str, extra: &[&str]) -> Gateway {
+    let config = config_file(dir, yaml);
+    let mut args = vec!["--config", config.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    Gateway::start_with_env(
+        &args,
+        &[("MCP_RUN_AUTH_TOKENS", &format!("alice:{ALICE},bob:{BOB}"))],
+    )
+}
+
+/// Appends a line to the cache's file and prints what the file held before.
+fn append(line: &str, profile: &str) -> serde_json::Value {
+    json!({
+        "executable": "sh",
+        "args": ["-c", "mkdir -p \"$C\" && cat \"$C/log\" 2>/dev/null; echo \"$1\" >> \"$C/log\"", "sh", line],
+        "profile": profile,
+    })
+}
+
+async fn run_as(gw: &mut Gateway, token: &str, body: serde_json::Value) -> support::RawRun {
+    gw.token = Some(token.into());
+    let r = raw(gw, body).await;
+    gw.token = None;
+    r
+}
+
+fn state(r: &support::RawRun, cache: &str) -> CacheState {
+    r.context
+        .as_ref()
+        .and_then(|c| c.caches.get(cache).copied())
+        .unwrap_or_else(|| panic!("no state for cache {cache}: {r:?}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn local_caches_are_kept_per_identity_bounded_and_swept() {
+    let dir = tempfile::tempdir().unwrap();
+    let caches = dir.path().join("caches");
+    let yaml = format!(
+        "caches:\n  local_dir: {}\n  idle_ttl_secs: 2\n  sweep_interval_secs: 1\n\
+         profiles:\n  default: {{}}\n  build:\n    caches:\n      - {{name: data, path: /cache, env: {{C: sub}}, size: 1Mi}}\n",
+        caches.display()
+    );
+    let mut gw = gateway(&dir, &yaml, &[]);
+
+    let a1 = run_as(&mut gw, ALICE, append("a1", "build")).await;
+    assert_eq!(a1.code(), Some(0), "{a1:?}");
+    assert_eq!(a1.stdout_str(), "");
+    assert_eq!(state(&a1, "data"), CacheState::Created);
+    let a2 = run_as(&mut gw, ALICE, append("a2", "build")).await;
+    assert_eq!(a2.stdout_str(), "a1\n", "kept between runs of one key");
+    assert_eq!(state(&a2, "data"), CacheState::Reused);
+    // Another identity: its own cache, empty.
+    let b1 = run_as(&mut gw, BOB, append("b1", "build")).await;
+    assert_eq!(b1.stdout_str(), "", "bob never sees alice's cache");
+    assert_eq!(state(&b1, "data"), CacheState::Created);
+    let a3 = run_as(&mut gw, ALICE, append("a3", "build")).await;
+    assert_eq!(a3.stdout_str(), "a1\na2\n");
+    // A profile without caches: no variable, no state.
+    let plain = run_as(
+        &mut gw,
+        ALICE,
+        json!({"executable": "sh", "args": ["-c", "echo \"[$C]\""]}),
+    )
+    .await;
+    assert_eq!(plain.stdout_str(), "[]\n");
+    assert!(plain.context.unwrap().caches.is_empty());
+    // Directories are named by a hash: no identity in any name or record.
+    let names: Vec<String> = std::fs::read_dir(&caches)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        names.iter().filter(|n| n.ends_with(".json")).count(),
+        2,
+        "{names:?}"
+    );
+    for n in &names {
+        assert!(!n.contains("alice") && !n.contains("bob"), "{n}");
+        if n.ends_with(".json") {
+            let text = std::fs::read_to_string(caches.join(n)).unwrap();
+            assert!(!text.contains("alice") && !text.contains("bob"), "{text}");
+        }
+    }
+    // Over its size bound (1Mi): emptied after the run; the next run starts cold.
+    let big = run_as(
+        &mut gw,
+        ALICE,
+        json!({"executable": "sh", "args": ["-c", "head -c 2000000 /dev/zero > \"$C/big\""], "profile": "build"}),
+    )
+    .await;
+    assert_eq!(big.code(), Some(0), "{big:?}");
+    let cold = loop {
+        let r = run_as(&mut gw, ALICE, append("after", "build")).await;
+        // The measurement runs after the run, holding the cache: a run meanwhile waits.
+        if state(&r, "data") == CacheState::Created {
+            break r;
+        }
+        assert!(r.stdout_str().starts_with("a1\n"), "{r:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(cold.stdout_str(), "");
+    assert!(gw.log_text().contains("cache over its size bound"));
+    // Idle for the TTL (2 s): swept.
+    assert!(
+        wait_until(Duration::from_secs(20), || {
+            std::fs::read_dir(&caches)
+                .map(|d| d.flatten().all(|e| e.file_name() == ".skipped"))
+                .unwrap_or(false)
+        }),
+        "idle caches left: {:?}",
+        std::fs::read_dir(&caches)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name())
+            .collect::<Vec<_>>()
+    );
+    let again = run_as(&mut gw, ALICE, append("x", "build")).await;
+    assert_eq!(state(&again, "data"), CacheState::Created);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn local_runs_of_one_key_take_turns_or_skip() {
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = format!(
+        "caches:\n  local_dir: {}\n  busy_wait_secs: 30\n\
+         profiles:\n  default:\n    caches:\n      - {{name: wait, path: /w, env: {{C: .}}}}\n  \
+         skip:\n    caches:\n      - {{name: skip, path: /s, env: {{C: .}}, when_busy: skip}}\n",
+        dir.path().join("caches").display()
+    );
+    let gw = gateway(&dir, &yaml, &[]);
+    let mut gw2 = Gateway::external(&gw.raw_url(), "local");
+    gw2.token = Some(ALICE.into());
+    let slow = |profile: &str| {
+        json!({
+            "executable": "sh",
+            "args": ["-c", "cat \"$C/log\" 2>/dev/null; sleep 1; echo first > \"$C/log\""],
+            "profile": profile,
+        })
+    };
+    for (profile, cache) in [("default", "wait"), ("skip", "skip")] {
+        let first = raw(&gw2, slow(profile));
+        let second = async {
+            // Starts while the first holds the cache (its sleep is a second long).
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            raw(&gw2, append("second", profile)).await
+        };
+        let (first, second) = tokio::join!(first, second);
+        assert_eq!(first.code(), Some(0), "{first:?}");
+        if cache == "wait" {
+            // Waited for the first, then saw what it wrote.
+            assert_eq!(second.stdout_str(), "first\n", "{second:?}");
+            assert_eq!(state(&second, cache), CacheState::Reused);
+        } else {
+            // Ran at once, in an empty directory of its own.
+            assert_eq!(second.stdout_str(), "", "{second:?}");
+            assert_eq!(state(&second, cache), CacheState::Skipped);
+            // Once the first released it (after its run, in the background), the next run
+            // has it: with what the first wrote, without the skipped run's line.
+            let after = loop {
+                let r = raw(&gw2, append("third", profile)).await;
+                if state(&r, cache) != CacheState::Skipped {
+                    break r;
+                }
+            };
+            assert_eq!(
+                after.stdout_str(),
+                "first\n",
+                "a skipped run's writes are not kept"
+            );
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kubernetes
+
+fn restricted_double() -> KubeDouble {
+    let mut opts = DoubleOptions::default();
+    opts.namespace_labels.insert(
+        NS.into(),
+        BTreeMap::from([(
+            "pod-security.kubernetes.io/enforce".to_string(),
+            "restricted".to_string(),
+        )]),
+    );
+    KubeDouble::start_with(opts)
+}
+
+fn kube_gateway(double: &KubeDouble, dir: &tempfile::TempDir, yaml: &str) -> Gateway {
+    let kubeconfig = double.kubeconfig();
+    gateway(
+        dir,
+        yaml,
+        &[
+            "--backend",
+            "kube",
+            "--kubeconfig",
+            kubeconfig.to_str().unwrap(),
+        ],
+    )
+}
+
+fn creates(double: &KubeDouble) -> usize {
+    double
+        .requests()
+        .iter()
+        .filter(|r| r.starts_with("POST /api/v1/namespaces/default/persistentvolumeclaims"))
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kube_claims_are_kept_per_identity_mounted_restricted_and_swept() {
+    let double = restricted_double();
+    let dir = tempfile::tempdir().unwrap();
+    let mount = dir.path().join("mnt/cache");
+    let yaml = format!(
+        "caches:\n  idle_ttl_secs: 3\n  sweep_interval_secs: 1\n  storage_class: fast\n\
+         profiles:\n  default:\n    caches:\n      - {{name: build, path: {}, env: {{C: data}}, size: 2Gi}}\n",
+        mount.display()
+    );
+    let mut gw = kube_gateway(&double, &dir, &yaml);
+
+    let a1 = run_as(&mut gw, ALICE, append("a1", "default")).await;
+    assert_eq!(a1.code(), Some(0), "{a1:?}");
+    assert_eq!(a1.stdout_str(), "");
+    assert_eq!(state(&a1, "build"), CacheState::Created);
+    let a2 = run_as(&mut gw, ALICE, append("a2", "default")).await;
+    assert_eq!(a2.stdout_str(), "a1\n", "kept between runs: {a2:?}");
+    assert_eq!(state(&a2, "build"), CacheState::Reused);
+    let b1 = run_as(&mut gw, BOB, append("b1", "default")).await;
+    assert_eq!(b1.stdout_str(), "", "bob never sees alice's cache: {b1:?}");
+    assert_eq!(state(&b1, "build"), CacheState::Created);
+    let a3 = run_as(&mut gw, ALICE, append("a3", "default")).await;
+    assert_eq!(a3.stdout_str(), "a1\na2\n");
+
+    // One claim per key, created once, labelled without the identity.
+    let claims = double.pvcs(NS);
+    assert_eq!(claims.len(), 2, "{claims:?}");
+    assert_eq!(creates(&double), 2);
+    let mut owners = std::collections::BTreeSet::new();
+    for c in &claims {
+        let text = serde_json::to_string(c).unwrap();
+        assert!(
+            !text.contains("alice") && !text.contains("bob") && !text.contains(ALICE),
+            "{text}"
+        );
+        let l = c.metadata.labels.as_ref().unwrap();
+        assert_eq!(l["app.kubernetes.io/component"], "cache");
+        assert_eq!(l["mcp-run.dev/cache"], "build");
+        assert_eq!(l["mcp-run.dev/instance"], "mcp-run");
+        assert_eq!(l["mcp-run.dev/scope"], "identity");
+        owners.insert(l["mcp-run.dev/owner"].clone());
+        let spec = c.spec.as_ref().unwrap();
+        assert_eq!(spec.storage_class_name.as_deref(), Some("fast"));
+        assert_eq!(
+            spec.resources.as_ref().unwrap().requests.as_ref().unwrap()["storage"].0,
+            "2Gi"
+        );
+        assert_eq!(
+            spec.access_modes.as_deref(),
+            Some(&["ReadWriteOnce".to_string()][..])
+        );
+    }
+    assert_eq!(owners.len(), 2);
+    // Released after each run (its pod gone): nobody holds a claim now.
+    assert!(wait_until(Duration::from_secs(10), || double
+        .pvcs(NS)
+        .iter()
+        .all(|c| {
+            c.metadata.annotations.as_ref().is_some_and(|a| {
+                !a.contains_key("mcp-run.dev/held-by") && a.contains_key("mcp-run.dev/last-used")
+            })
+        })));
+    // The pods mounted their claims with an fsGroup, and Pod Security `restricted` (enforced
+    // by the double's admission) admitted them.
+    let alice_claim = double.pvc_mounts()[0].1.clone();
+    let pods = double.created_pods();
+    assert_eq!(pods.len(), 4);
+    for p in &pods {
+        let spec = p.spec.as_ref().unwrap();
+        let claim = spec
+            .volumes
+            .iter()
+            .flatten()
+            .find_map(|v| v.persistent_volume_claim.as_ref())
+            .expect("a claim volume");
+        assert!(claim.claim_name.starts_with("mcp-run-cache-"));
+        let sc = spec.security_context.as_ref().unwrap();
+        assert_eq!(sc.fs_group, Some(65532));
+        assert_eq!(sc.fs_group_change_policy.as_deref(), Some("OnRootMismatch"));
+        let m = &spec.containers[0].volume_mounts.as_ref().unwrap()[0];
+        assert_eq!(m.mount_path, mount.to_str().unwrap());
+    }
+    assert_eq!(
+        double
+            .pvc_mounts()
+            .iter()
+            .filter(|(_, c)| *c == alice_claim)
+            .count(),
+        3
+    );
+
+    // A hold whose pod is gone (a gateway killed mid-run) is taken over once a pod start
+    // could have made its pod; a fresh hold of a live run is waited for.
+    double.annotate_pvc(
+        NS,
+        &alice_claim,
+        &[
+            ("mcp-run.dev/held-by", Some("mcp-run-gone")),
+            ("mcp-run.dev/held-since", Some("2026-01-01T00:00:00Z")),
+            ("mcp-run.dev/held-until", Some("2099-01-01T00:00:00Z")),
+        ],
+    );
+    let a4 = run_as(&mut gw, ALICE, append("a4", "default")).await;
+    assert_eq!(
+        a4.stdout_str(),
+        "a1\na2\na3\n",
+        "stale hold taken over: {a4:?}"
+    );
+
+    // Idle for the TTL: the sweeper deletes both claims.
+    assert!(
+        wait_until(Duration::from_secs(20), || double.pvcs(NS).is_empty()),
+        "claims left: {:?}",
+        double.pvcs(NS)
+    );
+    assert_eq!(
+        double.pvc_deletions().len(),
+        2,
+        "{:?}",
+        double.pvc_deletions()
+    );
+    // Cold again afterwards, with a new claim.
+    let a5 = run_as(&mut gw, ALICE, append("a5", "default")).await;
+    assert_eq!(a5.stdout_str(), "");
+    assert_eq!(state(&a5, "build"), CacheState::Created);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kube_runs_of_one_key_race_to_one_claim_and_take_turns() {
+    let double = KubeDouble::start();
+    let dir = tempfile::tempdir().unwrap();
+    let mount = dir.path().join("cache");
+    let yaml = format!(
+        "caches:\n  busy_wait_secs: 2\n\
+         profiles:\n  default:\n    caches:\n      - {{name: build, path: {}, env: {{C: .}}}}\n",
+        mount.display()
+    );
+    let gw = kube_gateway(&double, &dir, &yaml);
+    let mut gw2 = Gateway::external(&gw.raw_url(), "kubernetes");
+    gw2.token = Some(ALICE.into());
+    // Two first runs at once: one claim; the second waits for the first and sees its write.
+    let body = |n: &str| {
+        json!({
+            "executable": "sh",
+            "args": ["-c", "cat \"$C/log\" 2>/dev/null; echo \"$1\" >> \"$C/log\"", "sh", n],
+        })
+    };
+    let (x, y) = tokio::join!(raw(&gw2, body("x")), raw(&gw2, body("y")));
+    assert_eq!((x.code(), y.code()), (Some(0), Some(0)), "{x:?} {y:?}");
+    let outs = [x.stdout_str(), y.stdout_str()];
+    assert!(
+        outs == ["".to_string(), "x\n".to_string()] || outs == ["y\n".to_string(), "".to_string()],
+        "one after the other: {outs:?}"
+    );
+    let mut states = [state(&x, "build"), state(&y, "build")];
+    states.sort_by_key(|s| format!("{s:?}"));
+    assert_eq!(states, [CacheState::Created, CacheState::Reused]);
+    assert_eq!(double.pvcs(NS).len(), 1);
+
+    // Held by a live run (a fresh hold): waited for within busy_wait_secs, then 429.
+    let claim = double.pvcs(NS)[0].metadata.name.clone().unwrap();
+    assert!(wait_until(Duration::from_secs(10), || double.pvcs(NS)[0]
+        .metadata
+        .annotations
+        .as_ref()
+        .is_some_and(|a| !a.contains_key("mcp-run.dev/held-by"))));
+    let now = k8s_openapi::jiff::Timestamp::now().to_string();
+    double.annotate_pvc(
+        NS,
+        &claim,
+        &[
+            ("mcp-run.dev/held-by", Some("mcp-run-elsewhere")),
+            ("mcp-run.dev/held-since", Some(&now)),
+            ("mcp-run.dev/held-until", Some("2099-01-01T00:00:00Z")),
+        ],
+    );
+    let busy = raw(&gw2, body("z")).await;
+    let rejection = busy.rejection.expect("refused");
+    assert_eq!(busy.status, 429, "{rejection:?}");
+    assert!(
+        rejection
+            .error
+            .message
+            .contains("cache build stayed in use by another run for 2s"),
+        "{rejection:?}"
+    );
+    assert_eq!(
+        double.created_pods().len(),
+        2,
+        "no pod for a run that never got its cache"
+    );
+}
