@@ -3,8 +3,8 @@
 //! their idle TTL; on the local backend (directories) and on the Kubernetes backend
 //! (PersistentVolumeClaims, against the API-server double).
 
-mod kube_double;
-mod support;
+use crate::kube_double;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::time::Duration;

@@ -8,6 +8,7 @@ mod kube_double;
 mod support;
 
 mod auth;
+mod caches;
 mod chart_objects;
 mod cli;
 mod docs;
