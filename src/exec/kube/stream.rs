@@ -37,6 +37,11 @@ const DRAIN_GRACE: Duration = Duration::from_secs(2);
 /// How long the look at the pod after a kill may take.
 const POD_CHECK_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// After an exec ended by SIGKILL or a broken stream, how long to wait for the pod's status
+/// to say why: a kubelet writes `OOMKilled` or an eviction after the exec stream ended (its
+/// relist, about a second later), not before.
+const POD_FATE_WAIT: Duration = Duration::from_secs(4);
+
 /// What the exec's stdin carries: the wrapper's header, then the caller's input.
 pub(super) struct Input {
     /// Whether the exec was opened with a stdin stream.
@@ -186,7 +191,7 @@ pub(super) async fn supervise<S>(
         ExecEnd::Exit {
             code: None,
             signal: Some(9),
-        } => match pod_gone(&guard).await {
+        } => match pod_fate(&guard, POD_FATE_WAIT).await {
             Some(why) => Event::Error {
                 code: ErrorCode::PodFailed,
                 message: format!("the command was killed: {why}"),
@@ -223,8 +228,14 @@ pub(super) async fn supervise<S>(
                 Some(t) if status.is_none() => format!("{message} ({t})"),
                 _ => message,
             };
-            // Say what happened to the pod, when something did.
-            match pod_gone(&guard).await {
+            // Say what happened to the pod, when something did; a broken stream may be the
+            // pod's end whose status is not written yet.
+            let wait = if status.is_none() {
+                POD_FATE_WAIT
+            } else {
+                Duration::ZERO
+            };
+            match pod_fate(&guard, wait).await {
                 Some(why) => Event::Error {
                     code: ErrorCode::PodFailed,
                     message: format!("{message}: {why}"),
@@ -278,16 +289,35 @@ async fn exists_in_pod(guard: &PodGuard, shell: &str, executable: &str) -> Optio
     matches!(status::nonzero_exit_code(&s), Some(1 | 127)).then_some(false)
 }
 
-/// What happened to the guard's pod, if it is gone, going, or its container stopped.
-async fn pod_gone(guard: &PodGuard) -> Option<String> {
+/// What happened to the guard's pod, if it is gone, going, or its container stopped:
+/// watched for up to `wait` for such a state (the kubelet writes it after the exec ended),
+/// else the first state seen decides.
+async fn pod_fate(guard: &PodGuard, wait: Duration) -> Option<String> {
     let name = &guard.name;
-    let pod = tokio::time::timeout(POD_CHECK_TIMEOUT, guard.shared.pods.get_opt(name))
-        .await
-        .ok()?
-        .ok()?;
-    let Some(p) = pod else {
-        return Some(format!("runner pod {name} was deleted"));
-    };
+    let now = tokio::time::Instant::now();
+    let end = now + wait.max(POD_CHECK_TIMEOUT);
+    let watch = super::backoff::watch_pod(&guard.shared.pods, name, end, |pod| match pod {
+        None => Some(Some(format!("runner pod {name} was deleted"))),
+        Some(p) => match fate(&p) {
+            Some(why) => Some(Some(why)),
+            None if wait.is_zero() => Some(None),
+            None => None,
+        },
+    });
+    if wait.is_zero() {
+        return watch.await.ok().flatten();
+    }
+    tokio::select! {
+        r = watch => r.ok().flatten(),
+        // The watch sends nothing while the pod does not change: nothing happened to it.
+        _ = tokio::time::sleep_until(now + wait) => None,
+    }
+}
+
+/// What a pod's state says happened to it under a command: deleted, evicted, OOM-killed,
+/// its container stopped, or failed.
+fn fate(p: &k8s_openapi::api::core::v1::Pod) -> Option<String> {
+    let name = p.metadata.name.as_deref().unwrap_or("?");
     let limit = p
         .spec
         .as_ref()
@@ -321,7 +351,7 @@ async fn pod_gone(guard: &PodGuard) -> Option<String> {
     if p.metadata.deletion_timestamp.is_some() {
         return Some(format!("runner pod {name} was deleted"));
     }
-    match status::assess(&p, CONTAINER) {
+    match status::assess(p, CONTAINER) {
         PodState::Failed(e) => Some(e.message),
         _ => None,
     }
