@@ -166,6 +166,8 @@ use serde_json::Value;
 use tokio::sync::broadcast;
 
 #[allow(unused_imports)]
+pub use exec::BUSYBOX;
+#[allow(unused_imports)]
 pub use status::ApiError;
 
 /// How the double behaves.
@@ -365,6 +367,8 @@ pub struct Faults {
 
 pub(crate) struct Shared {
     pub opts: DoubleOptions,
+    /// The imitated images' program directories (`exec::image_fs`): made on first use.
+    pub image_dirs: std::sync::OnceLock<(tempfile::TempDir, PathBuf, PathBuf)>,
     pub state: Mutex<State>,
     pub events: broadcast::Sender<Arc<Event>>,
 }
@@ -428,6 +432,7 @@ impl KubeDouble {
         let (tx, _) = broadcast::channel(4096);
         let shared = Arc::new(Shared {
             opts,
+            image_dirs: Default::default(),
             state: Mutex::new(State {
                 next_ip: 10,
                 ..State::default()

@@ -270,6 +270,7 @@ impl KubeExecutor {
             opts.stdin.is_some(),
         );
         let wants_stdin = command.wants_stdin(opts.stdin.is_some());
+        let wrapped = command.header.is_some();
         let params = AttachParams {
             container: Some(CONTAINER.into()),
             stdin: wants_stdin,
@@ -366,6 +367,7 @@ impl KubeExecutor {
             super::stream::Ending {
                 executable: spec.executable,
                 shell: profile.shell().to_string(),
+                wrapped,
                 before_exit,
             },
         ));

@@ -68,6 +68,9 @@ pub(super) struct Ending {
     pub executable: String,
     /// The profile's shell, to ask the pod whether the program exists.
     pub shell: String,
+    /// The exec runs the wrapper (with `cwd` or `env`) in `shell`, which then found a
+    /// missing program itself: a program the runtime did not find is the shell.
+    pub wrapped: bool,
     pub before_exit: Option<BeforeExit>,
 }
 
@@ -90,6 +93,7 @@ pub(super) async fn supervise<S>(
     let Ending {
         executable,
         shell,
+        wrapped,
         before_exit,
     } = ending;
     let started = Instant::now();
@@ -199,6 +203,12 @@ pub(super) async fn supervise<S>(
             None => exit(None, Some(9)),
         },
         ExecEnd::Exit { code, signal } => exit(code, signal),
+        ExecEnd::NotStarted { code: 127, .. } if wrapped => Event::Error {
+            code: ErrorCode::ContainerConfigError,
+            message: format!(
+                "the runner image has no shell {shell} (the profile's `shell`): it is needed to apply the request's cwd and env; send neither, or use an image with a POSIX shell"
+            ),
+        },
         ExecEnd::NotStarted { stderr, code } => {
             let _ = tx
                 .send(Event::Stderr {
