@@ -439,3 +439,68 @@ fn mark_first(seen: &mut bool, guard: &mut PodGuard) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    /// What `write_input` sends on a silent exec without stdin over `silence`, as (time
+    /// since the start, frame).
+    async fn frames_of_a_silent_exec(
+        ping: Duration,
+        silence: Duration,
+    ) -> Vec<(Duration, Message)> {
+        let start = tokio::time::Instant::now();
+        let sent = Arc::new(Mutex::new(Vec::new()));
+        let log = sent.clone();
+        let sink = Box::pin(futures_util::sink::unfold((), move |(), m: Message| {
+            log.lock().unwrap().push((start.elapsed(), m));
+            async { Ok::<_, tungstenite::Error>(()) }
+        }));
+        let input = Input {
+            open: false,
+            header: None,
+            user: None,
+            can_close: true,
+            ping,
+        };
+        let _ =
+            tokio::time::timeout(silence, write_input(sink, input, CancellationToken::new())).await;
+        sent.lock().unwrap().clone()
+    }
+
+    /// The longest time without a frame, from the start to the end of `silence`.
+    fn longest_gap(frames: &[(Duration, Message)], silence: Duration) -> Duration {
+        let mut at: Vec<Duration> = frames.iter().map(|(t, _)| *t).collect();
+        at.insert(0, Duration::ZERO);
+        at.push(silence);
+        at.windows(2).map(|w| w[1] - w[0]).max().unwrap_or_default()
+    }
+
+    /// Load balancers in front of API servers cut connections idle for longer than their
+    /// timeout (60 s is common, some cut sooner). With the default `exec_ping_secs`, a
+    /// command silent for ten minutes keeps its stream through any idle cut longer than
+    /// 20 s: no gap between frames reaches it. (Paused time: no 20 s wall-clock test; the
+    /// double's cut with a configured ping runs in tests/kube_clusters.rs.)
+    #[tokio::test(start_paused = true)]
+    async fn the_default_ping_keeps_streams_through_idle_cuts_longer_than_20s() {
+        let ping =
+            Duration::from_secs(super::super::config::KubernetesConfig::default().exec_ping_secs);
+        let silence = Duration::from_secs(600);
+        let frames = frames_of_a_silent_exec(ping, silence).await;
+        assert!(
+            frames.iter().all(|(_, m)| matches!(m, Message::Ping(_))),
+            "only pings on a silent exec without stdin"
+        );
+        let gap = longest_gap(&frames, silence);
+        let cut = Duration::from_secs(21);
+        assert!(
+            gap < cut,
+            "{gap:?} without a frame: a {cut:?} idle cut ends the stream"
+        );
+        // Pings, not other traffic, fill the silence: about one per interval.
+        assert!(gap >= Duration::from_secs(19), "{gap:?}");
+        assert_eq!(frames.len(), 30, "one ping per 20 s");
+    }
+}
