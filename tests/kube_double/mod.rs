@@ -97,6 +97,10 @@
 //!
 //! The command runs as a local process: argv exactly as given (no shell), environment = the
 //! container's `env[].value`s plus `PATH` (the double's own unless the container sets it),
+//! except in imitated images: an image containing `busybox-applets` has exactly Debian's
+//! busybox applets (`/usr/bin/busybox`: `PATH` is a directory with one link per applet, and
+//! `/bin/X`, `/usr/bin/X`, `/sbin/X`, `/usr/sbin/X` are applet X), an image containing
+//! `no-shell` has no program at all (its keep-alive is not checked);
 //! cwd = the container's `workingDir` or `/`, its own process group. stdout/stderr frames are
 //! sent as output arrives, reading the pipe only as fast as frames are sent. On exit, channel
 //! 3 carries (v4/v5) `{"metadata":{},"status":"Success"}`, or a `Failure` with reason
@@ -137,7 +141,10 @@
 //! (every successful DELETE), `requests` (`"METHOD path?query"`), `deny` (SSAR answers no),
 //! `running_execs`, `resource_version`, `peak_pods` (the most pods with containers at once),
 //! `exec_pings`, `delete_log` (each DELETE with its preconditions and answer), `set_labels`
-//! (another client's label patch).
+//! (another client's label patch), `kill_container_later` (OOM or eviction whose status the
+//! kubelet writes `lag` after the exec processes died), `too_many_sent` (the 429s of
+//! `Faults::too_many`, API Priority and Fairness's plain-text answers with `Retry-After`,
+//! per verb), `DoubleOptions::min_deletion` (a kubelet slow to remove a deleted pod).
 #![allow(dead_code)]
 // ApiError carries a whole Status (message, details): test code favours plain `Result`s over
 // boxing it.
