@@ -818,6 +818,57 @@ async fn read_client(
     }
 }
 
+/// The programs of an image the double imitates: `busybox-applets` images have exactly
+/// Debian's busybox applets (`/usr/bin/busybox`, one link per applet, in one directory that is
+/// the image's PATH and its `/bin`, `/usr/bin`, `/sbin`, `/usr/sbin`); `no-shell` images
+/// have no program at all (a static binary's image). `None`: the host's programs.
+pub(super) fn image_fs(shared: &Shared, image: &str) -> Option<std::path::PathBuf> {
+    let dirs = shared.image_dirs.get_or_init(|| {
+        let root = tempfile::tempdir().expect("kube double: image dir");
+        let empty = root.path().join("empty");
+        std::fs::create_dir(&empty).expect("kube double: empty image");
+        let busybox = root.path().join("busybox");
+        std::fs::create_dir(&busybox).expect("kube double: busybox image");
+        if let Some(list) = std::process::Command::new(BUSYBOX)
+            .arg("--list")
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+        {
+            for applet in String::from_utf8_lossy(&list.stdout).lines() {
+                let _ = std::os::unix::fs::symlink(BUSYBOX, busybox.join(applet));
+            }
+        }
+        (root, empty, busybox)
+    });
+    if image.contains("busybox-applets") {
+        Some(dirs.2.clone())
+    } else if image.contains("no-shell") {
+        Some(dirs.1.clone())
+    } else {
+        None
+    }
+}
+
+/// Debian's busybox, whose applets `busybox-applets` images have.
+pub const BUSYBOX: &str = "/usr/bin/busybox";
+
+/// Where `argv0` is in an imitated image: a path in one of its bin directories is the
+/// applet of that name; a bare name is looked up in its PATH by the spawn; anything else
+/// does not exist there.
+fn in_image(bin: &FsPath, argv0: &str) -> std::path::PathBuf {
+    for dir in ["/bin/", "/usr/bin/", "/sbin/", "/usr/sbin/"] {
+        if let Some(name) = argv0.strip_prefix(dir).filter(|n| !n.contains('/')) {
+            return bin.join(name);
+        }
+    }
+    if argv0.contains('/') {
+        // Not in the image (the spawn fails as for a missing file).
+        return bin.join(".absent").join(argv0.trim_start_matches('/'));
+    }
+    argv0.into()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -888,55 +939,4 @@ mod tests {
         );
         assert_eq!(status_payload(Proto::V1, &Outcome::Exit(0), &argv), None);
     }
-}
-
-/// The programs of an image the double imitates: `busybox-applets` images have exactly
-/// Debian's busybox applets (`/usr/bin/busybox`, one link per applet, in one directory that is
-/// the image's PATH and its `/bin`, `/usr/bin`, `/sbin`, `/usr/sbin`); `no-shell` images
-/// have no program at all (a static binary's image). `None`: the host's programs.
-pub(super) fn image_fs(shared: &Shared, image: &str) -> Option<std::path::PathBuf> {
-    let dirs = shared.image_dirs.get_or_init(|| {
-        let root = tempfile::tempdir().expect("kube double: image dir");
-        let empty = root.path().join("empty");
-        std::fs::create_dir(&empty).expect("kube double: empty image");
-        let busybox = root.path().join("busybox");
-        std::fs::create_dir(&busybox).expect("kube double: busybox image");
-        if let Some(list) = std::process::Command::new(BUSYBOX)
-            .arg("--list")
-            .output()
-            .ok()
-            .filter(|o| o.status.success())
-        {
-            for applet in String::from_utf8_lossy(&list.stdout).lines() {
-                let _ = std::os::unix::fs::symlink(BUSYBOX, busybox.join(applet));
-            }
-        }
-        (root, empty, busybox)
-    });
-    if image.contains("busybox-applets") {
-        Some(dirs.2.clone())
-    } else if image.contains("no-shell") {
-        Some(dirs.1.clone())
-    } else {
-        None
-    }
-}
-
-/// Debian's busybox, whose applets `busybox-applets` images have.
-pub const BUSYBOX: &str = "/usr/bin/busybox";
-
-/// Where `argv0` is in an imitated image: a path in one of its bin directories is the
-/// applet of that name; a bare name is looked up in its PATH by the spawn; anything else
-/// does not exist there.
-fn in_image(bin: &FsPath, argv0: &str) -> std::path::PathBuf {
-    for dir in ["/bin/", "/usr/bin/", "/sbin/", "/usr/sbin/"] {
-        if let Some(name) = argv0.strip_prefix(dir).filter(|n| !n.contains('/')) {
-            return bin.join(name);
-        }
-    }
-    if argv0.contains('/') {
-        // Not in the image (the spawn fails as for a missing file).
-        return bin.join(".absent").join(argv0.trim_start_matches('/'));
-    }
-    argv0.into()
 }

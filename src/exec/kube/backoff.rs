@@ -516,7 +516,7 @@ mod tests {
             retry_internal: true,
         };
         let start = Instant::now();
-        let r: Result<(), Failure> = call("test", budget, || std::future::pending()).await;
+        let r: Result<(), Failure> = call("test", budget, std::future::pending).await;
         assert!(matches!(r, Err(Failure::OutOfTime { .. })), "{r:?}");
         assert!(start.elapsed() <= Duration::from_secs(3));
     }
