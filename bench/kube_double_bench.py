@@ -4,7 +4,7 @@ double's own start delay measured in the same run (docs/performance.md, "Kuberne
 through the double").
 
     cargo build --bins && cargo test --no-run --test integration
-    python3 bench/kube_double_bench.py [--runs 30] [--step-ms 100] [--release]
+    python3 bench/kube_double_bench.py [--runs 30] [--step-ms 100] [--release] [--compare DIR]
 
 Starts the double (tests/kube_double_serve.rs) with each simulated lifecycle step taking
 --step-ms, and a gateway on it (`mcp-run serve --backend kube`, no warm pool). Then, in
@@ -14,6 +14,10 @@ alternating order per pair:
   cold run   `run-remote -- true`: create, watch, exec, stream, delete, through the gateway
 Prints p50 and the spread (p10-p90) of each, and of the per-pair difference (the gateway's
 own cost beyond the pod start), as a markdown table.
+
+--compare DIR adds a second gateway on the same double from the binaries in DIR (`mcp-run`
+and `run-remote`, e.g. built from main): each pair then also has its cold run, in rotating
+order, so that a change's cost is measured against a same-run baseline.
 """
 import argparse
 import json
@@ -80,6 +84,7 @@ def main():
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--step-ms", type=int, default=100)
     ap.add_argument("--release", action="store_true", help="use target/release binaries")
+    ap.add_argument("--compare", metavar="DIR", help="also measure the binaries in DIR (same run)")
     a = ap.parse_args()
     profile = "release" if a.release else "debug"
     bins = os.path.join(ROOT, "target", profile)
@@ -96,53 +101,70 @@ def main():
         m = re.match(r"^(KUBECONFIG|TOKEN|URL|CA)=(.*)$", line.strip())
         if m:
             info[m.group(1)] = m.group(2)
-    port = free_port()
-    gw = subprocess.Popen(
-        [os.path.join(bins, "mcp-run"), "serve", "--backend", "kube", "--kubeconfig", info["KUBECONFIG"],
-         "--listen", f"127.0.0.1:{port}"],
-        stderr=subprocess.DEVNULL,
-    )
-    server = f"http://127.0.0.1:{port}/raw"
+    kinds = [("this build", bins)]
+    if a.compare:
+        kinds.append((f"compared ({a.compare})", a.compare))
+    gateways = []
+    for label, d in kinds:
+        port = free_port()
+        gw = subprocess.Popen(
+            [os.path.join(d, "mcp-run"), "serve", "--backend", "kube", "--kubeconfig", info["KUBECONFIG"],
+             "--listen", f"127.0.0.1:{port}"],
+            stderr=subprocess.DEVNULL,
+            # Each gateway its own identity: the reaper leaves the other's pods alone.
+            env=dict(os.environ, MCP_RUN_POD_NAME=f"bench-gateway-{len(gateways)}"),
+        )
+        gateways.append((label, os.path.join(d, "run-remote"), f"http://127.0.0.1:{port}/raw", port, gw))
     ctx = ssl.create_default_context(cafile=info["CA"])
     try:
-        for _ in range(100):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz").read()
-                break
-            except Exception:
-                time.sleep(0.1)
-        run_remote = os.path.join(bins, "run-remote")
-        cold_once(run_remote, server)  # warm-up: connections, first pod
-        base, cold, diff = [], [], []
+        for _, run_remote, server, port, _ in gateways:
+            for _ in range(100):
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz").read()
+                    break
+                except Exception:
+                    time.sleep(0.1)
+            cold_once(run_remote, server)  # warm-up: connections, first pod
+        base = []
+        cold = [[] for _ in gateways]
+        diff = [[] for _ in gateways]
         for i in range(a.runs):
-            if i % 2 == 0:
-                b = baseline_once(info["URL"], info["TOKEN"], f"bench-{i}", ctx)
-                c = cold_once(run_remote, server)
-            else:
-                c = cold_once(run_remote, server)
-                b = baseline_once(info["URL"], info["TOKEN"], f"bench-{i}", ctx)
-            base.append(b * 1000)
-            cold.append(c * 1000)
-            diff.append((c - b) * 1000)
-        rows = [
-            ("double's own start delay: create, watch to Running, delete (baseline)", base),
-            ("`run-remote -- true`, cold (a new pod)", cold),
-            ("difference per pair: the gateway and client beyond the pod start", diff),
-        ]
-        print(f"\n{a.runs} pairs, step delay {a.step_ms} ms, {profile} build\n")
+            # Rotate the order within each pair: baseline, then each gateway's cold run.
+            steps = ["base"] + list(range(len(gateways)))
+            k = i % len(steps)
+            steps = steps[k:] + steps[:k]
+            got = {}
+            for step in steps:
+                if step == "base":
+                    got["base"] = baseline_once(info["URL"], info["TOKEN"], f"bench-{i}", ctx)
+                else:
+                    _, run_remote, server, _, _ = gateways[step]
+                    got[step] = cold_once(run_remote, server)
+            base.append(got["base"] * 1000)
+            for g in range(len(gateways)):
+                cold[g].append(got[g] * 1000)
+                diff[g].append((got[g] - got["base"]) * 1000)
+        rows = [("double's own start delay: create, watch to Running, delete (baseline)", base, True)]
+        for g, (label, *_rest) in enumerate(gateways):
+            rows.append((f"`run-remote -- true`, cold (a new pod), {label}", cold[g], True))
+            rows.append((f"difference per pair: the gateway and client beyond the pod start, {label}", diff[g], False))
+        if len(gateways) == 2:
+            rows.append(("this build minus compared, per pair", [x - y for x, y in zip(cold[0], cold[1])], False))
+        load = os.getloadavg()
+        print(f"\n{a.runs} pairs, step delay {a.step_ms} ms, {profile} build, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n")
         print("| what | p50 | p10-p90 | ratio to baseline p50 |")
         print("|---|---|---|---|")
         b50 = quantiles(base)[0]
-        for what, xs in rows:
+        for what, xs, ratio in rows:
             p50, p10, p90 = quantiles(xs)
-            ratio = f"{p50 / b50:.2f}" if xs is not diff else "-"
-            print(f"| {what} | {p50:.0f} ms | {p10:.0f}-{p90:.0f} ms | {ratio} |")
+            r = f"{p50 / b50:.2f}" if ratio else "-"
+            print(f"| {what} | {p50:.0f} ms | {p10:.0f}-{p90:.0f} ms | {r} |")
     finally:
-        gw.terminate()
-        gw.wait()
+        for *_rest, gw in gateways:
+            gw.terminate()
+            gw.wait()
         serve.stdin.close()
         serve.wait()
-
 
 if __name__ == "__main__":
     main()

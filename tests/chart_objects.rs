@@ -180,6 +180,19 @@ fn gateway_config(i: &Install) -> Value {
     yaml_serde::from_str(text).unwrap()
 }
 
+/// Bytes of a binary-suffixed quantity (`1536Mi`, `2Gi`, `1000`).
+fn quantity_bytes(q: &str) -> u64 {
+    let (n, unit) = q.split_at(q.find(|c: char| !c.is_ascii_digit()).unwrap_or(q.len()));
+    let n: u64 = n.parse().unwrap_or_else(|_| panic!("quantity {q}"));
+    n * match unit {
+        "" => 1,
+        "Ki" => 1 << 10,
+        "Mi" => 1 << 20,
+        "Gi" => 1 << 30,
+        other => panic!("unit {other} of {q}"),
+    }
+}
+
 /// Checks every property the install must have, whatever the values.
 fn check_hardening(i: &Install) {
     assert_eq!(i.deployments.len(), 1);
@@ -263,6 +276,26 @@ fn check_hardening(i: &Install) {
     assert_eq!(
         volume.config_map.as_ref().unwrap().name,
         i.config_maps[0].metadata.name.clone().unwrap()
+    );
+
+    // The MCP output store has a volume of its own, large enough for its bound: kept
+    // outputs never fill the small /tmp (and get the gateway evicted).
+    let config = gateway_config(i);
+    let store = &config["mcp"]["output_store"];
+    let store_dir = store["dir"].as_str().expect("mcp.output_store.dir is set");
+    let (_, volume) = mounted_at(pod, store_dir);
+    let limit = volume
+        .empty_dir
+        .as_ref()
+        .and_then(|e| e.size_limit.as_ref())
+        .expect("the output store's emptyDir has a sizeLimit");
+    let bound = store["max_bytes"]
+        .as_u64()
+        .expect("mcp.output_store.max_bytes");
+    assert!(
+        quantity_bytes(&limit.0) >= bound + 256 * 1024 * 1024,
+        "output store volume {} below max_bytes {bound} plus room for running outputs",
+        limit.0
     );
 
     // The downward API gives the gateway its identity.

@@ -220,6 +220,8 @@ profiles:
     node_selector: {kubernetes.io/arch: s390x}
   slow:
     image: registry.example/never-starts:1
+  cannot:
+    image: registry.example/cannot-run:1
 "#,
     );
     let gw = gateway(&double, &["--config", cfg.to_str().unwrap()]);
@@ -233,6 +235,12 @@ profiles:
         ),
         ("nowhere", 502, "unschedulable", "Unschedulable"),
         ("slow", 504, "pod_start_timeout", "pod_start_timeout_secs"),
+        (
+            "cannot",
+            502,
+            "container_config_error",
+            "ContainerCannotRun (exit code 128): OCI runtime create failed",
+        ),
         ("nope", 400, "unknown_profile", "nope"),
     ] {
         let r = raw(&gw, json!({"executable": "true", "profile": profile})).await;
@@ -247,35 +255,70 @@ profiles:
     }
 }
 
+/// `run-remote -v` with `RUN_REMOTE_SERVER` at the gateway, as a child process.
+fn run_remote_v(gw: &Gateway, argv: &[&str]) -> std::process::Child {
+    gw.run_remote()
+        .arg("-v")
+        .arg("--")
+        .args(argv)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run-remote")
+}
+
+/// With every pod slot taken, runs wait in a queue, first come first served, within their
+/// start budget (`queued` in progress and `-v`); only a full queue refuses, with 429 and
+/// `Retry-After`; capacity comes back once the pods are gone.
 #[tokio::test(flavor = "multi_thread")]
-async fn beyond_max_concurrent_pods_is_429() {
+async fn a_full_pod_slot_queues_and_only_a_full_queue_refuses() {
     let double = KubeDouble::start();
-    let gw = gateway(&double, &["--max-concurrent-pods", "2"]);
-    let long = || raw(&gw, json!({"executable": "sleep", "args": ["5"]}));
-    let (a, b, c) = tokio::join!(long(), long(), async {
-        // Both long requests hold their slot (their pods exist) before the third arrives.
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while double.pod_names(NS).len() < 2 {
-            assert!(Instant::now() < deadline, "two pods for the two long runs");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config_file(
+        &dir,
+        "kubernetes:\n  max_concurrent_pods: 1\n  max_queued_runs: 1\nprofiles:\n  default: {}\n",
+    );
+    let gw = gateway(&double, &["--config", cfg.to_str().unwrap()]);
+    let first = run_remote_v(&gw, &["sh", "-c", "echo first; sleep 3"]);
+    assert!(
+        wait_until(Duration::from_secs(20), || double.running_execs() == 1),
+        "the first run holds the slot"
+    );
+    let second = run_remote_v(&gw, &["echo", "second"]);
+    // The second waits in the queue: its wait is visible to others as a full queue.
+    let refused = loop {
         let r = http()
             .post(gw.raw_url())
             .json(&json!({"executable": "true"}))
             .send()
             .await
             .unwrap();
-        (
-            r.status().as_u16(),
-            r.headers().get("retry-after").is_some(),
-            r.text().await.unwrap(),
-        )
-    });
-    assert_eq!((a.code(), b.code()), (Some(0), Some(0)));
-    assert_eq!(c.0, 429, "{}", c.2);
-    assert!(c.1, "Retry-After");
-    assert!(c.2.contains("too_many_requests"), "{}", c.2);
-    // Capacity comes back once the pods are gone.
+        let status = r.status().as_u16();
+        let retry_after = r.headers().get("retry-after").is_some();
+        let body = r.text().await.unwrap();
+        if status == 429 {
+            break (retry_after, body);
+        }
+        // Sent before the second run queued: it queued itself and ran; try again.
+        assert!(body.contains("\"exit\""), "{body}");
+    };
+    assert!(refused.0, "Retry-After");
+    assert!(
+        refused.1.contains("too_many_requests") && refused.1.contains("kubernetes.max_queued_runs"),
+        "{}",
+        refused.1
+    );
+    let first = first.wait_with_output().unwrap();
+    let second = second.wait_with_output().unwrap();
+    assert_eq!(first.status.code(), Some(0), "{first:?}");
+    assert_eq!(second.status.code(), Some(0), "{second:?}");
+    assert_eq!(String::from_utf8_lossy(&second.stdout), "second\n");
+    let verbose = String::from_utf8_lossy(&second.stderr);
+    assert!(
+        verbose.contains("run-remote: queued: waiting for a pod slot: 1 runner pods are running (kubernetes.max_concurrent_pods)"),
+        "{verbose}"
+    );
+    assert_eq!(double.peak_pods(), 1, "never two pods with containers");
     no_pods_left(&double, Duration::from_secs(5));
     assert_eq!(
         raw(&gw, json!({"executable": "true"})).await.code(),
@@ -284,47 +327,35 @@ async fn beyond_max_concurrent_pods_is_429() {
 }
 
 /// A slot of `--max-concurrent-pods` is released when the pod's containers are gone, not when
-/// the delete call returns: with a limit of 1, back-to-back requests never have two pods with
-/// containers at once. (The double keeps a force-deleted pod's containers for a second after
-/// its object is gone, as a kubelet does: deleting with grace 0 and waiting for the object
-/// would free the slot while they still run.)
+/// the delete call returns: with a limit of 1 and a kubelet that takes 2 s to remove a pod,
+/// three back-to-back runs all succeed (the later ones queue), and no two pods ever have
+/// containers at once. (The double also keeps a force-deleted pod's containers for a second
+/// after its object is gone, as a kubelet does: deleting with grace 0 and waiting for the
+/// object would free the slot while they still run.)
 #[tokio::test(flavor = "multi_thread")]
 async fn a_slot_is_released_when_the_pods_containers_are_gone() {
     let double = KubeDouble::start_with(DoubleOptions {
         force_kill_delay: Duration::from_secs(1),
+        min_deletion: Duration::from_secs(2),
         ..DoubleOptions::default()
     });
     let gw = gateway(&double, &["--max-concurrent-pods", "1"]);
-    let mut refused = 0;
-    for i in 0..3 {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            let r = http()
-                .post(gw.raw_url())
-                .json(&json!({"executable": "true"}))
-                .send()
-                .await
-                .unwrap();
-            if r.status().as_u16() == 429 {
-                refused += 1;
-                assert!(
-                    Instant::now() < deadline,
-                    "request {i}: the slot never came back"
-                );
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-            let body = r.text().await.unwrap();
-            assert!(body.contains("\"exit\""), "request {i}: {body}");
-            break;
+    let runs: Vec<_> = (0..3)
+        .map(|i| run_remote_v(&gw, &["echo", &format!("run {i}")]))
+        .collect();
+    let mut queued = 0;
+    for (i, run) in runs.into_iter().enumerate() {
+        let out = run.wait_with_output().unwrap();
+        let verbose = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "run {i}: {verbose}");
+        assert_eq!(String::from_utf8_lossy(&out.stdout), format!("run {i}\n"));
+        if verbose.contains("run-remote: queued:") {
+            queued += 1;
         }
     }
     assert_eq!(double.peak_pods(), 1, "two pods had containers at once");
-    assert!(
-        refused > 0,
-        "the slot was held while the previous pod terminated"
-    );
-    no_pods_left(&double, Duration::from_secs(5));
+    assert!(queued >= 2, "the later runs queued for the slot");
+    no_pods_left(&double, Duration::from_secs(8));
 }
 
 /// Stale labelled pods of this installation are deleted, at start-up and periodically;

@@ -600,3 +600,218 @@ async fn executable_not_found_is_127_whatever_the_runtime_says() {
         assert_eq!(exit_code(&o), Some(3), "{runtime:?}");
     }
 }
+
+/// A gateway on the double with `config` (YAML) as its configuration file.
+fn gateway_with(double: &KubeDouble, dir: &tempfile::TempDir, config: &str) -> Gateway {
+    let cfg = config_file(dir, config);
+    Gateway::start(&[
+        "--backend",
+        "kube",
+        "--kubeconfig",
+        double.kubeconfig().to_str().unwrap(),
+        "--config",
+        cfg.to_str().unwrap(),
+    ])
+}
+
+/// `run-remote -v -- ARGV` against the gateway: exit status, stdout, stderr.
+fn run_remote_v(gw: &Gateway, argv: &[&str]) -> std::process::Child {
+    gw.run_remote()
+        .arg("-v")
+        .arg("--")
+        .args(argv)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run-remote")
+}
+
+/// A kubelet writes `OOMKilled` or an eviction into the pod's status after the exec stream
+/// has ended (its relist, about a second later): the gateway waits for it, bounded, and
+/// `run-remote` reports `pod_failed` with the reason (the memory limit, the eviction's
+/// message), not a bare 137.
+#[test]
+fn oom_kills_and_evictions_reported_after_the_exec_ended_are_pod_failed() {
+    let double = KubeDouble::start();
+    let dir = tempfile::tempdir().unwrap();
+    let gw = gateway_with(
+        &double,
+        &dir,
+        "profiles:\n  default:\n    resources: {limits: {memory: 32Mi}}\n",
+    );
+    for evicted in [false, true] {
+        let run = run_remote_v(&gw, &["sleep", "30"]);
+        assert!(
+            support::wait_until(Duration::from_secs(20), || double.running_execs() == 1),
+            "the command runs"
+        );
+        let pod = double.pod_names(NS).pop().expect("a pod");
+        double.kill_container_later(NS, &pod, evicted, Duration::from_millis(1200));
+        let out = run.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(125), "evicted {evicted}: {stderr}");
+        let why = if evicted {
+            "was evicted: The node was low on resource: memory. Threshold quantity: 100Mi, available: 90Mi. (pod_failed)"
+        } else {
+            "ran out of memory (OOMKilled; memory limit 32Mi) (pod_failed)"
+        };
+        assert!(
+            stderr.contains(&format!(
+                "run-remote: the command was killed: runner pod {pod} {why}"
+            )),
+            "evicted {evicted}: {stderr}"
+        );
+        assert!(support::wait_until(Duration::from_secs(10), || double
+            .pod_names(NS)
+            .is_empty()));
+    }
+}
+
+/// API Priority and Fairness answers 429 with a plain-text body and `Retry-After`, on any
+/// verb. Spread over every call of a run (create, the watch's list and watch, the exec
+/// upgrade, the deletion), they are waited out within the start budget, never sooner than
+/// Retry-After, and kube-rs's own retry does not add attempts of its own.
+#[test]
+fn retry_after_is_honoured_on_every_verb_within_the_budget() {
+    let double = KubeDouble::start();
+    let dir = tempfile::tempdir().unwrap();
+    let gw = gateway_with(
+        &double,
+        &dir,
+        "kubernetes:\n  pod_start_timeout_secs: 20\nprofiles:\n  default: {}\n",
+    );
+    let storm = [
+        ("create", 2),
+        ("list", 2),
+        ("watch", 1),
+        ("exec", 2),
+        ("delete", 2),
+    ];
+    double.inject(|f| {
+        f.too_many_retry_after = 1;
+        for (verb, n) in storm {
+            f.too_many.insert(verb.to_string(), n);
+        }
+    });
+    let creates_before = double
+        .requests()
+        .iter()
+        .filter(|r| r.starts_with("POST /api/v1/namespaces/default/pods"))
+        .count();
+    let out = run_remote_v(&gw, &["echo", "ok"])
+        .wait_with_output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "ok\n");
+    assert!(
+        support::wait_until(Duration::from_secs(15), || double.pod_names(NS).is_empty()),
+        "the pod is deleted through the 429s"
+    );
+    let sent = double.too_many_sent();
+    for (verb, n) in storm {
+        let times: Vec<std::time::Instant> = sent
+            .iter()
+            .filter(|(v, _)| v == verb)
+            .map(|(_, t)| *t)
+            .collect();
+        assert_eq!(times.len(), n, "{verb}: every 429 was met");
+        for pair in times.windows(2) {
+            let gap = pair[1] - pair[0];
+            assert!(
+                gap >= Duration::from_millis(950),
+                "{verb}: retried {gap:?} after a Retry-After of 1 s"
+            );
+        }
+    }
+    // Exactly one create per 429 plus the one that succeeded: no retry layer compounds ours.
+    let creates = double
+        .requests()
+        .iter()
+        .filter(|r| r.starts_with("POST /api/v1/namespaces/default/pods"))
+        .count()
+        - creates_before;
+    assert_eq!(creates, 3);
+}
+
+/// An API server that cannot be reached (connection refused, a name that does not resolve,
+/// a certificate nobody trusts) is not a busy one: the run fails within seconds naming the
+/// cause, `/readyz` fails, and no permission check is logged as done.
+#[test]
+fn an_unreachable_api_server_fails_within_seconds_with_the_cause() {
+    let double = KubeDouble::start();
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let original = std::fs::read_to_string(double.kubeconfig()).unwrap();
+    let ca_line = original
+        .lines()
+        .find(|l| l.contains("certificate-authority-data"))
+        .unwrap()
+        .to_string();
+    let cases = [
+        (
+            "refused",
+            original.replace(&double.url(), &format!("https://{closed}")),
+            "Connection refused",
+        ),
+        (
+            "dns",
+            original.replace(&double.url(), "https://no-such-host.invalid:6443"),
+            "dns error",
+        ),
+        (
+            "tls",
+            // The double, but its CA not trusted: the handshake fails.
+            original.replace(&format!("{ca_line}\n"), ""),
+            "invalid peer certificate",
+        ),
+    ];
+    let dirs: Vec<tempfile::TempDir> = cases.iter().map(|_| tempfile::tempdir().unwrap()).collect();
+    let gateways: Vec<Gateway> = cases
+        .iter()
+        .zip(&dirs)
+        .map(|((_, kubeconfig, _), dir)| {
+            let path = dir.path().join("kubeconfig");
+            std::fs::write(&path, kubeconfig).unwrap();
+            Gateway::start(&["--backend", "kube", "--kubeconfig", path.to_str().unwrap()])
+        })
+        .collect();
+    let runs: Vec<(std::time::Instant, std::process::Child)> = gateways
+        .iter()
+        .map(|gw| {
+            (
+                std::time::Instant::now(),
+                run_remote_v(gw, &["uname", "-n"]),
+            )
+        })
+        .collect();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    for (((case, _, cause), gw), (t, run)) in cases.iter().zip(&gateways).zip(runs) {
+        let out = run.wait_with_output().unwrap();
+        let took = t.elapsed();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(125), "{case}: {stderr}");
+        assert!(took < Duration::from_secs(15), "{case}: took {took:?}");
+        assert!(
+            stderr.contains("backend_unavailable") && stderr.contains("is not reachable"),
+            "{case}: {stderr}"
+        );
+        assert!(stderr.contains(cause), "{case}: {stderr}");
+        let ready = rt.block_on(async {
+            let r = support::http().get(gw.url("/readyz")).send().await.unwrap();
+            (r.status().as_u16(), r.text().await.unwrap())
+        });
+        assert_eq!(ready.0, 503, "{case}: {}", ready.1);
+        let log = gw.log_text();
+        assert!(
+            !log.contains("permissions to run pods checked"),
+            "{case}: nothing was checked: {log}"
+        );
+        assert!(
+            log.contains("cannot check the gateway's permissions"),
+            "{case}: {log}"
+        );
+    }
+}

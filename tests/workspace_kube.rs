@@ -296,3 +296,130 @@ async fn placement_and_sync_back_work_as_the_non_root_pod_user() {
     let fresh = std::fs::metadata(ws.path().join("fresh")).unwrap();
     assert_eq!(fresh.permissions().mode() & 0o777, 0o777, "an emptyDir");
 }
+
+/// `cmd`'s output, or a failure when it takes longer than `limit` (killed then).
+fn output_within(mut cmd: std::process::Command, limit: Duration) -> std::process::Output {
+    let child = cmd
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(limit) {
+        Ok(out) => out.unwrap(),
+        Err(_) => {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid as i32),
+                nix::sys::signal::SIGKILL,
+            );
+            panic!("still running after {limit:?}");
+        }
+    }
+}
+
+/// The README's image is busybox: placement and sync-back go through busybox's applets
+/// (`tar`, `find`, `sh`; Debian's `busybox`, which the double's `busybox-applets` images
+/// have). Busybox's `tar -x -f -` reads its stdin to the end, so the placement exec must
+/// close stdin (v5) or it waits forever. Images without `tar` or without a shell get an
+/// error that says what the image lacks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn busybox_images_take_workspaces_and_images_without_tar_or_shell_say_so() {
+    if !std::path::Path::new(kube_double::BUSYBOX).exists() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI installs busybox (.ci/install.d/busybox.sh)"
+        );
+        eprintln!("SKIPPED: {} is not installed", kube_double::BUSYBOX);
+        return;
+    }
+    let double = KubeDouble::start();
+    let dir = tempfile::tempdir().unwrap();
+    let ws = tempfile::tempdir().unwrap();
+    for p in ["bb", "bare"] {
+        std::fs::create_dir_all(ws.path().join(p)).unwrap();
+    }
+    let cfg = config_file(
+        &dir,
+        &format!(
+            "workspaces:\n  cache_dir: {cache}\nprofiles:\n  default: {{}}\n  busybox:\n    image: registry.example/busybox-applets:1.36\n    workspace_path: {ws}/bb\n  \
+             bare:\n    image: registry.example/no-shell:1\n    workspace_path: {ws}/bare\n",
+            cache = dir.path().join("cache").display(),
+            ws = ws.path().display()
+        ),
+    );
+    let kubeconfig = double.kubeconfig();
+    let gw = Gateway::start(&[
+        "--backend",
+        "kube",
+        "--kubeconfig",
+        kubeconfig.to_str().unwrap(),
+        "--config",
+        cfg.to_str().unwrap(),
+    ]);
+    let tree = sync_tree();
+    let mut cmd = gw.run_remote();
+    cmd.env("XDG_CACHE_HOME", dir.path())
+        .current_dir(tree.path())
+        .args([
+            "--workspace",
+            "--profile",
+            "busybox",
+            "--output-format",
+            "json",
+            "--sync-back",
+            "out/*.txt",
+            "src/deep/*",
+            "--",
+            "sh",
+            "-c",
+            // busybox's `touch -d` does not read what its `stat -c %y` prints.
+            &format!(
+                "{}\n    readlink -f /proc/$$/exe >&2",
+                SYNC_SCRIPT.replace(
+                    r#"t=$(stat -c %y src/deep/edit.txt); printf 'bbbb\n' > src/deep/edit.txt; touch -d "$t" src/deep/edit.txt"#,
+                    r#"touch -r src/deep/edit.txt out/.ref; printf 'bbbb\n' > src/deep/edit.txt; touch -r out/.ref src/deep/edit.txt"#
+                )
+            ),
+        ]);
+    let out = output_within(cmd, Duration::from_secs(40));
+    check_synced_back(tree.path(), &out);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        v["outputs"][0]["stderr"].as_str().map(str::trim),
+        Some(kube_double::BUSYBOX),
+        "the command's shell was busybox: {v}"
+    );
+
+    // No tar in the image: the placement says so.
+    let tree = sync_tree();
+    let mut cmd = gw.run_remote();
+    cmd.env("XDG_CACHE_HOME", dir.path())
+        .current_dir(tree.path())
+        .args(["--workspace", "--profile", "bare", "--", "true"]);
+    let out = output_within(cmd, Duration::from_secs(40));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(125), "{stderr}");
+    assert!(
+        stderr.contains("cannot write the workspace into runner pod")
+            && stderr.contains("\"tar\": executable file not found")
+            && stderr.contains("(the image needs `tar`)"),
+        "{stderr}"
+    );
+    // No shell: a command with cwd (run-remote sends its own) cannot be wrapped.
+    let mut cmd = gw.run_remote();
+    cmd.args(["--profile", "bare", "--cwd", "/tmp", "--", "true"]);
+    let out = output_within(cmd, Duration::from_secs(40));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(125), "{stderr}");
+    assert!(
+        stderr.contains("the runner image has no shell /bin/sh (the profile's `shell`)"),
+        "{stderr}"
+    );
+    assert!(wait_until(Duration::from_secs(10), || double
+        .pod_names("default")
+        .is_empty()));
+}

@@ -217,7 +217,7 @@ pub(super) fn delete_one(
     drop(st);
     let (sh, ns2, name2) = (shared.clone(), ns.to_string(), name.to_string());
     tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_secs(grace as u64)).await;
+        tokio::time::sleep(Duration::from_secs(grace as u64).max(sh.opts.min_deletion)).await;
         finish_graceful(&sh, &ns2, &name2, &uid);
     });
     Ok(updated)

@@ -250,8 +250,13 @@ pub async fn exec(
         .filter(|e| e.value_from.is_none())
         .map(|e| (e.name.clone(), e.value.clone().unwrap_or_default()))
         .collect();
+    let image_fs = image_fs(&shared, &spec.image.clone().unwrap_or_default());
     if !env.iter().any(|(k, _)| k == "PATH") {
-        env.push(("PATH".into(), std::env::var("PATH").unwrap_or_default()));
+        let path = match &image_fs {
+            Some(bin) => bin.display().to_string(),
+            None => std::env::var("PATH").unwrap_or_default(),
+        };
+        env.push(("PATH".into(), path));
     }
     let user = if shared.opts.run_as_pod_user {
         pod_user(&pod, &spec)
@@ -273,6 +278,7 @@ pub async fn exec(
             cwd,
             refused,
             user,
+            image_fs,
         };
         session.run(socket).await;
     })
@@ -290,6 +296,8 @@ struct Session {
     refused: Option<String>,
     /// `(uid, gid)` the process runs as (`DoubleOptions::run_as_pod_user`).
     user: Option<(u32, u32)>,
+    /// The imitated image's programs (`image_fs`), or the host's.
+    image_fs: Option<std::path::PathBuf>,
 }
 
 /// With `run_as_pod_user`, when the double runs as root: the uid and gid of the container's
@@ -612,7 +620,11 @@ impl Session {
         let _ = tx.send(frame(proto, first_ch, &[])).await;
 
         let pipe = |on: bool| if on { Stdio::piped() } else { Stdio::null() };
-        let mut cmd = tokio::process::Command::new(&self.req.argv[0]);
+        let program = match &self.image_fs {
+            Some(bin) => in_image(bin, &self.req.argv[0]),
+            None => self.req.argv[0].clone().into(),
+        };
+        let mut cmd = tokio::process::Command::new(&program);
         cmd.args(&self.req.argv[1..])
             .env_clear()
             .envs(self.env.iter().map(|(k, v)| (k, v)))
@@ -804,6 +816,57 @@ async fn read_client(
             _ => {}
         }
     }
+}
+
+/// The programs of an image the double imitates: `busybox-applets` images have exactly
+/// Debian's busybox applets (`/usr/bin/busybox`, one link per applet, in one directory that is
+/// the image's PATH and its `/bin`, `/usr/bin`, `/sbin`, `/usr/sbin`); `no-shell` images
+/// have no program at all (a static binary's image). `None`: the host's programs.
+pub(super) fn image_fs(shared: &Shared, image: &str) -> Option<std::path::PathBuf> {
+    let dirs = shared.image_dirs.get_or_init(|| {
+        let root = tempfile::tempdir().expect("kube double: image dir");
+        let empty = root.path().join("empty");
+        std::fs::create_dir(&empty).expect("kube double: empty image");
+        let busybox = root.path().join("busybox");
+        std::fs::create_dir(&busybox).expect("kube double: busybox image");
+        if let Some(list) = std::process::Command::new(BUSYBOX)
+            .arg("--list")
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+        {
+            for applet in String::from_utf8_lossy(&list.stdout).lines() {
+                let _ = std::os::unix::fs::symlink(BUSYBOX, busybox.join(applet));
+            }
+        }
+        (root, empty, busybox)
+    });
+    if image.contains("busybox-applets") {
+        Some(dirs.2.clone())
+    } else if image.contains("no-shell") {
+        Some(dirs.1.clone())
+    } else {
+        None
+    }
+}
+
+/// Debian's busybox, whose applets `busybox-applets` images have.
+pub const BUSYBOX: &str = "/usr/bin/busybox";
+
+/// Where `argv0` is in an imitated image: a path in one of its bin directories is the
+/// applet of that name; a bare name is looked up in its PATH by the spawn; anything else
+/// does not exist there.
+fn in_image(bin: &FsPath, argv0: &str) -> std::path::PathBuf {
+    for dir in ["/bin/", "/usr/bin/", "/sbin/", "/usr/sbin/"] {
+        if let Some(name) = argv0.strip_prefix(dir).filter(|n| !n.contains('/')) {
+            return bin.join(name);
+        }
+    }
+    if argv0.contains('/') {
+        // Not in the image (the spawn fails as for a missing file).
+        return bin.join(".absent").join(argv0.trim_start_matches('/'));
+    }
+    argv0.into()
 }
 
 #[cfg(test)]

@@ -347,6 +347,25 @@ pub(super) async fn lifecycle(shared: Arc<Shared>, ns: String, name: String, uid
                     }),
                     ..ContainerState::default()
                 });
+            } else if i.contains("cannot-run") {
+                // Docker's (and cri-dockerd's) word for a container whose runtime refused to
+                // start it, here for a bind mount onto a file of the image.
+                start_error = true;
+                cs.image_id = format!("{i}@sha256:{}", "0".repeat(64));
+                cs.container_id = Some(format!("docker://{}", new_uid().replace('-', "")));
+                cs.state = Some(ContainerState {
+                    terminated: Some(ContainerStateTerminated {
+                        exit_code: 128,
+                        reason: Some("ContainerCannotRun".into()),
+                        message: Some(
+                            "OCI runtime create failed: runc create failed: unable to start container process: error during container init: error mounting \"/var/lib/kubelet/pods/double/volumes/kubernetes.io~empty-dir/work\" to rootfs at \"/etc/hostname\": mount /etc/hostname: not a directory: unknown".into(),
+                        ),
+                        started_at: Some(now()),
+                        finished_at: Some(now()),
+                        ..ContainerStateTerminated::default()
+                    }),
+                    ..ContainerState::default()
+                });
             } else if i.contains("config-error") {
                 cs.state = Some(waiting(
                     "CreateContainerConfigError",

@@ -73,6 +73,8 @@
 //!   (`Back-off pulling image "IMAGE"`), phase stays `Pending`;
 //! - an image containing `config-error`: waiting `CreateContainerConfigError`;
 //! - an image containing `never-starts`: waiting `ContainerCreating` forever;
+//! - an image containing `cannot-run`: the container terminated, reason `ContainerCannotRun`
+//!   (Docker's word), exit code 128, the runtime's mount error as message;
 //! - a `spec.nodeSelector` that the node's labels (`kubernetes.io/hostname=<node_name>`,
 //!   `kubernetes.io/os=linux`, `DoubleOptions::node_labels`) do not satisfy: `PodScheduled=False`,
 //!   reason `Unschedulable`, the scheduler's message;
@@ -95,6 +97,10 @@
 //!
 //! The command runs as a local process: argv exactly as given (no shell), environment = the
 //! container's `env[].value`s plus `PATH` (the double's own unless the container sets it),
+//! except in imitated images: an image containing `busybox-applets` has exactly Debian's
+//! busybox applets (`/usr/bin/busybox`: `PATH` is a directory with one link per applet, and
+//! `/bin/X`, `/usr/bin/X`, `/sbin/X`, `/usr/sbin/X` are applet X), an image containing
+//! `no-shell` has no program at all (its keep-alive is not checked);
 //! cwd = the container's `workingDir` or `/`, its own process group. stdout/stderr frames are
 //! sent as output arrives, reading the pipe only as fast as frames are sent. On exit, channel
 //! 3 carries (v4/v5) `{"metadata":{},"status":"Success"}`, or a `Failure` with reason
@@ -135,7 +141,10 @@
 //! (every successful DELETE), `requests` (`"METHOD path?query"`), `deny` (SSAR answers no),
 //! `running_execs`, `resource_version`, `peak_pods` (the most pods with containers at once),
 //! `exec_pings`, `delete_log` (each DELETE with its preconditions and answer), `set_labels`
-//! (another client's label patch).
+//! (another client's label patch), `kill_container_later` (OOM or eviction whose status the
+//! kubelet writes `lag` after the exec processes died), `too_many_sent` (the 429s of
+//! `Faults::too_many`, API Priority and Fairness's plain-text answers with `Retry-After`,
+//! per verb), `DoubleOptions::min_deletion` (a kubelet slow to remove a deleted pod).
 #![allow(dead_code)]
 // ApiError carries a whole Status (message, details): test code favours plain `Result`s over
 // boxing it.
@@ -164,6 +173,8 @@ use k8s_openapi::api::core::v1::Pod;
 use serde_json::Value;
 use tokio::sync::broadcast;
 
+#[allow(unused_imports)]
+pub use exec::BUSYBOX;
 #[allow(unused_imports)]
 pub use status::ApiError;
 
@@ -201,6 +212,9 @@ pub struct DoubleOptions {
     pub idle_timeout: Option<Duration>,
     /// Whose words a failed exec start is reported in.
     pub runtime: Runtime,
+    /// A graceful deletion removes the pod no sooner than this, whatever its grace period:
+    /// a real kubelet takes 2 s or more to stop the containers, unmount volumes and report.
+    pub min_deletion: Duration,
     /// Like a kubelet, when the double runs as root: exec'd processes run as the
     /// container's (else the pod's) `runAsUser`/`runAsGroup`, and `emptyDir` mounts are
     /// created 0777 on first use (see `exec::pod_user`). Off by default: most tests run
@@ -243,6 +257,7 @@ impl Default for DoubleOptions {
             namespace_labels: BTreeMap::new(),
             force_kill_delay: Duration::from_millis(300),
             idle_timeout: None,
+            min_deletion: Duration::ZERO,
             runtime: Runtime::Runc,
             run_as_pod_user: false,
         }
@@ -349,10 +364,21 @@ pub struct Faults {
     /// Each live watch event waits this long before it is sent (a lagging watch cache or a
     /// slow connection): what a client's cache shows falls behind. Not consumed.
     pub watch_delay: Option<Duration>,
+    /// API Priority and Fairness rejecting requests: per verb (`create`, `get`, `list`,
+    /// `watch`, `delete`, `patch`, `exec`, `ssar`), how many of the next requests are
+    /// answered 429 as the API server's filter answers them: plain text `Too many
+    /// requests, please try again later.` with a `Retry-After` header, no Status.
+    pub too_many: BTreeMap<String, usize>,
+    /// The `Retry-After` of those 429s, in seconds.
+    pub too_many_retry_after: u64,
+    /// Every 429 sent for `too_many`: (verb, when).
+    pub too_many_sent: Vec<(String, std::time::Instant)>,
 }
 
 pub(crate) struct Shared {
     pub opts: DoubleOptions,
+    /// The imitated images' program directories (`exec::image_fs`): made on first use.
+    pub image_dirs: std::sync::OnceLock<(tempfile::TempDir, PathBuf, PathBuf)>,
     pub state: Mutex<State>,
     pub events: broadcast::Sender<Arc<Event>>,
 }
@@ -416,6 +442,7 @@ impl KubeDouble {
         let (tx, _) = broadcast::channel(4096);
         let shared = Arc::new(Shared {
             opts,
+            image_dirs: Default::default(),
             state: Mutex::new(State {
                 next_ip: 10,
                 ..State::default()
@@ -604,36 +631,21 @@ impl KubeDouble {
     /// Ends a pod's container as the kubelet does when it is OOM-killed (or evicted, with
     /// `evicted`): terminated with exit 137, the pod Failed, its exec processes killed.
     pub fn kill_container(&self, namespace: &str, name: &str, evicted: bool) {
-        let mut st = self.shared.lock();
-        pods::modify_locked(&self.shared, &mut st, namespace, name, |p| {
-            let s = p.status.get_or_insert_with(Default::default);
-            s.phase = Some("Failed".into());
-            if evicted {
-                s.reason = Some("Evicted".into());
-                s.message = Some("The node was low on resource: memory. Threshold quantity: 100Mi, available: 90Mi.".into());
-            }
-            for c in s.container_statuses.iter_mut().flatten() {
-                c.ready = false;
-                c.state = Some(k8s_openapi::api::core::v1::ContainerState {
-                    terminated: Some(k8s_openapi::api::core::v1::ContainerStateTerminated {
-                        exit_code: 137,
-                        reason: Some(
-                            if evicted {
-                                "ContainerStatusUnknown"
-                            } else {
-                                "OOMKilled"
-                            }
-                            .into(),
-                        ),
-                        finished_at: Some(pods::now()),
-                        ..Default::default()
-                    }),
-                    ..Default::default()
-                });
-            }
-        });
-        drop(st);
+        mark_killed(&self.shared, namespace, name, evicted);
         self.shared.kill_execs(Some((namespace, name)));
+    }
+
+    /// Like [`KubeDouble::kill_container`], with a real kubelet's timing: the exec
+    /// processes are killed now (their status channels report 137, or the stream breaks),
+    /// and the pod's status says why only `lag` later (the kubelet's relist).
+    pub fn kill_container_later(&self, namespace: &str, name: &str, evicted: bool, lag: Duration) {
+        self.shared.kill_execs(Some((namespace, name)));
+        let shared = self.shared.clone();
+        let (ns, name) = (namespace.to_string(), name.to_string());
+        std::thread::spawn(move || {
+            std::thread::sleep(lag);
+            mark_killed(&shared, &ns, &name, evicted);
+        });
     }
 
     /// The most pods that had containers at once (`State::with_containers`): what a
@@ -660,6 +672,11 @@ impl KubeDouble {
         });
     }
 
+    /// Every 429 sent for `Faults::too_many`, with its verb and when.
+    pub fn too_many_sent(&self) -> Vec<(String, std::time::Instant)> {
+        self.shared.lock().faults.too_many_sent.clone()
+    }
+
     /// WebSocket pings received from exec clients, over all sessions.
     pub fn exec_pings(&self) -> usize {
         self.shared.lock().exec_pings
@@ -669,6 +686,42 @@ impl KubeDouble {
     pub fn resource_version(&self) -> u64 {
         self.shared.lock().rv
     }
+}
+
+/// The pod's status after the kubelet found its container OOM-killed (or the pod evicted):
+/// terminated with exit 137, the pod Failed.
+fn mark_killed(shared: &Arc<Shared>, namespace: &str, name: &str, evicted: bool) {
+    let mut st = shared.lock();
+    pods::modify_locked(shared, &mut st, namespace, name, |p| {
+        let s = p.status.get_or_insert_with(Default::default);
+        s.phase = Some("Failed".into());
+        if evicted {
+            s.reason = Some("Evicted".into());
+            s.message = Some(
+                "The node was low on resource: memory. Threshold quantity: 100Mi, available: 90Mi."
+                    .into(),
+            );
+        }
+        for c in s.container_statuses.iter_mut().flatten() {
+            c.ready = false;
+            c.state = Some(k8s_openapi::api::core::v1::ContainerState {
+                terminated: Some(k8s_openapi::api::core::v1::ContainerStateTerminated {
+                    exit_code: 137,
+                    reason: Some(
+                        if evicted {
+                            "ContainerStatusUnknown"
+                        } else {
+                            "OOMKilled"
+                        }
+                        .into(),
+                    ),
+                    finished_at: Some(pods::now()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            });
+        }
+    });
 }
 
 impl Drop for KubeDouble {

@@ -89,7 +89,63 @@ async fn gate(State(shared): State<Arc<Shared>>, req: Request, next: Next) -> Re
     {
         return ApiError::unsupported_media_type(content_type).into_response();
     }
+    if let Some(verb) = verb(&req)
+        && let Some(rejected) = too_many(&shared, verb)
+    {
+        return rejected;
+    }
     next.run(req).await
+}
+
+/// The API verb of a request, as RBAC and API Priority and Fairness name it (`None` for
+/// discovery and health paths, which APF exempts here).
+fn verb(req: &Request) -> Option<&'static str> {
+    let path = req.uri().path();
+    let query = parse_query(req.uri().query());
+    if path == SSAR_PATH {
+        return Some("ssar");
+    }
+    if !path.starts_with("/api/v1/") || !path.contains("pods") {
+        return None;
+    }
+    if path.ends_with("/exec") {
+        return Some("exec");
+    }
+    let named = path.trim_end_matches('/').rsplit('/').nth(1) == Some("pods");
+    Some(match *req.method() {
+        axum::http::Method::POST => "create",
+        axum::http::Method::DELETE => "delete",
+        axum::http::Method::PATCH | axum::http::Method::PUT => "patch",
+        _ if flag(&query, "watch") => "watch",
+        _ if named => "get",
+        _ => "list",
+    })
+}
+
+/// A 429 as API Priority and Fairness sends it (plain text and `Retry-After`), when the
+/// test asked for one for this verb.
+fn too_many(shared: &Shared, verb: &str) -> Option<Response> {
+    let mut st = shared.lock();
+    let left = st.faults.too_many.get_mut(verb).filter(|n| **n > 0)?;
+    *left -= 1;
+    let after = st.faults.too_many_retry_after.max(1);
+    st.faults
+        .too_many_sent
+        .push((verb.to_string(), std::time::Instant::now()));
+    Some(
+        (
+            StatusCode::TOO_MANY_REQUESTS,
+            [
+                (
+                    header::CONTENT_TYPE,
+                    "text/plain; charset=utf-8".to_string(),
+                ),
+                (header::RETRY_AFTER, after.to_string()),
+            ],
+            "Too many requests, please try again later.\n",
+        )
+            .into_response(),
+    )
 }
 
 async fn unknown() -> ApiError {

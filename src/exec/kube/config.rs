@@ -35,8 +35,12 @@ pub struct KubernetesConfig {
     /// Names this installation in the runner pods' `mcp-run.dev/instance` label; the reaper
     /// only ever touches pods of its own instance. The Helm chart sets the release name.
     pub instance: String,
-    /// Runner pods at once; beyond it requests get 429 with `Retry-After`.
+    /// Runner pods at once; beyond it requests wait in a queue, first come first served,
+    /// within their start budget (`pod_start_timeout_secs`).
     pub max_concurrent_pods: usize,
+    /// Runs that may wait for a pod slot at once; beyond it requests get 429 with
+    /// `Retry-After` (0: no queue).
+    pub max_queued_runs: usize,
     /// How long a runner pod may take to be Running.
     pub pod_start_timeout_secs: u64,
     /// The gateway's own limit on its request rate to the API server (requests per second;
@@ -62,6 +66,7 @@ impl Default for KubernetesConfig {
             context: None,
             instance: "mcp-run".into(),
             max_concurrent_pods: 32,
+            max_queued_runs: 64,
             pod_start_timeout_secs: 120,
             api_qps: 50.0,
             api_burst: 100,

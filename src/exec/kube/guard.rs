@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 use kube::api::DeleteParams;
 use tokio::sync::OwnedSemaphorePermit;
 
-use super::{DELETE_ATTEMPTS, Shared};
+use super::backoff::{self, Budget, Failure, WatchEnd};
+use super::{DELETE_BUDGET, Shared};
 
 /// How long a released slot waits for its pod to be gone.
 const GONE_WAIT: Duration = Duration::from_secs(30);
@@ -35,44 +36,63 @@ impl Shared {
         }
     }
 
-    /// Deletes a pod (grace 1 s, see [`DELETE_GRACE_SECS`]), retrying transient failures; a
-    /// pod already gone is fine.
+    /// Deletes a pod (grace 1 s, see [`DELETE_GRACE_SECS`]), retrying what may heal within
+    /// [`DELETE_BUDGET`] (the shared backoff: Retry-After honoured); a pod already gone is
+    /// fine.
     pub(super) async fn delete(&self, name: &str) -> bool {
         let params = DeleteParams {
             grace_period_seconds: Some(DELETE_GRACE_SECS),
             ..DeleteParams::background()
         };
-        let mut wait = Duration::from_millis(100);
-        for attempt in 1..=DELETE_ATTEMPTS {
+        let budget = Budget {
+            end: tokio::time::Instant::now() + DELETE_BUDGET,
+            attempt: Duration::from_secs(10),
+            retry_internal: true,
+        };
+        let deleted = backoff::call("deleting the runner pod", budget, || async {
+            self.throttle.acquire().await;
             match self.pods.delete(name, &params).await {
-                Ok(_) => return true,
-                Err(kube::Error::Api(s)) if s.code == 404 => return true,
-                Err(e) => {
-                    tracing::warn!(pod = name, attempt, "cannot delete runner pod: {e}");
-                    tokio::time::sleep(wait).await;
-                    wait *= 2;
-                }
+                Ok(_) => Ok(()),
+                Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+                Err(e) => Err(e),
+            }
+        })
+        .await;
+        match deleted {
+            Ok(()) => true,
+            Err(e) => {
+                let why = match e {
+                    Failure::Api(e) => backoff::describe(&e),
+                    Failure::OutOfTime { attempts, last } => format!("{attempts} attempts: {last}"),
+                    Failure::Unreachable(why) => why,
+                };
+                tracing::error!(
+                    pod = name,
+                    "runner pod not deleted ({why}); the reaper will retry"
+                );
+                false
             }
         }
-        tracing::error!(pod = name, "runner pod not deleted; the reaper will retry");
-        false
     }
 
     /// Waits until a deleted pod is gone: the kubelet removes the object once it has stopped
     /// the containers. Bounded, so that a lost node does not hold a slot (or the shutdown)
-    /// forever.
+    /// forever; a watch that fails (429, a cut connection) is resumed, not taken for the
+    /// pod's disappearance.
     pub(super) async fn await_gone(&self, name: &str) {
-        let gone = kube::runtime::wait::await_condition(
-            self.pods.clone(),
-            name,
-            |p: Option<&k8s_openapi::api::core::v1::Pod>| p.is_none(),
-        );
-        if tokio::time::timeout(GONE_WAIT, gone).await.is_err() {
-            tracing::warn!(
+        let end = tokio::time::Instant::now() + GONE_WAIT;
+        let gone = backoff::watch_pod(&self.pods, name, end, |p| p.is_none().then_some(())).await;
+        match gone {
+            Ok(()) => {}
+            Err(WatchEnd::Deadline) => tracing::warn!(
                 pod = name,
                 "runner pod still present {}s after its deletion; slot released",
                 GONE_WAIT.as_secs()
-            );
+            ),
+            Err(e) => tracing::warn!(
+                pod = name,
+                "cannot watch the deleted runner pod ({e:?}); slot released"
+            ),
         }
     }
 }

@@ -13,6 +13,7 @@
 //! gateway pod when it runs in-cluster; and the [`reaper`] deletes leftovers of a crashed
 //! gateway at start-up and periodically.
 
+mod backoff;
 mod cache;
 pub mod config;
 mod guard;
@@ -49,8 +50,8 @@ use crate::contract::{ErrorBody, ErrorCode};
 /// dies without deleting it.
 const DEADLINE_MARGIN_SECS: u64 = 120;
 
-/// How long a pod deletion may be retried.
-const DELETE_ATTEMPTS: u32 = 5;
+/// How long a pod deletion may be retried (429s and 5xx waited out, Retry-After honoured).
+const DELETE_BUDGET: Duration = Duration::from_secs(30);
 
 /// Runs each command in its own pod.
 pub struct KubeExecutor {
@@ -59,6 +60,8 @@ pub struct KubeExecutor {
     profiles: BTreeMap<String, Profile>,
     config: KubernetesConfig,
     permits: Arc<Semaphore>,
+    /// Runs waiting for a slot now (bounded by `max_queued_runs`).
+    queued: Arc<std::sync::atomic::AtomicUsize>,
     reaper: CancellationToken,
     /// Permissions the start-up access review found missing (re-checked by `/readyz`).
     missing: Mutex<Option<Vec<String>>>,
@@ -71,6 +74,8 @@ pub struct KubeExecutor {
 /// What pod guards need after the request that armed them is gone.
 struct Shared {
     client: Client,
+    /// The API server's URL, for errors that say it cannot be reached.
+    server: String,
     pods: Api<Pod>,
     /// The gateway's own rate limit to the API server, for the calls of requests.
     throttle: throttle::Throttle,
@@ -123,7 +128,11 @@ impl Executor for KubeExecutor {
                 Ok(Err(e)) => {
                     return Err(ErrorBody::new(
                         ErrorCode::BackendUnavailable,
-                        format!("the Kubernetes API server is not reachable: {e}"),
+                        format!(
+                            "the Kubernetes API server at {} is not reachable: {}",
+                            self.shared.server,
+                            backoff::describe(&e)
+                        ),
                     ));
                 }
                 Err(_) => {
@@ -137,7 +146,10 @@ impl Executor for KubeExecutor {
             let missing = match missing {
                 Some(m) if m.is_empty() => return Ok(()),
                 // Not checked yet, or missing last time: permissions may have been granted since.
-                _ => self.check_permissions().await,
+                _ => self
+                    .check_permissions()
+                    .await
+                    .map_err(|why| ErrorBody::new(ErrorCode::BackendUnavailable, why))?,
             };
             if missing.is_empty() {
                 Ok(())

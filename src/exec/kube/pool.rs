@@ -20,6 +20,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use backon::BackoffBuilder as _;
 use futures_util::StreamExt as _;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
@@ -199,32 +200,37 @@ impl WarmPool {
         if self.store.wait_until_ready().await.is_err() {
             return;
         }
-        let mut backoff = Duration::from_secs(1);
+        // While pool pods fail to start, passes back off (the shared backoff, from 1 s to a
+        // minute, never sooner than an API server's Retry-After): a broken image makes no
+        // storm of pods.
+        let fresh = || {
+            super::backoff::exponential()
+                .with_min_delay(Duration::from_secs(1))
+                .with_max_delay(Duration::from_secs(60))
+                .build()
+        };
+        let mut backoff = fresh();
         loop {
-            let failed = self.tend().await;
-            let wait = if failed {
-                backoff = (backoff * 2).min(Duration::from_secs(60));
-                backoff
-            } else {
-                backoff = Duration::from_secs(1);
-                Duration::from_secs(5)
+            let wait = match self.tend().await {
+                Tended::Fine => {
+                    backoff = fresh();
+                    Duration::from_secs(5)
+                }
+                Tended::Failed { retry_after } => {
+                    let next = backoff.next().unwrap_or(Duration::from_secs(60));
+                    retry_after.map_or(next, |r| r.max(next))
+                }
             };
             tokio::select! {
                 _ = self.stop.cancelled() => return,
                 _ = self.wake.notified() => {}
                 _ = tokio::time::sleep(wait) => {}
             }
-            if failed {
-                tokio::select! {
-                    _ = self.stop.cancelled() => return,
-                    _ = tokio::time::sleep(wait) => {}
-                }
-            }
         }
     }
 
-    /// One refill pass; true when a pool pod failed to start.
-    async fn tend(&self) -> bool {
+    /// One refill pass.
+    async fn tend(&self) -> Tended {
         let me = &self.shared.identity.gateway;
         let now = Timestamp::now();
         let mine: Vec<Arc<Pod>> = self
@@ -335,11 +341,19 @@ impl WarmPool {
                         .unwrap_or_else(|e| e.into_inner())
                         .remove(&name);
                     tracing::warn!(profile = self.profile_name, "cannot create a warm pod: {e}");
-                    return true;
+                    let retry_after = match super::backoff::classify(&e) {
+                        super::backoff::Trouble::Busy { retry_after } => retry_after,
+                        _ => None,
+                    };
+                    return Tended::Failed { retry_after };
                 }
             }
         }
-        failed
+        if failed {
+            Tended::Failed { retry_after: None }
+        } else {
+            Tended::Fine
+        }
     }
 
     /// Deletes an idle pod only if it is still exactly the object seen (uid and
@@ -376,6 +390,16 @@ impl WarmPool {
             }
         }
     }
+}
+
+/// How a refill pass went.
+enum Tended {
+    Fine,
+    /// A pool pod failed to start, or the API server refused a create (with its
+    /// Retry-After, if it said one).
+    Failed {
+        retry_after: Option<Duration>,
+    },
 }
 
 /// How long a pod may still live: until its `mcp-run.dev/expires-at`.

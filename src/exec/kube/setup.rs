@@ -8,7 +8,6 @@ use std::time::Duration;
 use k8s_openapi::api::authorization::v1::{
     ResourceAttributes, SelfSubjectAccessReview, SelfSubjectAccessReviewSpec,
 };
-use kube::Client;
 use kube::api::{Api, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use tokio::sync::Semaphore;
@@ -18,6 +17,9 @@ use tokio_util::task::TaskTracker;
 use super::config::{KubernetesConfig, Profile};
 use super::pod::{self, Identity};
 use super::{KubeExecutor, Shared, pool, reaper};
+
+/// How long one permission check may retry a busy API server.
+const PERMISSION_CHECK_BUDGET: Duration = Duration::from_secs(10);
 
 /// Why the backend could not be set up (the gateway does not start).
 #[derive(Debug, thiserror::Error)]
@@ -61,11 +63,15 @@ impl KubeExecutor {
             .namespace
             .clone()
             .unwrap_or_else(|| kube_config.default_namespace.clone());
-        // kube's own retry of 429/503/504 may wait up to minutes; the backend retries what
-        // it can within each request's start budget instead (start.rs).
+        // kube's own retry of 429/503/504 (up to 15 times) is off: the backend retries what
+        // it can within the budget of each call's phase instead (backoff.rs), and the two
+        // must not compound.
         let mut kube_config = kube_config;
         kube_config.default_retry = false;
-        let client = Client::try_from(kube_config)?;
+        let server = kube_config.cluster_url.to_string();
+        let client = kube::client::ClientBuilder::try_from(kube_config)?
+            .with_layer(&super::backoff::retry_after_layer())
+            .build();
         let gateway = std::env::var("MCP_RUN_POD_NAME")
             .ok()
             .filter(|s| !s.is_empty())
@@ -91,6 +97,7 @@ impl KubeExecutor {
         Ok(Self {
             shared: Arc::new(Shared {
                 client: client.clone(),
+                server,
                 pods: Api::namespaced(client.clone(), &namespace),
                 throttle: super::throttle::Throttle::new(config.api_qps, config.api_burst),
                 namespace,
@@ -102,6 +109,7 @@ impl KubeExecutor {
             }),
             client,
             permits: Arc::new(Semaphore::new(config.max_concurrent_pods)),
+            queued: Default::default(),
             profiles,
             config,
             reaper: CancellationToken::new(),
@@ -115,7 +123,7 @@ impl KubeExecutor {
     /// starts the periodic reaper and the warm pools. Called once before serving;
     /// `longest_request` is the server's maximum timeout.
     pub async fn prepare(&self, longest_request: Duration) {
-        self.check_permissions().await;
+        let _ = self.check_permissions().await;
         let reaper = reaper::Reaper {
             pods: self.shared.pods.clone(),
             identity: self.shared.identity.clone(),
@@ -172,8 +180,9 @@ impl KubeExecutor {
     }
 
     /// SelfSubjectAccessReview for everything the backend calls; logs exactly what is
-    /// missing. Returns the missing permissions.
-    pub(super) async fn check_permissions(&self) -> Vec<String> {
+    /// missing. Returns the missing permissions, or why they could not be checked (then
+    /// nothing is logged as checked, and `/readyz` asks again).
+    pub(super) async fn check_permissions(&self) -> Result<Vec<String>, String> {
         let ns = self.shared.namespace.clone();
         // Exec over WebSocket is authorized as `get` pods/exec, and from Kubernetes 1.35 as
         // `create` too. The warm pool claims pods with `patch`.
@@ -215,7 +224,17 @@ impl KubeExecutor {
             } else {
                 format!("{verb} {resource}/{sub}")
             };
-            match api.create(&PostParams::default(), &review).await {
+            let budget = super::backoff::Budget {
+                end: tokio::time::Instant::now() + PERMISSION_CHECK_BUDGET,
+                attempt: Duration::from_secs(5),
+                retry_internal: true,
+            };
+            let post = PostParams::default();
+            let answer = super::backoff::call("checking a permission", budget, || {
+                api.create(&post, &review)
+            })
+            .await;
+            match answer {
                 Ok(r) if r.status.as_ref().is_some_and(|s| s.allowed) => {}
                 Ok(r) => {
                     let why = r.status.and_then(|s| s.reason).unwrap_or_default();
@@ -228,11 +247,25 @@ impl KubeExecutor {
                     missing.push(what);
                 }
                 Err(e) => {
-                    tracing::warn!(
+                    let why = match e {
+                        super::backoff::Failure::Unreachable(why) => format!(
+                            "the Kubernetes API server at {} is not reachable: {why}",
+                            self.shared.server
+                        ),
+                        super::backoff::Failure::OutOfTime { attempts, last } => {
+                            format!("no answer in {attempts} attempts: {last}")
+                        }
+                        super::backoff::Failure::Api(e) => super::backoff::describe(&e),
+                    };
+                    // Unknown, not granted: `/readyz` checks again.
+                    tracing::error!(
                         namespace = ns,
-                        permission = what,
-                        "cannot check permission: {e}"
+                        "cannot check the gateway's permissions: {why}"
                     );
+                    if let Ok(mut m) = self.missing.lock() {
+                        *m = None;
+                    }
+                    return Err(why);
                 }
             }
         }
@@ -242,6 +275,6 @@ impl KubeExecutor {
         if let Ok(mut m) = self.missing.lock() {
             *m = Some(missing.clone());
         }
-        missing
+        Ok(missing)
     }
 }

@@ -6,14 +6,13 @@
 
 use std::time::Duration;
 
-use futures_util::StreamExt as _;
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt as _;
 use kube::api::{AttachParams, PostParams};
-use kube::runtime::{WatchStreamExt as _, watcher};
-use tokio::sync::mpsc;
+use tokio::sync::{OwnedSemaphorePermit, mpsc};
 use tokio::time::Instant;
 
+use super::backoff::{self, Budget, Failure, WatchEnd};
 use super::config::Profile;
 use super::guard::{PodGuard, Timings};
 use super::pod::{self, CONTAINER, LABEL_GATEWAY, LABEL_INSTANCE};
@@ -29,9 +28,6 @@ const CREATE_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(10);
 /// The exec request and its WebSocket upgrade may take this long.
 pub(super) const EXEC_UPGRADE_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// First wait between create attempts after a 5xx without Retry-After; doubled each time.
-const CREATE_BACKOFF: Duration = Duration::from_millis(200);
-
 fn shutting_down() -> ErrorBody {
     ErrorBody::new(ErrorCode::ShuttingDown, "the gateway is shutting down")
 }
@@ -45,15 +41,10 @@ impl KubeExecutor {
     ) -> Result<Execution, ErrorBody> {
         let profile_name = spec.profile.clone().unwrap_or_else(|| "default".into());
         let profile = self.profile(&profile_name)?.clone();
-        let permit = self.permits.clone().try_acquire_owned().map_err(|_| {
-            ErrorBody::new(
-                ErrorCode::TooManyRequests,
-                format!(
-                    "{} runner pods are running, the gateway's maximum (kubernetes.max_concurrent_pods); retry later",
-                    self.config.max_concurrent_pods
-                ),
-            )
-        })?;
+        // The start budget covers the wait for a slot, the pod's start and the exec.
+        let start_timeout = Duration::from_secs(self.config.pod_start_timeout_secs);
+        let budget_end = Instant::now() + start_timeout;
+        let permit = self.slot(budget_end, &opts).await?;
         let pool = self.pools.get().and_then(|p| p.get(&profile_name)).cloned();
         if let Some(pool) = pool {
             let mut timings = Timings::new();
@@ -63,7 +54,16 @@ impl KubeExecutor {
                     .report(Phase::Scheduled, Some(format!("warm pod {name} on {node}")));
                 let guard = PodGuard::arm(self.shared.clone(), name, permit);
                 return self
-                    .exec_in(spec, opts, guard, timings, node, &profile_name, &profile)
+                    .exec_in(
+                        spec,
+                        opts,
+                        guard,
+                        timings,
+                        node,
+                        &profile_name,
+                        &profile,
+                        budget_end,
+                    )
                     .await;
             }
         }
@@ -117,7 +117,16 @@ impl KubeExecutor {
         };
         self.shared.metrics.observe_pod_start(timings.since_start());
         let execution = self
-            .exec_in(spec, opts, guard, timings, node, &profile_name, &profile)
+            .exec_in(
+                spec,
+                opts,
+                guard,
+                timings,
+                node,
+                &profile_name,
+                &profile,
+                budget_end,
+            )
             .await?;
         Ok(match caches {
             Some(c) => {
@@ -129,76 +138,122 @@ impl KubeExecutor {
         })
     }
 
-    /// Creates the pod within the start budget: each attempt bounded, 429/500/503/504 and
-    /// lost connections retried (Retry-After honoured, else backoff), and a 409 AlreadyExists
-    /// after a retry recognised as our own earlier attempt having succeeded.
+    /// A pod slot (`max_concurrent_pods`): at once when one is free, else after the runs
+    /// queued before this one (tokio's semaphore is fair: first come, first served), within
+    /// the start budget. Refused with 429 only when `max_queued_runs` runs wait already.
+    async fn slot(
+        &self,
+        budget_end: Instant,
+        opts: &StartOptions,
+    ) -> Result<OwnedSemaphorePermit, ErrorBody> {
+        use std::sync::atomic::Ordering;
+        if let Ok(permit) = self.permits.clone().try_acquire_owned() {
+            return Ok(permit);
+        }
+        let max = self.config.max_concurrent_pods;
+        let ahead = self.queued.fetch_add(1, Ordering::SeqCst);
+        struct Leave<'a>(&'a std::sync::atomic::AtomicUsize);
+        impl Drop for Leave<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+        let _leave = Leave(&self.queued);
+        if ahead >= self.config.max_queued_runs {
+            return Err(ErrorBody::new(
+                ErrorCode::TooManyRequests,
+                format!(
+                    "{max} runner pods are running (kubernetes.max_concurrent_pods) and {ahead} runs wait for one (kubernetes.max_queued_runs); retry later"
+                ),
+            ));
+        }
+        opts.progress.report(
+            Phase::Queued,
+            Some(format!(
+                "waiting for a pod slot: {max} runner pods are running (kubernetes.max_concurrent_pods), {ahead} runs queued before this one"
+            )),
+        );
+        let queued_at = Instant::now();
+        tokio::select! {
+            r = tokio::time::timeout_at(budget_end, self.permits.clone().acquire_owned()) => match r {
+                Ok(Ok(permit)) => {
+                    tracing::debug!(waited_ms = queued_at.elapsed().as_millis() as u64, "pod slot after queueing");
+                    Ok(permit)
+                }
+                Ok(Err(_)) => Err(shutting_down()),
+                Err(_) => Err(ErrorBody::new(
+                    ErrorCode::TooManyRequests,
+                    format!(
+                        "no pod slot became free within kubernetes.pod_start_timeout_secs ({}s queued; {max} runner pods at once, kubernetes.max_concurrent_pods); retry later",
+                        queued_at.elapsed().as_secs()
+                    ),
+                )),
+            },
+            _ = opts.cancel.cancelled() => Err(shutting_down()),
+        }
+    }
+
+    /// Creates the pod within the start budget: each attempt bounded, 429/5xx and lost
+    /// connections retried (backoff.rs: Retry-After honoured, bounded by the budget), and a
+    /// 409 AlreadyExists after a retry recognised as our own earlier attempt having
+    /// succeeded.
     async fn create(&self, manifest: &Pod, budget_end: Instant) -> Result<Pod, ErrorBody> {
         let name = manifest.name_any();
-        let mut backoff = CREATE_BACKOFF;
         let mut attempts = 0u32;
-        loop {
+        let budget = Budget {
+            end: budget_end,
+            attempt: CREATE_ATTEMPT_TIMEOUT,
+            retry_internal: true,
+        };
+        backoff::call("creating the runner pod", budget, || {
             attempts += 1;
-            self.shared.throttle.acquire().await;
-            let left = budget_end.saturating_duration_since(Instant::now());
-            let attempt = tokio::time::timeout(
-                CREATE_ATTEMPT_TIMEOUT.min(left),
-                self.shared.pods.create(&PostParams::default(), manifest),
-            )
-            .await;
-            let (wait, why) = match attempt {
-                Ok(Ok(pod)) => return Ok(pod),
-                Ok(Err(kube::Error::Api(s))) if s.code == 409 && attempts > 1 => {
+            let retried = attempts > 1;
+            let name = &name;
+            async move {
+                self.shared.throttle.acquire().await;
+                match self
+                    .shared
+                    .pods
+                    .create(&PostParams::default(), manifest)
+                    .await
+                {
                     // Names are random and ours: an earlier attempt whose answer was lost.
-                    match self.shared.pods.get(&name).await {
-                        Ok(p) if self.is_ours(&p) => return Ok(p),
-                        _ => {
-                            return Err(api_error(
-                                "cannot create the runner pod",
-                                &kube::Error::Api(s),
-                            ));
+                    Err(kube::Error::Api(s)) if s.code == 409 && retried => {
+                        match self.shared.pods.get(name).await {
+                            Ok(p) if self.is_ours(&p) => Ok(p),
+                            _ => Err(kube::Error::Api(s)),
                         }
                     }
+                    r => r,
                 }
-                Ok(Err(kube::Error::Api(s))) if matches!(s.code, 429 | 500 | 503 | 504) => {
-                    let retry_after = s
-                        .details
-                        .as_ref()
-                        .map(|d| d.retry_after_seconds)
-                        .filter(|s| *s > 0)
-                        .map(|s| Duration::from_secs(u64::from(s)));
-                    let why = format!("{} ({}, HTTP {})", s.message, s.reason, s.code);
-                    (retry_after.unwrap_or(backoff), why)
-                }
-                Ok(Err(e @ kube::Error::Api(_))) => {
-                    return Err(api_error("cannot create the runner pod", &e));
-                }
-                // Connection refused or reset, TLS trouble: the API server may be rolling.
-                Ok(Err(e)) => (backoff, e.to_string()),
-                Err(_) => (
-                    backoff,
-                    format!(
-                        "no answer within {}s",
-                        CREATE_ATTEMPT_TIMEOUT.min(left).as_secs()
-                    ),
-                ),
-            };
-            if Instant::now() + wait >= budget_end {
-                return Err(ErrorBody::new(
-                    ErrorCode::BackendUnavailable,
-                    format!(
-                        "cannot create the runner pod within kubernetes.pod_start_timeout_secs ({attempts} attempts): {why}"
-                    ),
-                ));
             }
-            tracing::warn!(
-                pod = name,
-                attempt = attempts,
-                wait_ms = wait.as_millis() as u64,
-                "creating the runner pod failed, retrying: {why}"
-            );
-            tokio::time::sleep(wait).await;
-            backoff = (backoff * 2).min(Duration::from_secs(5));
+        })
+        .await
+        .map_err(|f| self.start_error("cannot create the runner pod", f))
+    }
+
+    /// The error of a call of the start path that failed for good.
+    pub(super) fn start_error(&self, what: &str, f: Failure) -> ErrorBody {
+        match f {
+            Failure::Api(e) => api_error(what, &e),
+            Failure::OutOfTime { attempts, last } => ErrorBody::new(
+                ErrorCode::BackendUnavailable,
+                format!(
+                    "{what} within kubernetes.pod_start_timeout_secs ({attempts} attempts): {last}"
+                ),
+            ),
+            Failure::Unreachable(why) => self.unreachable(what, &why),
         }
+    }
+
+    fn unreachable(&self, what: &str, why: &str) -> ErrorBody {
+        ErrorBody::new(
+            ErrorCode::BackendUnavailable,
+            format!(
+                "{what}: the Kubernetes API server at {} is not reachable: {why}",
+                self.shared.server
+            ),
+        )
     }
 
     /// Whether a pod found under our chosen name was created by this gateway.
@@ -219,6 +274,7 @@ impl KubeExecutor {
         node: String,
         profile_name: &str,
         profile: &Profile,
+        budget_end: Instant,
     ) -> Result<Execution, ErrorBody> {
         let name = guard.name.clone();
         let pod_start = timings.since_start();
@@ -241,6 +297,7 @@ impl KubeExecutor {
             opts.stdin.is_some(),
         );
         let wants_stdin = command.wants_stdin(opts.stdin.is_some());
+        let wrapped = command.header.is_some();
         let params = AttachParams {
             container: Some(CONTAINER.into()),
             stdin: wants_stdin,
@@ -249,29 +306,38 @@ impl KubeExecutor {
             tty: false,
             ..Default::default()
         };
-        let request = kube::core::Request::new(<Pod as kube::Resource>::url_path(
-            &(),
-            Some(&self.shared.namespace),
-        ))
-        .exec(&name, command.argv, &params)
-        .map_err(|e| {
+        let build = || {
+            kube::core::Request::new(<Pod as kube::Resource>::url_path(
+                &(),
+                Some(&self.shared.namespace),
+            ))
+            .exec(&name, command.argv.clone(), &params)
+        };
+        build().map_err(|e| {
             ErrorBody::new(
                 ErrorCode::StartFailed,
                 format!("cannot build the exec request: {e}"),
             )
         })?;
-        self.shared.throttle.acquire().await;
+        // The upgrade gets at least one full attempt, even when the pod took most of the
+        // start budget; 429/503/504 are retried within it (a 500 is the kubelet's answer).
+        let budget = Budget {
+            end: budget_end.max(Instant::now() + EXEC_UPGRADE_TIMEOUT),
+            attempt: EXEC_UPGRADE_TIMEOUT,
+            retry_internal: false,
+        };
+        let connect = backoff::call("opening the exec stream", budget, || {
+            let request = build();
+            async move {
+                self.shared.throttle.acquire().await;
+                self.shared
+                    .client
+                    .connect(request.map_err(kube::Error::BuildRequest)?)
+                    .await
+            }
+        });
         let connection = tokio::select! {
-            r = tokio::time::timeout(EXEC_UPGRADE_TIMEOUT, self.shared.client.connect(request)) => match r {
-                Ok(r) => r.map_err(|e| api_error("cannot exec in the runner pod", &e))?,
-                Err(_) => return Err(ErrorBody::new(
-                    ErrorCode::BackendUnavailable,
-                    format!(
-                        "cannot exec in the runner pod: no WebSocket upgrade within {}s",
-                        EXEC_UPGRADE_TIMEOUT.as_secs()
-                    ),
-                )),
-            },
+            r = connect => r.map_err(|f| self.start_error("cannot exec in the runner pod", f))?,
             _ = opts.cancel.cancelled() => return Err(shutting_down()),
         };
         let can_close = connection.supports_stream_close();
@@ -328,6 +394,7 @@ impl KubeExecutor {
             super::stream::Ending {
                 executable: spec.executable,
                 shell: profile.shell().to_string(),
+                wrapped,
                 before_exit,
             },
         ));
@@ -390,52 +457,22 @@ impl KubeExecutor {
         if let Some(done) = watch.observe(&created, timings, progress) {
             return done;
         }
-        let mut events = watcher::watch_object(self.shared.pods.clone(), &name)
-            .default_backoff()
-            .boxed();
-        loop {
-            let next = match tokio::time::timeout_at(budget_end, events.next()).await {
-                Ok(n) => n,
-                Err(_) => return Err(timed_out(&watch.last)),
-            };
-            match next {
-                Some(Ok(Some(pod))) => {
-                    if let Some(done) = watch.observe(&pod, timings, progress) {
-                        return done;
-                    }
-                }
-                Some(Ok(None)) => {
-                    return Err(ErrorBody::new(
-                        ErrorCode::PodFailed,
-                        format!("runner pod {name} was deleted while it started"),
-                    ));
-                }
-                Some(Err(e)) => {
-                    if let Some(kube::Error::Api(s)) = watcher_api_error(&e)
-                        && matches!(s.code, 401 | 403)
-                    {
-                        return Err(api_error(
-                            "cannot watch the runner pod",
-                            &kube::Error::Api(s.clone()),
-                        ));
-                    }
-                    // Transport errors and expired resourceVersions heal: the watcher
-                    // resumes (after a backoff) from where it was.
-                    tracing::debug!(pod = name, "watching the runner pod: {e}; resuming");
-                }
-                None => return Err(timed_out(&watch.last)),
+        let seen = backoff::watch_pod(&self.shared.pods, &name, budget_end, |pod| match pod {
+            Some(p) => watch.observe(&p, timings, progress),
+            None => Some(Err(ErrorBody::new(
+                ErrorCode::PodFailed,
+                format!("runner pod {name} was deleted while it started"),
+            ))),
+        })
+        .await;
+        match seen {
+            Ok(done) => done,
+            Err(WatchEnd::Deadline) => Err(timed_out(&watch.last)),
+            Err(WatchEnd::Refused(e)) => Err(api_error("cannot watch the runner pod", &e)),
+            Err(WatchEnd::Unreachable(why)) => {
+                Err(self.unreachable("cannot watch the runner pod", &why))
             }
         }
-    }
-}
-
-/// The API answer behind a watcher error, if it was one.
-fn watcher_api_error(e: &watcher::Error) -> Option<&kube::Error> {
-    match e {
-        watcher::Error::InitialListFailed(e)
-        | watcher::Error::WatchStartFailed(e)
-        | watcher::Error::WatchFailed(e) => Some(e),
-        _ => None,
     }
 }
 
@@ -506,7 +543,7 @@ pub(super) fn api_error(what: &str, e: &kube::Error) -> ErrorBody {
         }
         other => ErrorBody::new(
             ErrorCode::BackendUnavailable,
-            format!("{what}: the Kubernetes API server is not reachable: {other}"),
+            format!("{what}: {}", backoff::describe(other)),
         ),
     }
 }

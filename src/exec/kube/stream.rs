@@ -37,6 +37,11 @@ const DRAIN_GRACE: Duration = Duration::from_secs(2);
 /// How long the look at the pod after a kill may take.
 const POD_CHECK_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// After an exec ended by SIGKILL or a broken stream, how long to wait for the pod's status
+/// to say why: a kubelet writes `OOMKilled` or an eviction after the exec stream ended (its
+/// relist, about a second later), not before.
+const POD_FATE_WAIT: Duration = Duration::from_secs(4);
+
 /// What the exec's stdin carries: the wrapper's header, then the caller's input.
 pub(super) struct Input {
     /// Whether the exec was opened with a stdin stream.
@@ -63,6 +68,9 @@ pub(super) struct Ending {
     pub executable: String,
     /// The profile's shell, to ask the pod whether the program exists.
     pub shell: String,
+    /// The exec runs the wrapper (with `cwd` or `env`) in `shell`, which then found a
+    /// missing program itself: a program the runtime did not find is the shell.
+    pub wrapped: bool,
     pub before_exit: Option<BeforeExit>,
 }
 
@@ -85,6 +93,7 @@ pub(super) async fn supervise<S>(
     let Ending {
         executable,
         shell,
+        wrapped,
         before_exit,
     } = ending;
     let started = Instant::now();
@@ -186,7 +195,7 @@ pub(super) async fn supervise<S>(
         ExecEnd::Exit {
             code: None,
             signal: Some(9),
-        } => match pod_gone(&guard).await {
+        } => match pod_fate(&guard, POD_FATE_WAIT).await {
             Some(why) => Event::Error {
                 code: ErrorCode::PodFailed,
                 message: format!("the command was killed: {why}"),
@@ -194,6 +203,12 @@ pub(super) async fn supervise<S>(
             None => exit(None, Some(9)),
         },
         ExecEnd::Exit { code, signal } => exit(code, signal),
+        ExecEnd::NotStarted { code: 127, .. } if wrapped => Event::Error {
+            code: ErrorCode::ContainerConfigError,
+            message: format!(
+                "the runner image has no shell {shell} (the profile's `shell`): it is needed to apply the request's cwd and env; send neither, or use an image with a POSIX shell"
+            ),
+        },
         ExecEnd::NotStarted { stderr, code } => {
             let _ = tx
                 .send(Event::Stderr {
@@ -223,8 +238,14 @@ pub(super) async fn supervise<S>(
                 Some(t) if status.is_none() => format!("{message} ({t})"),
                 _ => message,
             };
-            // Say what happened to the pod, when something did.
-            match pod_gone(&guard).await {
+            // Say what happened to the pod, when something did; a broken stream may be the
+            // pod's end whose status is not written yet.
+            let wait = if status.is_none() {
+                POD_FATE_WAIT
+            } else {
+                Duration::ZERO
+            };
+            match pod_fate(&guard, wait).await {
                 Some(why) => Event::Error {
                     code: ErrorCode::PodFailed,
                     message: format!("{message}: {why}"),
@@ -278,16 +299,35 @@ async fn exists_in_pod(guard: &PodGuard, shell: &str, executable: &str) -> Optio
     matches!(status::nonzero_exit_code(&s), Some(1 | 127)).then_some(false)
 }
 
-/// What happened to the guard's pod, if it is gone, going, or its container stopped.
-async fn pod_gone(guard: &PodGuard) -> Option<String> {
+/// What happened to the guard's pod, if it is gone, going, or its container stopped:
+/// watched for up to `wait` for such a state (the kubelet writes it after the exec ended),
+/// else the first state seen decides.
+async fn pod_fate(guard: &PodGuard, wait: Duration) -> Option<String> {
     let name = &guard.name;
-    let pod = tokio::time::timeout(POD_CHECK_TIMEOUT, guard.shared.pods.get_opt(name))
-        .await
-        .ok()?
-        .ok()?;
-    let Some(p) = pod else {
-        return Some(format!("runner pod {name} was deleted"));
-    };
+    let now = tokio::time::Instant::now();
+    let end = now + wait.max(POD_CHECK_TIMEOUT);
+    let watch = super::backoff::watch_pod(&guard.shared.pods, name, end, |pod| match pod {
+        None => Some(Some(format!("runner pod {name} was deleted"))),
+        Some(p) => match fate(&p) {
+            Some(why) => Some(Some(why)),
+            None if wait.is_zero() => Some(None),
+            None => None,
+        },
+    });
+    if wait.is_zero() {
+        return watch.await.ok().flatten();
+    }
+    tokio::select! {
+        r = watch => r.ok().flatten(),
+        // The watch sends nothing while the pod does not change: nothing happened to it.
+        _ = tokio::time::sleep_until(now + wait) => None,
+    }
+}
+
+/// What a pod's state says happened to it under a command: deleted, evicted, OOM-killed,
+/// its container stopped, or failed.
+fn fate(p: &k8s_openapi::api::core::v1::Pod) -> Option<String> {
+    let name = p.metadata.name.as_deref().unwrap_or("?");
     let limit = p
         .spec
         .as_ref()
@@ -321,7 +361,7 @@ async fn pod_gone(guard: &PodGuard) -> Option<String> {
     if p.metadata.deletion_timestamp.is_some() {
         return Some(format!("runner pod {name} was deleted"));
     }
-    match status::assess(&p, CONTAINER) {
+    match status::assess(p, CONTAINER) {
         PodState::Failed(e) => Some(e.message),
         _ => None,
     }
@@ -397,5 +437,70 @@ fn mark_first(seen: &mut bool, guard: &mut PodGuard) {
         if let Some(t) = guard.timings.as_mut() {
             t.mark("first byte");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    /// What `write_input` sends on a silent exec without stdin over `silence`, as (time
+    /// since the start, frame).
+    async fn frames_of_a_silent_exec(
+        ping: Duration,
+        silence: Duration,
+    ) -> Vec<(Duration, Message)> {
+        let start = tokio::time::Instant::now();
+        let sent = Arc::new(Mutex::new(Vec::new()));
+        let log = sent.clone();
+        let sink = Box::pin(futures_util::sink::unfold((), move |(), m: Message| {
+            log.lock().unwrap().push((start.elapsed(), m));
+            async { Ok::<_, tungstenite::Error>(()) }
+        }));
+        let input = Input {
+            open: false,
+            header: None,
+            user: None,
+            can_close: true,
+            ping,
+        };
+        let _ =
+            tokio::time::timeout(silence, write_input(sink, input, CancellationToken::new())).await;
+        sent.lock().unwrap().clone()
+    }
+
+    /// The longest time without a frame, from the start to the end of `silence`.
+    fn longest_gap(frames: &[(Duration, Message)], silence: Duration) -> Duration {
+        let mut at: Vec<Duration> = frames.iter().map(|(t, _)| *t).collect();
+        at.insert(0, Duration::ZERO);
+        at.push(silence);
+        at.windows(2).map(|w| w[1] - w[0]).max().unwrap_or_default()
+    }
+
+    /// Load balancers in front of API servers cut connections idle for longer than their
+    /// timeout (60 s is common, some cut sooner). With the default `exec_ping_secs`, a
+    /// command silent for ten minutes keeps its stream through any idle cut longer than
+    /// 20 s: no gap between frames reaches it. (Paused time: no 20 s wall-clock test; the
+    /// double's cut with a configured ping runs in tests/kube_clusters.rs.)
+    #[tokio::test(start_paused = true)]
+    async fn the_default_ping_keeps_streams_through_idle_cuts_longer_than_20s() {
+        let ping =
+            Duration::from_secs(super::super::config::KubernetesConfig::default().exec_ping_secs);
+        let silence = Duration::from_secs(600);
+        let frames = frames_of_a_silent_exec(ping, silence).await;
+        assert!(
+            frames.iter().all(|(_, m)| matches!(m, Message::Ping(_))),
+            "only pings on a silent exec without stdin"
+        );
+        let gap = longest_gap(&frames, silence);
+        let cut = Duration::from_secs(21);
+        assert!(
+            gap < cut,
+            "{gap:?} without a frame: a {cut:?} idle cut ends the stream"
+        );
+        // Pings, not other traffic, fill the silence: about one per interval.
+        assert!(gap >= Duration::from_secs(19), "{gap:?}");
+        assert_eq!(frames.len(), 30, "one ping per 20 s");
     }
 }

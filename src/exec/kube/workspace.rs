@@ -2,18 +2,19 @@
 //! the pod as a tar archive on the stdin of `tar -x -f - -C <workspace_path>` (an exec, so
 //! it works for warm-pool pods that existed before the request, and as any user, e.g.
 //! runAsNonRoot 65532, that can write the profile's `emptyDir`). The image needs `tar` that
-//! reads `-x -f - -C DIR` (GNU tar, busybox, bsdtar all do).
+//! reads `-x -f - -C DIR` (GNU tar, busybox, bsdtar all do); the end of its stdin is
+//! signalled after the archive (v5), as busybox's tar reads to the end of its input.
 //!
 //! Sync-back: after the command, before the pod goes, a second exec sends the workspace's
 //! files that may match the globs back as a tar stream on stdout ([`SYNC_BACK_SCRIPT`]:
-//! `sh`, `find`, `tar -c -T -`). The gateway trusts nothing of it: it keeps regular files
+//! `sh`, `find`, `tar -c`). The gateway trusts nothing of it: it keeps regular files
 //! whose path is valid and matches the globs exactly, hashes each as it reads it, and reports
 //! those whose content or executable bit differs from the manifest (no timestamps involved).
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::api::AttachParams;
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::io::AsyncReadExt as _;
 use tokio_util::sync::CancellationToken;
 
 use super::KubeExecutor;
@@ -53,25 +54,7 @@ impl KubeExecutor {
                 format!("cannot write the workspace into runner pod {pod} at {path}: {m}"),
             )
         };
-        let params = AttachParams {
-            container: Some(CONTAINER.into()),
-            stdin: true,
-            stdout: false,
-            stderr: true,
-            tty: false,
-            ..Default::default()
-        };
-        let argv = vec!["tar", "-x", "-f", "-", "-C", path];
-        let mut attached = tokio::select! {
-            r = self.shared.pods.exec(pod, argv, &params) => r.map_err(|e| failed(format!("cannot exec tar: {e}")))?,
-            _ = cancel.cancelled() => return Err(ErrorBody::new(ErrorCode::ShuttingDown, "the gateway is shutting down")),
-        };
-        let mut stdin = attached
-            .stdin()
-            .ok_or_else(|| failed("no stdin on the exec".into()))?;
-        let stderr = attached.stderr();
-        let status = attached.take_status();
-        let (tx, mut rx) = tokio::sync::mpsc::channel::<std::io::Result<bytes::Bytes>>(4);
+        let (tx, rx) = tokio::sync::mpsc::channel::<std::io::Result<bytes::Bytes>>(4);
         let producer_run = run.clone();
         let producer = tokio::task::spawn_blocking(move || {
             let out = std::io::BufWriter::with_capacity(
@@ -80,64 +63,24 @@ impl KubeExecutor {
             );
             crate::workspace::tarball::write_tar(&producer_run, &pin, out)
         });
-        // tar stops at the archive's end marker; stdin stays open until its status came, as
-        // closing it ends the whole exec on servers without the v5 protocol.
-        let feed = async move {
-            while let Some(Ok(chunk)) = rx.recv().await {
-                stdin.write_all(&chunk).await?;
-            }
-            stdin.flush().await?;
-            Ok::<_, std::io::Error>(stdin)
-        };
-        let read_err = async move {
-            let mut text = String::new();
-            if let Some(e) = stderr {
-                let _ = e.take(MAX_STDERR).read_to_string(&mut text).await;
-            }
-            text
-        };
-        // Until tar has exited (its stderr closed): a tar that fails early stops reading,
-        // and feeding it must not wait forever.
-        let mut feed = Box::pin(feed);
-        tokio::pin!(read_err);
-        let (mut fed, mut err_text) = (None, None);
-        while err_text.is_none() {
-            tokio::select! {
-                r = &mut feed, if fed.is_none() => fed = Some(r),
-                t = &mut read_err => err_text = Some(t),
-                _ = cancel.cancelled() => {
-                    attached.abort();
-                    return Err(ErrorBody::new(ErrorCode::ShuttingDown, "the gateway is shutting down"));
-                }
-            }
-        }
-        let err_text = err_text.unwrap_or_default();
-        if fed.is_none() {
-            // tar read the end marker: the last writes are about to complete.
-            fed = tokio::time::timeout(std::time::Duration::from_secs(2), &mut feed)
-                .await
-                .ok();
-        }
-        // Dropping the feed drops the channel, which ends a producer still writing.
-        drop(feed);
+        let argv = ["tar", "-x", "-f", "-", "-C", path]
+            .map(String::from)
+            .to_vec();
+        let fed = self.exec_fed(pod, argv, rx, cancel).await;
+        // Dropping the receiver (with the exec) ends a producer still writing.
         let produced = producer
             .await
             .map_err(|e| failed(format!("the tar stream failed: {e}")))?;
-        let status = match status {
-            Some(s) => tokio::select! {
-                s = s => s,
-                _ = cancel.cancelled() => {
-                    attached.abort();
-                    return Err(ErrorBody::new(ErrorCode::ShuttingDown, "the gateway is shutting down"));
-                }
-            },
-            None => None,
-        };
-        let fed = match fed {
-            Some(Ok(stdin)) => Ok(stdin),
-            Some(Err(e)) => Err(format!("writing to tar's stdin: {e}")),
-            None => Err("tar ended before it read the whole archive".to_owned()),
-        };
+        let Fed {
+            status,
+            stderr: err_text,
+            fed,
+        } = fed.map_err(|e| match e {
+            FedError::Cancelled => {
+                ErrorBody::new(ErrorCode::ShuttingDown, "the gateway is shutting down")
+            }
+            FedError::Exec(e) => failed(format!("cannot exec tar: {}", e.message)),
+        })?;
         let ok = status.as_ref().and_then(|s| s.status.as_deref()) == Some("Success");
         if !ok {
             let why = status
@@ -165,22 +108,155 @@ impl KubeExecutor {
     }
 }
 
+/// What an exec fed with input ended with.
+struct Fed {
+    status: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Status>,
+    /// Its stderr (at most [`MAX_STDERR`] bytes).
+    stderr: String,
+    /// Whether the whole input was sent, or why not.
+    fed: Result<(), String>,
+}
+
+enum FedError {
+    Cancelled,
+    Exec(ErrorBody),
+}
+
+const STDIN: u8 = 0;
+const STDERR: u8 = 2;
+const STATUS: u8 = 3;
+const CLOSE: u8 = 255;
+
+impl KubeExecutor {
+    /// Runs `argv` in `pod` with `input` on its stdin, then signals the end of stdin (the v5
+    /// protocol's close): `tar -x -f -` of busybox (the README's image) reads its stdin to
+    /// the end, not only to the archive's end marker as GNU tar does, and would wait forever
+    /// for an end that never comes. On v4 (clusters before 1.30) the end cannot be signalled
+    /// without closing the whole stream, so stdin then stays open until the status came.
+    async fn exec_fed(
+        &self,
+        pod: &str,
+        argv: Vec<String>,
+        mut input: tokio::sync::mpsc::Receiver<std::io::Result<bytes::Bytes>>,
+        cancel: &CancellationToken,
+    ) -> Result<Fed, FedError> {
+        use futures_util::{SinkExt as _, StreamExt as _};
+        use tokio_tungstenite::tungstenite::Message;
+        let params = AttachParams {
+            container: Some(CONTAINER.into()),
+            stdin: true,
+            stdout: false,
+            stderr: true,
+            tty: false,
+            ..Default::default()
+        };
+        let budget = super::backoff::Budget {
+            end: tokio::time::Instant::now() + super::start::EXEC_UPGRADE_TIMEOUT,
+            attempt: super::start::EXEC_UPGRADE_TIMEOUT,
+            retry_internal: false,
+        };
+        let connect = super::backoff::call("opening an exec stream", budget, || {
+            let request = kube::core::Request::new(<Pod as kube::Resource>::url_path(
+                &(),
+                Some(&self.shared.namespace),
+            ))
+            .exec(pod, argv.clone(), &params);
+            async move {
+                self.shared.throttle.acquire().await;
+                self.shared
+                    .client
+                    .connect(request.map_err(kube::Error::BuildRequest)?)
+                    .await
+            }
+        });
+        let connection = tokio::select! {
+            r = connect => r.map_err(|f| FedError::Exec(self.start_error("cannot exec", f)))?,
+            _ = cancel.cancelled() => return Err(FedError::Cancelled),
+        };
+        let can_close = connection.supports_stream_close();
+        let (mut sink, mut frames) = connection.into_stream().split();
+        let frame = |ch: u8, data: &[u8]| {
+            let mut v = Vec::with_capacity(data.len() + 1);
+            v.push(ch);
+            v.extend_from_slice(data);
+            Message::Binary(v.into())
+        };
+        let feed = async {
+            while let Some(chunk) = input.recv().await {
+                let chunk = chunk.map_err(|e| format!("reading the cache: {e}"))?;
+                sink.send(frame(STDIN, &chunk))
+                    .await
+                    .map_err(|e| format!("writing to stdin: {e}"))?;
+            }
+            if can_close {
+                sink.send(Message::Binary(vec![CLOSE, STDIN].into()))
+                    .await
+                    .map_err(|e| format!("closing stdin: {e}"))?;
+            }
+            Ok::<_, String>(())
+        };
+        let read = async {
+            let (mut status, mut stderr) = (None, Vec::new());
+            while let Some(Ok(m)) = frames.next().await {
+                let data = match m {
+                    Message::Binary(b) => b,
+                    Message::Text(t) => bytes::Bytes::copy_from_slice(t.as_bytes()),
+                    Message::Close(_) => break,
+                    _ => continue,
+                };
+                match data.split_first() {
+                    Some((&STDERR, rest)) => {
+                        let room = (MAX_STDERR as usize).saturating_sub(stderr.len());
+                        stderr.extend_from_slice(&rest[..rest.len().min(room)]);
+                    }
+                    Some((&STATUS, rest)) if !rest.is_empty() => {
+                        status = serde_json::from_slice(rest).ok();
+                    }
+                    _ => {}
+                }
+            }
+            (status, String::from_utf8_lossy(&stderr).into_owned())
+        };
+        tokio::pin!(feed, read);
+        let mut fed = None;
+        // Until the command has ended (its status came, the stream closed): a command that
+        // fails early stops reading, and feeding it must not wait forever.
+        let (status, stderr) = loop {
+            tokio::select! {
+                r = &mut feed, if fed.is_none() => fed = Some(r),
+                r = &mut read => break r,
+                _ = cancel.cancelled() => return Err(FedError::Cancelled),
+            }
+        };
+        let fed = fed.unwrap_or_else(|| Err("it ended before it read all of its input".to_owned()));
+        Ok(Fed {
+            status,
+            stderr,
+            fed,
+        })
+    }
+}
+
 /// Run in the pod after the command (`sh -c SCRIPT sh WORKSPACE PATTERN...`): the regular
 /// files below the workspace whose `./path` matches one of the `case` patterns, as a tar
 /// stream on stdout (nothing at all when none does). The patterns match more than the globs
-/// (in `case`, `*` also matches `/`); the gateway applies the globs exactly. Names with a
-/// backslash are skipped (GNU tar unquotes names read with `-T`); a name with a newline
-/// splits into lines that name no file.
+/// (in `case`, `*` also matches `/`); the gateway applies the globs exactly. The names go to
+/// one `tar -c` as arguments (busybox's tar, as Debian builds it, has no `-T`); a name with
+/// a newline splits into lines that name no file and is skipped.
 pub const SYNC_BACK_SCRIPT: &str = r#"cd "$1" || exit 1
 shift
 list=$(find . -type f | while IFS= read -r f; do
-  case "$f" in *'\'*) continue;; esac
+  [ -f "$f" ] || continue
   for p in "$@"; do
     case "$f" in ./$p) printf '%s\n' "$f"; break;; esac
   done
 done)
 [ -n "$list" ] || exit 0
-printf '%s\n' "$list" | tar -c -f - -T -"#;
+IFS='
+'
+set -f
+set -- $list
+exec tar -c -f - "$@""#;
 
 /// A sync-back glob as a `case` pattern matching at least what the glob matches (`*`
 /// matches `/` in `case`; `a/**/b` also matches `a/b`, hence `a/*b`).
