@@ -105,6 +105,24 @@ pub fn rejected(
     );
 }
 
+/// Logs what happened to a session: `opened`, `ended` (by its owner), `expired`, `lost`,
+/// `closed` (at shutdown), with who and why.
+pub fn session(caller: &str, name: &str, event: &str, profile: &str, context: &RunContext, why: &str) {
+    let none = String::new();
+    tracing::info!(
+        target: TARGET,
+        identity = %caller,
+        session = %name,
+        outcome = %format!("session_{event}"),
+        profile = %profile,
+        backend = %context.backend,
+        host = %context.host.as_ref().unwrap_or(&none),
+        namespace = %context.namespace.as_ref().unwrap_or(&none),
+        pod = %context.pod.as_ref().unwrap_or(&none),
+        "{why}"
+    );
+}
+
 /// The env names of a request as a JSON array (the values are never logged).
 pub fn env_names(spec_env: &std::collections::BTreeMap<String, String>) -> String {
     serde_json::to_string(&spec_env.keys().collect::<Vec<_>>()).unwrap_or_default()

@@ -70,6 +70,8 @@ pub struct Config {
     pub tools: Vec<crate::mcp::tools::ToolConfig>,
     /// Workspaces: limits and the content cache (docs/workspaces.md).
     pub workspaces: crate::workspace::WorkspaceConfig,
+    /// Sessions: runners kept across calls (docs/sessions.md).
+    pub sessions: crate::session::SessionConfig,
     /// Output templates of the MCP tool, added to the built-ins (docs/templates.md);
     /// checked at start by `templates::Catalog::with_templates`.
     pub templates: BTreeMap<String, yaml_serde::Value>,
@@ -217,6 +219,9 @@ impl Config {
         self.remote.validate().map_err(|(f, m)| invalid(&f, m))?;
         self.local.validate().map_err(|(f, m)| invalid(&f, m))?;
         self.workspaces
+            .validate()
+            .map_err(|(f, m)| invalid(&f, m))?;
+        self.sessions
             .validate()
             .map_err(|(f, m)| invalid(&f, m))?;
         crate::mcp::tools::validate(&self.tools).map_err(|e| invalid(&e.field, e.message))?;

@@ -53,6 +53,90 @@ pub struct RunRequest {
     /// `**` across) of files to report back when the command created or changed them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub sync_back: Vec<String>,
+    /// Run in the runner of this named session instead of a fresh one, so that what earlier
+    /// calls wrote stays (build outputs, caches, installed packages). The first call with a
+    /// name opens the session; pass the same name for every call of an edit-build-test loop.
+    /// Names are the caller's own: another identity's `build` is another session.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<String>,
+    /// With `session`: what a call does when another call of the session is running:
+    /// `wait` for it (within this call's timeout; the default) or `fail` at once with 409
+    /// `session_busy`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_busy: Option<SessionBusy>,
+}
+
+/// What a session's call does while another call of the session runs.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum SessionBusy {
+    /// Wait for the running call (reported as the phase `queued`), within the call's timeout.
+    #[default]
+    Wait,
+    /// Fail at once with 409 `session_busy`.
+    Fail,
+}
+
+/// The longest session name.
+pub const MAX_SESSION_NAME: usize = 63;
+
+/// Checks a session name: 1 to 63 characters of `A-Z a-z 0-9 . _ -`, starting with a letter
+/// or digit.
+pub fn check_session_name(name: &str) -> Result<(), ErrorBody> {
+    let ok = !name.is_empty()
+        && name.len() <= MAX_SESSION_NAME
+        && name.as_bytes()[0].is_ascii_alphanumeric()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(ErrorBody::new(
+            ErrorCode::InvalidRequest,
+            format!(
+                "invalid session name {:?}: 1 to {MAX_SESSION_NAME} characters of A-Z, a-z, 0-9, `.`, `_` and `-`, starting with a letter or digit",
+                truncate(name, 80)
+            ),
+        ))
+    }
+}
+
+fn truncate(s: &str, max: usize) -> &str {
+    let mut cut = s.len().min(max);
+    while !s.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    &s[..cut]
+}
+
+/// One open session, as `GET /sessions` lists it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct SessionInfo {
+    pub name: String,
+    /// The runner profile the session's runner was made from.
+    pub profile: String,
+    /// Where the session's commands run (backend, host or pod).
+    pub context: RunContext,
+    /// Seconds since the session was opened.
+    pub age_secs: u64,
+    /// Seconds since its last call ended (0 while a call runs).
+    pub idle_secs: u64,
+    /// Seconds until the session ends unless used: the idle TTL, or less when its maximum
+    /// lifetime comes first.
+    pub expires_in_secs: u64,
+    /// Calls run in it so far.
+    pub calls: u64,
+    /// Whether a call is running now.
+    pub busy: bool,
+}
+
+/// The body of `GET /sessions`: the caller's open sessions.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct SessionList {
+    pub sessions: Vec<SessionInfo>,
 }
 
 /// The most `sync_back` globs a request may give.
@@ -131,6 +215,14 @@ impl RunRequest {
         if let Some(p) = &self.profile {
             check_nul("profile", p)?;
         }
+        if let Some(name) = &self.session {
+            check_session_name(name)?;
+        } else if self.session_busy.is_some() {
+            return Err(ErrorBody::new(
+                ErrorCode::InvalidRequest,
+                "`session_busy` needs a `session`",
+            ));
+        }
         Ok(())
     }
 
@@ -203,6 +295,13 @@ pub struct RunContext {
     /// The version of that workspace's tree (SHA-256 of its manifest).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub workspace_version: Option<String>,
+    /// The session the command ran in, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<String>,
+    /// Which call of its session this is: 1 for the call that opened the session (a fresh
+    /// runner), then 2, 3, ...
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_call: Option<u64>,
 }
 
 /// A stage of preparing a command, reported while the caller waits (mostly by the Kubernetes
@@ -455,6 +554,18 @@ pub enum ErrorCode {
     WorkspaceIncomplete,
     /// Uploaded bytes do not hash to the name they were sent under (400).
     HashMismatch,
+    /// Another call of the session is running and the request asked not to wait (409).
+    SessionBusy,
+    /// The session's runner is gone (pod evicted or deleted, node gone, directory removed);
+    /// the message says why. The name is free again: the next call opens a new session (410).
+    SessionLost,
+    /// The session ended after its idle TTL or maximum lifetime; the name is free again:
+    /// the next call opens a new session (410).
+    SessionExpired,
+    /// No open session of the caller has this name (404).
+    UnknownSession,
+    /// The caller (or the gateway) has as many open sessions as it may: end one (429).
+    TooManySessions,
     /// A code this version does not know.
     #[serde(other)]
     Unknown,
@@ -489,6 +600,11 @@ impl ErrorCode {
             ErrorCode::UnknownWorkspace => "unknown_workspace",
             ErrorCode::WorkspaceIncomplete => "workspace_incomplete",
             ErrorCode::HashMismatch => "hash_mismatch",
+            ErrorCode::SessionBusy => "session_busy",
+            ErrorCode::SessionLost => "session_lost",
+            ErrorCode::SessionExpired => "session_expired",
+            ErrorCode::UnknownSession => "unknown_session",
+            ErrorCode::TooManySessions => "too_many_sessions",
             ErrorCode::Unknown => "unknown",
         }
     }
@@ -499,12 +615,13 @@ impl ErrorCode {
             ErrorCode::InvalidRequest | ErrorCode::UnknownProfile | ErrorCode::HashMismatch => 400,
             ErrorCode::Unauthorized => 401,
             ErrorCode::PolicyViolation | ErrorCode::ForbiddenHost => 403,
-            ErrorCode::NotFound | ErrorCode::UnknownWorkspace => 404,
-            ErrorCode::WorkspaceIncomplete => 409,
+            ErrorCode::NotFound | ErrorCode::UnknownWorkspace | ErrorCode::UnknownSession => 404,
+            ErrorCode::WorkspaceIncomplete | ErrorCode::SessionBusy => 409,
+            ErrorCode::SessionLost | ErrorCode::SessionExpired => 410,
             ErrorCode::MethodNotAllowed => 405,
             ErrorCode::PayloadTooLarge => 413,
             ErrorCode::UnsupportedMediaType => 415,
-            ErrorCode::TooManyRequests => 429,
+            ErrorCode::TooManyRequests | ErrorCode::TooManySessions => 429,
             ErrorCode::ImagePullFailed
             | ErrorCode::Unschedulable
             | ErrorCode::ContainerConfigError

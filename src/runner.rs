@@ -59,6 +59,8 @@ pub struct Runner {
     redactor: Option<Arc<Redactor>>,
     /// Posted workspaces and their contents; `None`: workspaces are off.
     workspaces: Option<Arc<crate::workspace::WorkspaceStore>>,
+    /// Named runners that live across calls; `None`: sessions are off.
+    sessions: Option<Arc<crate::session::Sessions>>,
     shutdown: CancellationToken,
     tracker: TaskTracker,
     metrics: Metrics,
@@ -75,6 +77,7 @@ impl Runner {
             rate: limits.rate_limit.as_ref().map(RateLimiter::new),
             redactor: None,
             workspaces: None,
+            sessions: None,
             limits,
             shutdown: CancellationToken::new(),
             tracker: TaskTracker::new(),
@@ -108,6 +111,25 @@ impl Runner {
     pub fn with_workspaces(mut self, store: Option<Arc<crate::workspace::WorkspaceStore>>) -> Self {
         self.workspaces = store;
         self
+    }
+
+    /// Keeps sessions with `config` (off when `config.enabled` is false). Needs a Tokio
+    /// runtime (the task that expires idle sessions).
+    pub fn with_sessions(mut self, config: crate::session::SessionConfig) -> Self {
+        let here = config.enabled && !self.executor.forwards_sessions();
+        self.sessions = here.then(|| {
+            crate::session::Sessions::new(
+                config,
+                self.metrics.clone(),
+                self.shutdown.child_token(),
+            )
+        });
+        self
+    }
+
+    /// The sessions, when they are on (and kept here, not forwarded to a remote gateway).
+    pub fn sessions(&self) -> Option<&Arc<crate::session::Sessions>> {
+        self.sessions.as_ref()
     }
 
     /// The workspace store, when workspaces are on.
@@ -184,6 +206,8 @@ impl Runner {
             timeout: Duration::from_secs(allowed.timeout_secs),
             profile: req.profile,
             workspace,
+            session: None,
+            session_busy: None,
         };
         self.executor.check(&spec)?;
         Ok(spec)
@@ -285,13 +309,45 @@ impl Runner {
         if let Some(rate) = &self.rate {
             rate.take(caller)?;
         }
-        let spec = self.spec_for(req, caller)?;
+        let (session, busy) = (req.session.clone(), req.session_busy.unwrap_or_default());
+        let mut spec = self.spec_for(req, caller)?;
         if io.stdin.is_some() && !self.limits.allow_stdin {
             return Err(ErrorBody::new(
                 ErrorCode::PolicyViolation,
                 "this gateway does not accept stdin for commands (limits.allow_stdin is false)",
             ));
         }
+        // Before the slot: a call waiting for its session's running call holds none.
+        let call = match session {
+            None => None,
+            Some(name) if self.executor.forwards_sessions() => {
+                spec.session = Some(crate::session::forwarded_name(caller, &name));
+                spec.session_busy = Some(busy);
+                None
+            }
+            Some(name) => {
+                let Some(sessions) = &self.sessions else {
+                    return Err(ErrorBody::new(
+                        ErrorCode::InvalidRequest,
+                        "this gateway keeps no sessions (sessions.enabled is false)",
+                    ));
+                };
+                let wait = spec.timeout;
+                Some(
+                    sessions
+                        .call(
+                            self.executor.as_ref(),
+                            caller,
+                            &name,
+                            &spec,
+                            busy,
+                            wait,
+                            &io.progress,
+                        )
+                        .await?,
+                )
+            }
+        };
         // Taken before the backend starts anything, released when the execution is dropped.
         let slot = match &self.slots {
             Some(s) => Some(s.clone().try_acquire_owned().map_err(|_| {
@@ -308,17 +364,32 @@ impl Runner {
         };
         let timeout = spec.timeout + self.executor.timeout_slack();
         let audited = spec.clone();
-        let mut execution = self
-            .executor
-            .start(
-                spec,
-                StartOptions {
-                    cancel: self.shutdown.child_token(),
+        let mut execution = match &call {
+            Some(c) => {
+                let opts = StartOptions {
+                    cancel: c.cancel(),
                     progress: io.progress,
                     stdin: io.stdin,
-                },
-            )
-            .await?;
+                };
+                let mut e = c.runner().start(spec, opts, true).await?;
+                let ctx = e.context_mut();
+                ctx.session = Some(c.name().to_owned());
+                ctx.session_call = Some(c.number());
+                e
+            }
+            None => {
+                self.executor
+                    .start(
+                        spec,
+                        StartOptions {
+                            cancel: self.shutdown.child_token(),
+                            progress: io.progress,
+                            stdin: io.stdin,
+                        },
+                    )
+                    .await?
+            }
+        };
         // Redaction first, so that the audit counts the bytes that actually leave.
         if let Some(r) = &self.redactor {
             execution = execution.filtered(RedactFilter::new(r));
@@ -335,7 +406,10 @@ impl Runner {
             .with_timeout(timeout)
             .tracked(self.tracker.token())
             .observed(self.metrics.execution_started(self.executor.name()))
-            .hold_while_running(slot))
+            .hold_while_running(slot)
+            // The session is busy until the call's consumer let go of it (sync-back
+            // included), not merely until the kill.
+            .hold(call))
     }
 
     /// How many executions are running.
@@ -369,6 +443,9 @@ impl Runner {
                 running = self.tracker.len(),
                 "commands did not report their exit after being killed"
             );
+        }
+        if let Some(s) = &self.sessions {
+            s.shutdown().await;
         }
         self.executor.shutdown().await;
     }

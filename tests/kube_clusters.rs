@@ -47,6 +47,7 @@ fn spec(argv: &[&str]) -> ExecSpec {
         timeout: Duration::from_secs(30),
         profile: None,
         workspace: None,
+        ..ExecSpec::default()
     }
 }
 

@@ -10,6 +10,7 @@
 
 pub mod client;
 pub mod config;
+pub mod kept;
 pub mod local;
 pub mod manifest;
 pub mod store;

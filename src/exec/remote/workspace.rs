@@ -98,6 +98,8 @@ impl Executor for SyncedRemote {
                 profile: spec.profile,
                 workspace: Some(self.sync().await?),
                 sync_back: Vec::new(),
+                session: spec.session,
+                session_busy: spec.session_busy,
             };
             match self.remote.run(&req, opts.cancel.clone()).await {
                 // Evicted between the sync and the run (or another replica): once more.
@@ -112,6 +114,10 @@ impl Executor for SyncedRemote {
 
     fn timeout_slack(&self) -> Duration {
         self.remote.timeout_slack()
+    }
+
+    fn forwards_sessions(&self) -> bool {
+        true
     }
 
     fn capabilities(&self) -> BoxFuture<'_, crate::capabilities::BackendCapabilities> {
@@ -151,6 +157,8 @@ pub async fn forward(
         profile: spec.profile,
         workspace: Some(client.sync(&walked).await?.workspace),
         sync_back: run.sync_back.clone(),
+        session: spec.session,
+        session_busy: spec.session_busy,
     };
     let inner = match remote.run_with(&req, opts).await {
         // Evicted upstream between the sync and the run: once more (the first attempt took
