@@ -1,0 +1,383 @@
+//! Sessions through the real binaries on the local backend (docs/sessions.md): a runner kept
+//! across calls, invisible to other sessions, identities and one-shot runs; the workspace
+//! tree following the manifest while ignored outputs stay; busy, expired, ended and lost
+//! sessions; per-caller caps; a call's timeout leaving the runner; nothing left behind on
+//! end, expiry and shutdown.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::process::Output;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use support::{Gateway, config_file, http, raw, wait_until};
+
+const TOKEN_A: &str = "token-of-alice-0123456789";
+const TOKEN_B: &str = "token-of-bob-0123456789ab";
+
+/// A gateway whose session directories (below `TMPDIR`) and workspaces are in `dir`.
+fn gateway(dir: &tempfile::TempDir, extra: &str, env: &[(&str, &str)]) -> Gateway {
+    let cfg = config_file(
+        dir,
+        &format!(
+            "workspaces:\n  local_dir: {}\n  cache_dir: {}\n{extra}",
+            dir.path().join("runs").display(),
+            dir.path().join("cache").display()
+        ),
+    );
+    let tmp = dir.path().join("tmp");
+    std::fs::create_dir_all(&tmp).unwrap();
+    let mut all = vec![("TMPDIR", tmp.to_str().unwrap())];
+    all.extend_from_slice(env);
+    Gateway::start_with_env(&["--config", cfg.to_str().unwrap()], &all)
+}
+
+/// The session directories the gateway has now.
+fn session_dirs(dir: &tempfile::TempDir) -> Vec<PathBuf> {
+    match std::fs::read_dir(dir.path().join("tmp/mcp-run-sessions")) {
+        Ok(d) => d.flatten().map(|e| e.path()).collect(),
+        Err(_) => Vec::new(),
+    }
+}
+
+async fn sh(gw: &Gateway, session: Option<&str>, script: &str) -> support::RawRun {
+    let mut body = json!({"executable": "sh", "args": ["-c", script]});
+    if let Some(s) = session {
+        body["session"] = json!(s);
+    }
+    raw(gw, body).await
+}
+
+async fn sessions(gw: &Gateway) -> Value {
+    gw.authorized(http().get(gw.url("/sessions")))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn state_stays_in_the_session_and_nowhere_else() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut gw = gateway(
+        &dir,
+        "",
+        &[("MCP_RUN_AUTH_TOKENS", &format!("alice:{TOKEN_A},bob:{TOKEN_B}"))],
+    );
+    gw.token = Some(TOKEN_A.into());
+    let first = sh(&gw, Some("build"), "echo warm > state; mkdir -p target; echo obj > target/o; pwd").await;
+    assert_eq!(first.code(), Some(0), "{first:?}");
+    let ctx = first.context.clone().unwrap();
+    assert_eq!(ctx.session.as_deref(), Some("build"));
+    assert_eq!(ctx.session_call, Some(1));
+    let home = first.stdout_str().trim().to_owned();
+    let again = sh(&gw, Some("build"), "cat state target/o; pwd").await;
+    assert_eq!(again.stdout_str(), format!("warm\nobj\n{home}\n"));
+    assert_eq!(again.context.unwrap().session_call, Some(2));
+    // Another session, a one-shot run, another identity with the same name: none sees it.
+    let other = sh(&gw, Some("other"), "cat state").await;
+    assert_ne!(other.code(), Some(0), "{}", other.stdout_str());
+    let oneshot = sh(&gw, None, "cat state; pwd").await;
+    assert_ne!(oneshot.stdout_str().lines().last(), Some(home.as_str()));
+    gw.token = Some(TOKEN_B.into());
+    let bob = sh(&gw, Some("build"), "pwd; cat state").await;
+    assert_ne!(bob.code(), Some(0));
+    assert_eq!(bob.context.unwrap().session_call, Some(1));
+    // Each identity lists and ends only its own.
+    let listed = sessions(&gw).await;
+    let names: Vec<&str> = listed["sessions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["build"]);
+    assert_eq!(listed["sessions"][0]["calls"], 1);
+    let end_other = gw
+        .authorized(http().delete(gw.url("/sessions/other")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(end_other.status(), 404);
+    gw.token = Some(TOKEN_A.into());
+    let listed = sessions(&gw).await;
+    assert_eq!(listed["sessions"].as_array().unwrap().len(), 2);
+    let build = &listed["sessions"][0];
+    assert_eq!(build["name"], "build");
+    assert_eq!(build["calls"], 2);
+    assert_eq!(build["busy"], false);
+    assert!(build["expires_in_secs"].as_u64().unwrap() > 800);
+    // The metrics count them.
+    let metrics = http()
+        .get(gw.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(metrics.contains("mcp_run_sessions_open 3"), "{metrics}");
+    assert!(metrics.contains("mcp_run_session_calls_total 4"), "{metrics}");
+    // Ending removes the directory; the name then opens a fresh session.
+    assert_eq!(session_dirs(&dir).len(), 3);
+    let ended = gw
+        .authorized(http().delete(gw.url("/sessions/build")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ended.status(), 204);
+    assert!(wait_until(Duration::from_secs(10), || !Path::new(&home)
+        .exists()));
+    let fresh = sh(&gw, Some("build"), "cat state").await;
+    assert_ne!(fresh.code(), Some(0));
+    assert_eq!(fresh.context.unwrap().session_call, Some(1));
+    assert!(gw.log_text().contains("outcome=session_ended"));
+    // Shutdown ends every session and removes its directory.
+    let (status, _gw) = support::terminate(gw).await;
+    assert!(status.is_some_and(|s| s.success()));
+    assert_eq!(session_dirs(&dir), Vec::<PathBuf>::new());
+}
+
+#[tokio::test]
+async fn a_timed_out_call_leaves_the_runner_and_a_profile_change_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = gateway(&dir, "profiles:\n  default: {}\n  gpu: {}\n", &[]);
+    sh(&gw, Some("s"), "echo kept > state").await;
+    let slow = raw(
+        &gw,
+        json!({"executable": "sleep", "args": ["30"], "session": "s", "timeout_secs": 1}),
+    )
+    .await;
+    assert!(slow.exit.unwrap().timed_out, "{slow:?}");
+    let after = sh(&gw, Some("s"), "cat state").await;
+    assert_eq!(after.stdout_str(), "kept\n");
+    let other = raw(
+        &gw,
+        json!({"executable": "true", "session": "s", "profile": "gpu"}),
+    )
+    .await;
+    assert_eq!(other.status, 400);
+    let message = other.rejection.unwrap().error.message;
+    assert!(message.contains("runs profile \"default\""), "{message}");
+    let bad = raw(&gw, json!({"executable": "true", "session": "no/slash"})).await;
+    assert_eq!(bad.status, 400);
+    assert!(
+        bad.rejection.unwrap().error.message.contains("invalid session name"),
+    );
+}
+
+#[tokio::test]
+async fn busy_sessions_wait_as_a_phase_or_fail_with_409() {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = gateway(&dir, "", &[]);
+    // The first call waits for a file that the test writes once the second call queued.
+    let first = http()
+        .post(gw.raw_url())
+        .header("content-type", "application/json")
+        .body(
+            json!({"executable": "sh", "args": ["-c", "pwd; while [ ! -e go ]; do sleep 0.02; done; echo first done"], "session": "s"})
+                .to_string(),
+        )
+        .send()
+        .await
+        .unwrap();
+    let mut first_body = first.bytes_stream();
+    use futures_util::StreamExt as _;
+    let mut seen = Vec::new();
+    let home = loop {
+        let chunk = first_body.next().await.unwrap().unwrap();
+        seen.extend_from_slice(&chunk);
+        let text = String::from_utf8_lossy(&seen).to_string();
+        if let Some(line) = text.lines().find(|l| l.contains("\"stdout\"")) {
+            let ev: mcp_run::contract::Event = serde_json::from_str(line).unwrap();
+            let mcp_run::contract::Event::Stdout { data } = ev else {
+                unreachable!()
+            };
+            break String::from_utf8_lossy(&data).trim().to_owned();
+        }
+    };
+    let refused = raw(
+        &gw,
+        json!({"executable": "true", "session": "s", "session_busy": "fail"}),
+    )
+    .await;
+    assert_eq!(refused.status, 409);
+    assert_eq!(
+        refused.rejection.unwrap().error.code,
+        mcp_run::contract::ErrorCode::SessionBusy
+    );
+    // With progress, the waiting call shows the phase `queued`, then runs after the first.
+    let waiting = http()
+        .post(gw.raw_url())
+        .header("content-type", "application/json")
+        .header("mcp-run-progress", "1")
+        .body(json!({"executable": "echo", "args": ["second"], "session": "s"}).to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(waiting.status(), 200);
+    let mut second = waiting.bytes_stream();
+    let mut got = Vec::new();
+    loop {
+        got.extend_from_slice(&second.next().await.unwrap().unwrap());
+        if String::from_utf8_lossy(&got).contains("\"phase\":\"queued\"") {
+            break;
+        }
+    }
+    std::fs::write(Path::new(&home).join("go"), b"").unwrap();
+    while let Some(c) = second.next().await {
+        got.extend_from_slice(&c.unwrap());
+    }
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.contains("session s") || text.contains("session \\\"s\\\""), "{text}");
+    assert!(text.contains("\"exit\""), "{text}");
+    let first_rest: Vec<u8> = {
+        let mut v = seen;
+        while let Some(c) = first_body.next().await {
+            v.extend_from_slice(&c.unwrap());
+        }
+        v
+    };
+    assert!(String::from_utf8_lossy(&first_rest).contains("\"code\":0"));
+}
+
+#[tokio::test]
+async fn expired_lost_and_capped_sessions_answer_clearly() {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = gateway(
+        &dir,
+        "sessions:\n  idle_ttl_secs: 1\n  max_per_identity: 2\n",
+        &[],
+    );
+    sh(&gw, Some("a"), "echo x > state").await;
+    assert!(wait_until(Duration::from_secs(10), || session_dirs(&dir)
+        .is_empty()));
+    let expired = sh(&gw, Some("a"), "cat state").await;
+    assert_eq!(expired.status, 410);
+    let e = expired.rejection.unwrap().error;
+    assert_eq!(e.code, mcp_run::contract::ErrorCode::SessionExpired);
+    assert!(e.message.contains("idle TTL"), "{}", e.message);
+    // Then the name opens a new session.
+    let fresh = sh(&gw, Some("a"), "pwd").await;
+    assert_eq!(fresh.context.clone().unwrap().session_call, Some(1));
+    // Lost: its directory removed behind the gateway's back.
+    std::fs::remove_dir_all(fresh.stdout_str().trim()).unwrap();
+    let lost = sh(&gw, Some("a"), "true").await;
+    assert_eq!(lost.status, 410);
+    let e = lost.rejection.unwrap().error;
+    assert_eq!(e.code, mcp_run::contract::ErrorCode::SessionLost);
+    assert!(e.message.contains("was removed"), "{}", e.message);
+    // At most two per caller: a third name is refused while two are open.
+    let long = "sleep 0.5; true";
+    let (x, y) = tokio::join!(sh(&gw, Some("x"), long), sh(&gw, Some("y"), long));
+    assert_eq!((x.code(), y.code()), (Some(0), Some(0)));
+    let z = sh(&gw, Some("z"), "true").await;
+    assert_eq!(z.status, 429, "{z:?}");
+    assert_eq!(
+        z.rejection.unwrap().error.code,
+        mcp_run::contract::ErrorCode::TooManySessions
+    );
+}
+
+fn git_tree() -> tempfile::TempDir {
+    let d = tempfile::tempdir().unwrap();
+    let r = d.path();
+    std::fs::create_dir_all(r.join(".git")).unwrap();
+    std::fs::write(r.join(".git/HEAD"), "ref: refs/heads/main\n").unwrap();
+    std::fs::write(r.join(".gitignore"), "target/\n").unwrap();
+    std::fs::create_dir_all(r.join("src")).unwrap();
+    std::fs::write(r.join("src/lib.rs"), "pub fn a() {}\n").unwrap();
+    std::fs::write(r.join("old.txt"), "to be deleted\n").unwrap();
+    d
+}
+
+fn run_remote(gw: &Gateway, home: &Path, cwd: &Path, args: &[&str]) -> Output {
+    gw.run_remote()
+        .env("XDG_CACHE_HOME", home)
+        .current_dir(cwd)
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn the_session_tree_follows_the_manifest_and_keeps_what_it_does_not_cover() {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = gateway(&dir, "", &[]);
+    let tree = git_tree();
+    let outside = tempfile::tempdir().unwrap();
+    let rr = |args: &[&str]| {
+        let mut a = vec!["--session", "ws", "--workspace"];
+        a.extend_from_slice(args);
+        let out = run_remote(&gw, dir.path(), tree.path(), &a);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let stat = "stat -c '%i %Y %Z' src/lib.rs";
+    let first = rr(&[
+        "--",
+        "sh",
+        "-c",
+        &format!("mkdir target; echo obj > target/o; echo mine > untracked.txt; {stat}"),
+    ]);
+    // An unchanged rerun moves nothing: the same inode, mtime and ctime.
+    let second = rr(&["--", "sh", "-c", stat]);
+    assert_eq!(first, second);
+    // Edit, delete, add in the checkout; the command replaces src/ with a symlink out.
+    std::fs::write(tree.path().join("src/lib.rs"), "pub fn b() {}\n").unwrap();
+    std::fs::remove_file(tree.path().join("old.txt")).unwrap();
+    std::fs::write(tree.path().join("new.txt"), "new\n").unwrap();
+    rr(&[
+        "--",
+        "sh",
+        "-c",
+        &format!(
+            "rm -rf src && ln -s {} src && echo stray > src/x",
+            outside.path().display()
+        ),
+    ]);
+    let listing = rr(&[
+        "--",
+        "sh",
+        "-c",
+        "cat src/lib.rs target/o untracked.txt new.txt; test -e old.txt || echo old-gone; test -L src || echo src-is-a-dir",
+    ]);
+    assert_eq!(
+        listing,
+        "pub fn b() {}\nobj\nmine\nnew\nold-gone\nsrc-is-a-dir\n"
+    );
+    // Nothing was written through the link.
+    let written: Vec<_> = std::fs::read_dir(outside.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert_eq!(written, [std::ffi::OsString::from("x")]);
+    // `sessions list` and `sessions end` from the client.
+    let out = run_remote(&gw, dir.path(), tree.path(), &["sessions", "list"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.starts_with("NAME") && text.contains("\nws "), "{text}");
+    let out = run_remote(&gw, dir.path(), tree.path(), &["sessions", "end", "ws"]);
+    assert!(out.status.success());
+    let out = run_remote(&gw, dir.path(), tree.path(), &["sessions", "end", "ws"]);
+    assert_eq!(out.status.code(), Some(125));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown_session"));
+    // RUN_REMOTE_SESSION names the session too.
+    let out = gw
+        .run_remote()
+        .env("RUN_REMOTE_SESSION", "env-named")
+        .args(["--no-cwd", "--", "sh", "-c", "echo hi > f; pwd"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let out = run_remote(&gw, dir.path(), tree.path(), &["sessions", "list", "--json"]);
+    let list: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(list["sessions"][0]["name"], "env-named");
+}
