@@ -107,7 +107,14 @@ pub fn rejected(
 
 /// Logs what happened to a session: `opened`, `ended` (by its owner), `expired`, `lost`,
 /// `closed` (at shutdown), with who and why.
-pub fn session(caller: &str, name: &str, event: &str, profile: &str, context: &RunContext, why: &str) {
+pub fn session(
+    caller: &str,
+    name: &str,
+    event: &str,
+    profile: &str,
+    context: &RunContext,
+    why: &str,
+) {
     let none = String::new();
     tracing::info!(
         target: TARGET,

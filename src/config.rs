@@ -221,9 +221,7 @@ impl Config {
         self.workspaces
             .validate()
             .map_err(|(f, m)| invalid(&f, m))?;
-        self.sessions
-            .validate()
-            .map_err(|(f, m)| invalid(&f, m))?;
+        self.sessions.validate().map_err(|(f, m)| invalid(&f, m))?;
         crate::mcp::tools::validate(&self.tools).map_err(|e| invalid(&e.field, e.message))?;
         self.redaction
             .validate()

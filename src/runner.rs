@@ -118,11 +118,7 @@ impl Runner {
     pub fn with_sessions(mut self, config: crate::session::SessionConfig) -> Self {
         let here = config.enabled && !self.executor.forwards_sessions();
         self.sessions = here.then(|| {
-            crate::session::Sessions::new(
-                config,
-                self.metrics.clone(),
-                self.shutdown.child_token(),
-            )
+            crate::session::Sessions::new(config, self.metrics.clone(), self.shutdown.child_token())
         });
         self
     }
@@ -332,7 +328,6 @@ impl Runner {
                         "this gateway keeps no sessions (sessions.enabled is false)",
                     ));
                 };
-                let wait = spec.timeout;
                 Some(
                     sessions
                         .call(
@@ -341,7 +336,6 @@ impl Runner {
                             &name,
                             &spec,
                             busy,
-                            wait,
                             &io.progress,
                         )
                         .await?,

@@ -65,10 +65,18 @@ async fn state_stays_in_the_session_and_nowhere_else() {
     let mut gw = gateway(
         &dir,
         "",
-        &[("MCP_RUN_AUTH_TOKENS", &format!("alice:{TOKEN_A},bob:{TOKEN_B}"))],
+        &[(
+            "MCP_RUN_AUTH_TOKENS",
+            &format!("alice:{TOKEN_A},bob:{TOKEN_B}"),
+        )],
     );
     gw.token = Some(TOKEN_A.into());
-    let first = sh(&gw, Some("build"), "echo warm > state; mkdir -p target; echo obj > target/o; pwd").await;
+    let first = sh(
+        &gw,
+        Some("build"),
+        "echo warm > state; mkdir -p target; echo obj > target/o; pwd",
+    )
+    .await;
     assert_eq!(first.code(), Some(0), "{first:?}");
     let ctx = first.context.clone().unwrap();
     assert_eq!(ctx.session.as_deref(), Some("build"));
@@ -120,7 +128,10 @@ async fn state_stays_in_the_session_and_nowhere_else() {
         .await
         .unwrap();
     assert!(metrics.contains("mcp_run_sessions_open 3"), "{metrics}");
-    assert!(metrics.contains("mcp_run_session_calls_total 4"), "{metrics}");
+    assert!(
+        metrics.contains("mcp_run_session_calls_total 4"),
+        "{metrics}"
+    );
     // Ending removes the directory; the name then opens a fresh session.
     assert_eq!(session_dirs(&dir).len(), 3);
     let ended = gw
@@ -129,8 +140,7 @@ async fn state_stays_in_the_session_and_nowhere_else() {
         .await
         .unwrap();
     assert_eq!(ended.status(), 204);
-    assert!(wait_until(Duration::from_secs(10), || !Path::new(&home)
-        .exists()));
+    assert!(wait_until(Duration::from_secs(10), || !Path::new(&home).exists()));
     let fresh = sh(&gw, Some("build"), "cat state").await;
     assert_ne!(fresh.code(), Some(0));
     assert_eq!(fresh.context.unwrap().session_call, Some(1));
@@ -165,7 +175,11 @@ async fn a_timed_out_call_leaves_the_runner_and_a_profile_change_is_refused() {
     let bad = raw(&gw, json!({"executable": "true", "session": "no/slash"})).await;
     assert_eq!(bad.status, 400);
     assert!(
-        bad.rejection.unwrap().error.message.contains("invalid session name"),
+        bad.rejection
+            .unwrap()
+            .error
+            .message
+            .contains("invalid session name"),
     );
 }
 
@@ -232,7 +246,10 @@ async fn busy_sessions_wait_as_a_phase_or_fail_with_409() {
         got.extend_from_slice(&c.unwrap());
     }
     let text = String::from_utf8_lossy(&got);
-    assert!(text.contains("session s") || text.contains("session \\\"s\\\""), "{text}");
+    assert!(
+        text.contains("session s") || text.contains("session \\\"s\\\""),
+        "{text}"
+    );
     assert!(text.contains("\"exit\""), "{text}");
     let first_rest: Vec<u8> = {
         let mut v = seen;
@@ -253,8 +270,7 @@ async fn expired_lost_and_capped_sessions_answer_clearly() {
         &[],
     );
     sh(&gw, Some("a"), "echo x > state").await;
-    assert!(wait_until(Duration::from_secs(10), || session_dirs(&dir)
-        .is_empty()));
+    assert!(wait_until(Duration::from_secs(10), || session_dirs(&dir).is_empty()));
     let expired = sh(&gw, Some("a"), "cat state").await;
     assert_eq!(expired.status, 410);
     let e = expired.rejection.unwrap().error;
@@ -377,7 +393,38 @@ fn the_session_tree_follows_the_manifest_and_keeps_what_it_does_not_cover() {
         .output()
         .unwrap();
     assert!(out.status.success());
-    let out = run_remote(&gw, dir.path(), tree.path(), &["sessions", "list", "--json"]);
+    let out = run_remote(
+        &gw,
+        dir.path(),
+        tree.path(),
+        &["sessions", "list", "--json"],
+    );
     let list: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(list["sessions"][0]["name"], "env-named");
+}
+
+/// A gateway whose backend is another gateway forwards the session: the upstream keeps it,
+/// under a name made unique per caller of the forwarding gateway.
+#[tokio::test]
+async fn a_remote_backend_forwards_sessions_upstream() {
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = gateway(&dir, "", &[]);
+    let front = Gateway::start(&["--backend", "remote", "--server", &upstream.raw_url()]);
+    let first = sh(&front, Some("fwd"), "echo kept > state; pwd").await;
+    assert_eq!(first.code(), Some(0), "{first:?}");
+    let again = sh(&front, Some("fwd"), "cat state; pwd").await;
+    assert_eq!(again.stdout_str(), format!("kept\n{}", first.stdout_str()));
+    let ctx = again.context.unwrap();
+    assert!(
+        ctx.session
+            .as_deref()
+            .is_some_and(|s| s.starts_with("fwd-")),
+        "{ctx:?}"
+    );
+    assert_eq!(ctx.session_call, Some(2));
+    let listed = sessions(&upstream).await;
+    assert_eq!(listed["sessions"].as_array().unwrap().len(), 1);
+    // The forwarding gateway keeps none itself.
+    let here = http().get(front.url("/sessions")).send().await.unwrap();
+    assert_eq!(here.status(), 404);
 }

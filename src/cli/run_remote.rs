@@ -337,7 +337,9 @@ pub fn build_request(
     if let Some(name) = &request.session {
         crate::contract::check_session_name(name).map_err(|e| Failure::usage(e.message))?;
     } else if request.session_busy.is_some() {
-        return Err(Failure::usage("--session-busy needs --session (or RUN_REMOTE_SESSION)"));
+        return Err(Failure::usage(
+            "--session-busy needs --session (or RUN_REMOTE_SESSION)",
+        ));
     }
     Ok((server, request))
 }

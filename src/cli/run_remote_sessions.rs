@@ -50,7 +50,8 @@ fn client() -> Result<RemoteExecutor, Failure> {
         .ok()
         .map(|t| t.trim().to_owned())
         .filter(|t| !t.is_empty());
-    RemoteExecutor::new(&server, token).map_err(|e| Failure::config(format!("RUN_REMOTE_SERVER: {e}")))
+    RemoteExecutor::new(&server, token)
+        .map_err(|e| Failure::config(format!("RUN_REMOTE_SERVER: {e}")))
 }
 
 async fn run(remote: RemoteExecutor, job: Job) -> Outcome {

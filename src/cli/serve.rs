@@ -565,7 +565,8 @@ fn run_stdio(args: StdioArgs) -> anyhow::Result<()> {
         config.remote.workspace = Some(dir);
     }
     if let Some(name) = &args.session {
-        crate::contract::check_session_name(name).map_err(|e| anyhow::anyhow!("--session: {}", e.message))?;
+        crate::contract::check_session_name(name)
+            .map_err(|e| anyhow::anyhow!("--session: {}", e.message))?;
     }
     block_on(stdio_with(config, args.session))
 }

@@ -611,7 +611,9 @@ impl ServerHandler for McpService {
         }
         if request.uri == SESSIONS_URI && self.runner.sessions().is_some() {
             let text = self.sessions_json(&context);
-            return Ok(ReadResourceResult::new(vec![ResourceContents::text(text, SESSIONS_URI)]).into());
+            return Ok(
+                ReadResourceResult::new(vec![ResourceContents::text(text, SESSIONS_URI)]).into(),
+            );
         }
         if request.uri != RESOURCE_URI {
             return Err(McpError::resource_not_found(

@@ -58,6 +58,11 @@ pub struct ExecutionContext {
     pub workspace: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub workspace_version: Option<String>,
+    /// The session the command ran in, and which call of it this was (1: it opened it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_call: Option<u64>,
 }
 
 /// One command's captured result.
@@ -260,6 +265,8 @@ impl StructuredResult {
             cwd: req.cwd.clone(),
             workspace: ctx.workspace,
             workspace_version: ctx.workspace_version,
+            session: ctx.session,
+            session_call: ctx.session_call,
         }
     }
 
@@ -412,7 +419,7 @@ fn fence_for(text: &str) -> String {
 
 /// "on pod P on node N (namespace S, image I)" or "on host H".
 fn where_line(c: &ExecutionContext) -> String {
-    match (&c.pod, &c.host) {
+    let place = match (&c.pod, &c.host) {
         (Some(pod), _) => {
             let mut s = format!("on pod `{pod}`");
             if let Some(n) = &c.node {
@@ -433,6 +440,11 @@ fn where_line(c: &ExecutionContext) -> String {
         (None, Some(host)) => format!("on host `{host}` ({} backend)", c.backend),
         (None, None) if !c.backend.is_empty() => format!("on the {} backend", c.backend),
         _ => "nowhere (it did not start)".into(),
+    };
+    match (&c.session, c.session_call) {
+        (Some(name), Some(1)) => format!("{place}, in session `{name}` (opened by this call)"),
+        (Some(name), Some(n)) => format!("{place}, in session `{name}` (call {n})"),
+        _ => place,
     }
 }
 

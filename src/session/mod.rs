@@ -111,11 +111,16 @@ impl SessionConfig {
     /// The idle TTL and maximum lifetime of a session of `profile`.
     fn lifetimes(&self, profile: &str) -> (Duration, Duration) {
         let p = self.profiles.get(profile);
-        let idle = p.and_then(|p| p.idle_ttl_secs).unwrap_or(self.idle_ttl_secs);
+        let idle = p
+            .and_then(|p| p.idle_ttl_secs)
+            .unwrap_or(self.idle_ttl_secs);
         let max = p
             .and_then(|p| p.max_lifetime_secs)
             .unwrap_or(self.max_lifetime_secs);
-        (Duration::from_secs(idle), Duration::from_secs(max.max(idle)))
+        (
+            Duration::from_secs(idle),
+            Duration::from_secs(max.max(idle)),
+        )
     }
 }
 
@@ -312,7 +317,9 @@ impl Sessions {
             .filter_map(|(k, s)| s.expired(now).map(|why| (k.clone(), why)))
             .collect();
         for (k, why) in due {
-            let Some(s) = st.open.remove(&k) else { continue };
+            let Some(s) = st.open.remove(&k) else {
+                continue;
+            };
             let e = ErrorBody::new(
                 ErrorCode::SessionExpired,
                 format!("{why}; the next call with this name opens a new session"),
@@ -357,7 +364,7 @@ impl Sessions {
 
     /// Takes the session `name` of `caller` for one call of `spec`, opening it (a runner
     /// from the call's profile) when there is none. Waits while another call runs (within
-    /// `wait`, reported on `progress`) unless `busy` says fail.
+    /// the call's timeout, reported on `progress`) unless `busy` says fail.
     pub async fn call(
         &self,
         executor: &dyn Executor,
@@ -365,9 +372,10 @@ impl Sessions {
         name: &str,
         spec: &ExecSpec,
         busy: SessionBusy,
-        wait: Duration,
         progress: &Progress,
     ) -> Result<SessionCall, ErrorBody> {
+        // A call waits for a running one within its own timeout.
+        let wait = spec.timeout;
         let key: Key = (caller.key(), name.to_owned());
         let profile = spec.profile.clone().unwrap_or_else(|| "default".into());
         let deadline = tokio::time::Instant::now() + wait;

@@ -141,7 +141,9 @@ impl KeptRunner for LocalKept {
             }
             let cwd = self.dir.join(&run.cwd);
             spec.cwd = Some(cwd.to_str().map(str::to_owned).ok_or_else(not_utf8)?);
-            let inner = self.spawner.spawn(&spec, cancel.clone(), opts.stdin, None)?;
+            let inner = self
+                .spawner
+                .spawn(&spec, cancel.clone(), opts.stdin, None)?;
             let mut context = inner.context().clone();
             context.workspace = Some(run.workspace.id.clone());
             context.workspace_version = Some(run.workspace.digest.clone());
@@ -157,10 +159,7 @@ impl KeptRunner for LocalKept {
             if self.dir.is_dir() {
                 Ok(())
             } else {
-                Err(format!(
-                    "its directory {} was removed",
-                    self.dir.display()
-                ))
+                Err(format!("its directory {} was removed", self.dir.display()))
             }
         })
     }
@@ -168,9 +167,8 @@ impl KeptRunner for LocalKept {
     fn close(&self) -> BoxFuture<'_, ()> {
         Box::pin(async move {
             let dir = self.dir.clone();
-            let _ =
-                tokio::task::spawn_blocking(move || crate::workspace::trees::remove_tree(&dir))
-                    .await;
+            let _ = tokio::task::spawn_blocking(move || crate::workspace::trees::remove_tree(&dir))
+                .await;
         })
     }
 }
