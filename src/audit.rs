@@ -2,7 +2,9 @@
 //! the execution ends (or is abandoned by its client) and for every refused request.
 //! Fields: `identity` (token name and/or client address), `argv` (JSON, redacted),
 //! `env_names` (never values), `profile`, `backend`, `host`/`namespace`/`pod`/`node`,
-//! `outcome`, `exit_code`, `signal`, `timed_out`, `duration_ms`, `bytes_out`.
+//! `session`, `outcome`, `exit_code`, `signal`, `timed_out`, `duration_ms`, `bytes_out`; and
+//! one line per session event (`outcome=session_opened|session_ended|session_expired|
+//! session_lost|session_closed`, with `identity`, `session`, `profile` and where it ran).
 
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -181,6 +183,7 @@ impl AuditFilter {
             namespace = %c.namespace.as_ref().unwrap_or(&none),
             pod = %c.pod.as_ref().unwrap_or(&none),
             node = %c.node.as_ref().unwrap_or(&none),
+            session = %c.session.as_ref().unwrap_or(&none),
             outcome,
             exit_code = exit.and_then(|e| e.code),
             signal = exit.and_then(|e| e.signal),
