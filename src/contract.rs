@@ -29,6 +29,8 @@ pub const PROGRESS_HEADER: &str = "mcp-run-progress";
 #[serde(deny_unknown_fields)]
 pub struct RunRequest {
     /// The program to run: a name looked up in `PATH`, or a path. Never interpreted by a shell.
+    /// Required unless `steps` is given.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub executable: String,
     /// Arguments passed to the program as they are, one argv entry each.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -64,7 +66,41 @@ pub struct RunRequest {
     /// `session_busy`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub session_busy: Option<SessionBusy>,
+    /// Several commands run in order in one runner, in place of `executable` and `args`. Each
+    /// step's `cwd`, `env` and `timeout_secs` default to the request's. The run stops at the
+    /// first step that fails unless `continue_on_error`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub steps: Vec<Step>,
+    /// With `steps`: run the later steps after one failed.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub continue_on_error: bool,
 }
+
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
+/// One command of a multi-step run.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Step {
+    /// The program to run, as `executable` of a request.
+    pub executable: String,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub args: Vec<String>,
+    /// The step's working directory (default: the request's `cwd`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cwd: Option<String>,
+    /// Added to (and overriding) the request's `env`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    /// The step's own timeout (default: the request's `timeout_secs`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_secs: Option<u64>,
+}
+
+/// The most steps one request may give.
+pub const MAX_STEPS: usize = 32;
 
 /// What a session's call does while another call of the session runs.
 #[derive(
@@ -149,6 +185,33 @@ impl RunRequest {
     /// Checks what can be checked without knowing the server's configuration.
     /// Server limits (maximum timeout, profiles) are checked by the gateway.
     pub fn validate(&self) -> Result<(), ErrorBody> {
+        if !self.steps.is_empty() {
+            if !self.executable.is_empty() || !self.args.is_empty() {
+                return Err(ErrorBody::new(
+                    ErrorCode::InvalidRequest,
+                    "give either `executable` (and `args`) or `steps`, not both",
+                ));
+            }
+            if self.steps.len() > MAX_STEPS {
+                return Err(ErrorBody::new(
+                    ErrorCode::InvalidRequest,
+                    format!("at most {MAX_STEPS} `steps`, got {}", self.steps.len()),
+                ));
+            }
+            for (i, step) in self.step_requests().iter().enumerate() {
+                step.validate().map_err(|mut e| {
+                    e.message = format!("steps[{i}]: {}", e.message);
+                    e
+                })?;
+            }
+            return Ok(());
+        }
+        if self.continue_on_error {
+            return Err(ErrorBody::new(
+                ErrorCode::InvalidRequest,
+                "`continue_on_error` needs `steps`",
+            ));
+        }
         if self.executable.is_empty() {
             return Err(ErrorBody::new(
                 ErrorCode::InvalidRequest,
@@ -226,8 +289,38 @@ impl RunRequest {
         Ok(())
     }
 
+    /// Each step as a request of its own: the step's fields, the request's defaults and
+    /// everything else of the request (profile, workspace, session).
+    pub fn step_requests(&self) -> Vec<RunRequest> {
+        self.steps
+            .iter()
+            .map(|s| {
+                let mut env = self.env.clone();
+                env.extend(s.env.clone());
+                RunRequest {
+                    executable: s.executable.clone(),
+                    args: s.args.clone(),
+                    cwd: s.cwd.clone().or_else(|| self.cwd.clone()),
+                    env,
+                    timeout_secs: s.timeout_secs.or(self.timeout_secs),
+                    steps: Vec::new(),
+                    continue_on_error: false,
+                    ..self.clone()
+                }
+            })
+            .collect()
+    }
+
     /// The command line as a person would read it (for logs and renderings only; never executed).
     pub fn command_line(&self) -> String {
+        if !self.steps.is_empty() {
+            return self
+                .step_requests()
+                .iter()
+                .map(RunRequest::command_line)
+                .collect::<Vec<_>>()
+                .join(" ; ");
+        }
         std::iter::once(&self.executable)
             .chain(&self.args)
             .map(|s| shell_quote(s))
@@ -402,6 +495,12 @@ pub enum Event {
         #[serde(default)]
         truncated: bool,
     },
+    /// A multi-step run: step `step` (from 0) starts; the output events up to its
+    /// `step_exit` are its.
+    Step { step: usize, command: String },
+    /// A multi-step run: step `step` ended. The run's terminal `exit` follows the last step
+    /// that ran.
+    StepExit { step: usize, exit: ExitInfo },
     /// Terminal: the command ended.
     Exit(ExitInfo),
     /// Terminal: the run failed after the stream began.

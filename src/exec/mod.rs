@@ -20,6 +20,7 @@ pub mod kube;
 pub mod local;
 pub mod reaper;
 pub mod remote;
+pub mod steps;
 
 use std::collections::BTreeMap;
 use std::pin::Pin;

@@ -41,6 +41,8 @@ pub struct Ran {
     pub filtered: Option<(Filtered, Filtered)>,
     /// Where the full output can be read, when the store kept it.
     pub recording: Option<Arc<Recording>>,
+    /// The template asked for (a multi-step run's steps are filtered one by one).
+    pub template: Option<Template>,
 }
 
 /// Why a call produced no run.
@@ -157,6 +159,7 @@ pub async fn execute(
         collected,
         filtered,
         recording,
+        template: call.template,
     })
 }
 

@@ -136,7 +136,7 @@ pub fn run_input(x: &InputExtras) -> Map<String, Value> {
     };
     set(
         "executable",
-        json!({"minLength": 1, "description": "The program to run, looked up in the runner's PATH (or an absolute path). Not a shell command line: pass arguments in `args`, and use executable `sh` with args [\"-c\", \"...\"] when you need a shell."}),
+        json!({"minLength": 1, "description": "The program to run, looked up in the runner's PATH (or an absolute path). Not a shell command line: pass arguments in `args`, and use executable `sh` with args [\"-c\", \"...\"] when you need a shell. Required unless `steps` is given."}),
     );
     set(
         "timeout_secs",
@@ -146,6 +146,10 @@ pub fn run_input(x: &InputExtras) -> Map<String, Value> {
     set(
         "profile",
         json!({"enum": x.profiles, "description": "The runner profile (image, resources) to run in; default `default`."}),
+    );
+    set(
+        "steps",
+        json!({"maxItems": crate::contract::MAX_STEPS, "description": "Several commands to run in order in one runner (one pod), in place of `executable` and `args`; each step's cwd, env and timeout_secs default to the call's. The run stops at the first failing step unless `continue_on_error`; the result has one `outputs` entry per step that ran."}),
     );
     props.insert(
         "template".into(),
@@ -213,7 +217,8 @@ mod tests {
         let s = Value::Object(run_input(&extras()));
         assert_eq!(s["type"], "object");
         assert_eq!(s["additionalProperties"], false);
-        assert_eq!(s["required"], json!(["executable"]));
+        // `executable` or `steps`: the server says which is missing.
+        assert!(s.get("required").is_none(), "{s}");
         let p = &s["properties"];
         // Every RunRequest field is there, from the contract.
         for f in [

@@ -100,6 +100,7 @@ impl Executor for SyncedRemote {
                 sync_back: Vec::new(),
                 session: spec.session,
                 session_busy: spec.session_busy,
+                ..RunRequest::default()
             };
             match self.remote.run(&req, opts.cancel.clone()).await {
                 // Evicted between the sync and the run (or another replica): once more.
@@ -159,6 +160,7 @@ pub async fn forward(
         sync_back: run.sync_back.clone(),
         session: spec.session,
         session_busy: spec.session_busy,
+        ..RunRequest::default()
     };
     let inner = match remote.run_with(&req, opts).await {
         // Evicted upstream between the sync and the run: once more (the first attempt took
