@@ -264,6 +264,48 @@ async fn sessions_over_http() {
     c.cancel().await.unwrap();
 }
 
+/// Steps over MCP: one `outputs` entry per step that ran, a "Step N" section each, the run
+/// stopped at the first failure unless `continue_on_error`.
+#[tokio::test(flavor = "multi_thread")]
+async fn steps_over_mcp() {
+    let c = stdio_client(&[]).await;
+    let r = tool_call(
+        &c,
+        json!({"steps": [
+            {"executable": "sh", "args": ["-c", "echo built > out"]},
+            {"executable": "sh", "args": ["-c", "cat out; echo bad >&2; exit 2"]},
+            {"executable": "echo", "args": ["never"]}
+        ]}),
+    )
+    .await;
+    assert_eq!(r.is_error, Some(true));
+    let s = structured(&r);
+    assert_eq!(s["success"], false);
+    assert_eq!(s["context"]["steps"], 3);
+    assert_eq!(s["outputs"].as_array().unwrap().len(), 2, "{s}");
+    assert_eq!(s["outputs"][1]["stdout"], "built\n");
+    assert_eq!(s["outputs"][1]["stderr"], "bad\n");
+    assert_eq!(s["outputs"][1]["exit_code"], 2);
+    let md = text(&r);
+    assert!(
+        md.contains("### Step 1: `sh -c 'echo built > out'`"),
+        "{md}"
+    );
+    assert!(md.contains("### Step 2:"), "{md}");
+    assert!(!md.contains("Step 3"), "{md}");
+    let r = tool_call(
+        &c,
+        json!({"steps": [{"executable": "false"}, {"executable": "echo", "args": ["after"]}],
+               "continue_on_error": true}),
+    )
+    .await;
+    let s = structured(&r);
+    assert_eq!(s["outputs"].as_array().unwrap().len(), 2);
+    assert_eq!(s["outputs"][1]["stdout"], "after\n");
+    assert_eq!(s["success"], false);
+    c.cancel().await.unwrap();
+}
+
 /// `mcp-run stdio --session NAME`: every call runs in one runner for the client's lifetime.
 #[tokio::test(flavor = "multi_thread")]
 async fn stdio_session_for_the_client_s_lifetime() {

@@ -428,3 +428,76 @@ async fn a_remote_backend_forwards_sessions_upstream() {
     let here = http().get(front.url("/sessions")).send().await.unwrap();
     assert_eq!(here.status(), 404);
 }
+
+/// Steps run in order in one runner, their events name their step, the run stops at the
+/// first failure unless `continue_on_error`, and the runner made for the run goes after it.
+#[tokio::test]
+async fn steps_share_one_runner_and_stop_at_the_first_failure() {
+    use mcp_run::contract::Event;
+    let dir = tempfile::tempdir().unwrap();
+    let gw = gateway(&dir, "", &[]);
+    let run = raw(
+        &gw,
+        json!({"steps": [
+            {"executable": "sh", "args": ["-c", "echo one > f; echo first"]},
+            {"executable": "sh", "args": ["-c", "cat f; exit 3"]},
+            {"executable": "echo", "args": ["never"]}
+        ]}),
+    )
+    .await;
+    assert_eq!(run.code(), Some(3), "{run:?}");
+    assert_eq!(run.stdout_str(), "first\none\n");
+    let names: Vec<String> = run
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Step { step, command } => Some(format!("step {step} {command}")),
+            Event::StepExit { step, exit } => Some(format!("exit {step} {:?}", exit.code)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "step 0 sh -c 'echo one > f; echo first'",
+            "exit 0 Some(0)",
+            "step 1 sh -c 'cat f; exit 3'",
+            "exit 1 Some(3)"
+        ]
+    );
+    let run = raw(
+        &gw,
+        json!({"steps": [{"executable": "false"}, {"executable": "echo", "args": ["after"]}],
+               "continue_on_error": true, "env": {"A": "1"}}),
+    )
+    .await;
+    assert_eq!(run.code(), Some(1));
+    assert_eq!(run.stdout_str(), "after\n");
+    // A step's timeout is its own.
+    let run = raw(
+        &gw,
+        json!({"steps": [{"executable": "sleep", "args": ["30"], "timeout_secs": 1},
+                         {"executable": "true"}]}),
+    )
+    .await;
+    assert!(run.exit.unwrap().timed_out, "{run:?}");
+    assert!(wait_until(Duration::from_secs(10), || session_dirs(&dir).is_empty()));
+    // Bad steps are refused before anything runs.
+    for bad in [
+        json!({"executable": "true", "steps": [{"executable": "true"}]}),
+        json!({"steps": [{"executable": ""}]}),
+        json!({"executable": "true", "continue_on_error": true}),
+    ] {
+        let r = raw(&gw, bad.clone()).await;
+        assert_eq!(r.status, 400, "{bad}");
+    }
+    // In a session, steps run in the session's runner.
+    sh(&gw, Some("s"), "echo warm > state").await;
+    let run = raw(
+        &gw,
+        json!({"session": "s", "steps": [{"executable": "cat", "args": ["state"]}]}),
+    )
+    .await;
+    assert_eq!(run.stdout_str(), "warm\n");
+    assert_eq!(run.context.unwrap().session_call, Some(2));
+}

@@ -155,16 +155,14 @@ fn steps_texts(r: &mut StructuredResult, ran: &Ran, budget: usize) {
         o.stderr = stderr;
         o.truncated |= cut;
     }
-    if let (true, Some(rec)) = (cut, &ran.recording) {
-        if let Some(last) = r.outputs.last_mut() {
-            last.full_output = Some(FullOutput {
-                stdout_uri: rec.uri(Stream::Stdout),
-                stdout_bytes: rec.total(Stream::Stdout),
-                stderr_uri: rec.uri(Stream::Stderr),
-                stderr_bytes: rec.total(Stream::Stderr),
-                how: format!("{HOW_TO_READ} (every step's output, in order)"),
-            });
-        }
+    if let (true, Some(rec), Some(last)) = (cut, &ran.recording, r.outputs.last_mut()) {
+        last.full_output = Some(FullOutput {
+            stdout_uri: rec.uri(Stream::Stdout),
+            stdout_bytes: rec.total(Stream::Stdout),
+            stderr_uri: rec.uri(Stream::Stderr),
+            stderr_bytes: rec.total(Stream::Stderr),
+            how: format!("{HOW_TO_READ} (every step's output, in order)"),
+        });
     }
 }
 

@@ -109,7 +109,13 @@ fn not_null(v: &mut Value) {
 /// The input schema of `run_network_tool`: [`RunRequest`]'s, with the profiles as an enum,
 /// the timeout bounded, and MCP's own arguments (`template`, `stdin`, `result_chars`).
 pub fn run_input(x: &InputExtras) -> Map<String, Value> {
-    let mut raw = serde_json::to_value(schemars::schema_for!(RunRequest)).unwrap_or_default();
+    // Inlined (no `$defs`/`$ref` for `steps` and `session_busy`): some clients do not
+    // resolve references in tool schemas.
+    let schema = schemars::generate::SchemaSettings::draft2020_12()
+        .with(|s| s.inline_subschemas = true)
+        .into_generator()
+        .into_root_schema_for::<RunRequest>();
+    let mut raw = serde_json::to_value(schema).unwrap_or_default();
     if let Some(props) = raw.get_mut("properties").and_then(Value::as_object_mut) {
         props.values_mut().for_each(not_null);
     }
@@ -237,6 +243,8 @@ mod tests {
         assert_eq!(p["template"]["enum"], json!(["cargo-test"]));
         assert_eq!(p["result_chars"]["maximum"], 100_000);
         assert!(s.get("$schema").is_none());
+        assert!(!s.to_string().contains("$ref"), "{s}");
+        assert_eq!(p["steps"]["items"]["required"], json!(["executable"]));
         jsonschema::meta::validate(&s).unwrap();
     }
 
