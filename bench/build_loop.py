@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,7 +117,7 @@ def timed(cmd, cwd, env):
 
 
 def start_gateway(bin_dir, tmp):
-    env = dict(os.environ, TMPDIR=tmp, RUST_LOG="warn")
+    env = dict(os.environ, TMPDIR=tmp, RUST_LOG="info")
     cfg = os.path.join(tmp, "gw.yaml")
     with open(cfg, "w") as f:
         f.write(f"workspaces:\n  local_dir: {tmp}/runs\n  cache_dir: {tmp}/cache\n"
@@ -126,6 +127,8 @@ def start_gateway(bin_dir, tmp):
     for line in p.stderr:
         if "listening" in line and "addr=" in line:
             addr = line.split("addr=")[1].split()[0]
+            # The log goes on: read it, so that a full pipe never blocks the gateway.
+            threading.Thread(target=lambda: [None for _ in p.stderr], daemon=True).start()
             return p, f"http://{addr}/raw"
     sys.exit("the gateway did not start")
 

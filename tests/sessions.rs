@@ -501,3 +501,30 @@ async fn steps_share_one_runner_and_stop_at_the_first_failure() {
     assert_eq!(run.stdout_str(), "warm\n");
     assert_eq!(run.context.unwrap().session_call, Some(2));
 }
+
+/// After a gateway SIGKILL its session's processes die with it, and the next gateway on the
+/// host that opens a session removes the directory the killed one left.
+#[tokio::test]
+async fn a_killed_gateway_s_sessions_are_cleaned_by_the_next_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut gw = gateway(&dir, "", &[]);
+    let first = sh(&gw, Some("s"), "pwd").await;
+    let home = first.stdout_str().trim().to_owned();
+    assert!(Path::new(&home).is_dir());
+    let pid = gw.pid().unwrap() as i32;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    assert!(wait_until(Duration::from_secs(10), || !support::pid_alive(
+        pid
+    )));
+    assert!(Path::new(&home).is_dir(), "nothing cleaned it yet");
+    gw.terminate();
+    let next = gateway(&dir, "", &[]);
+    let again = sh(&next, Some("s"), "pwd").await;
+    assert_eq!(again.context.unwrap().session_call, Some(1));
+    assert!(!Path::new(&home).exists(), "the killed gateway's session directory stayed");
+    assert_eq!(session_dirs(&dir).len(), 1);
+}
