@@ -116,7 +116,7 @@ impl Runner {
     /// Keeps sessions with `config` (off when `config.enabled` is false). Needs a Tokio
     /// runtime (the task that expires idle sessions).
     pub fn with_sessions(mut self, config: crate::session::SessionConfig) -> Self {
-        let here = config.enabled && !self.executor.forwards_sessions();
+        let here = config.enabled && self.executor.keeps_runners();
         self.sessions = here.then(|| {
             crate::session::Sessions::new(config, self.metrics.clone(), self.shutdown.child_token())
         });
@@ -383,7 +383,14 @@ impl Runner {
         let Some(sessions) = &self.sessions else {
             return Err(ErrorBody::new(
                 ErrorCode::InvalidRequest,
-                "this gateway keeps no sessions (sessions.enabled is false)",
+                if self.executor.keeps_runners() {
+                    "this gateway keeps no sessions (sessions.enabled is false)".to_owned()
+                } else {
+                    format!(
+                        "the {} backend does not keep runners across calls: no sessions here",
+                        self.executor.name()
+                    )
+                },
             ));
         };
         let call = sessions

@@ -525,6 +525,9 @@ async fn a_killed_gateway_s_sessions_are_cleaned_by_the_next_one() {
     let next = gateway(&dir, "", &[]);
     let again = sh(&next, Some("s"), "pwd").await;
     assert_eq!(again.context.unwrap().session_call, Some(1));
-    assert!(!Path::new(&home).exists(), "the killed gateway's session directory stayed");
+    assert!(
+        !Path::new(&home).exists(),
+        "the killed gateway's session directory stayed"
+    );
     assert_eq!(session_dirs(&dir).len(), 1);
 }

@@ -524,6 +524,16 @@ pub async fn capabilities(config: &Config, runner: &Runner) -> Capabilities {
             r.per_minute, r.burst
         ));
     }
+    if let Some(s) = runner.sessions() {
+        let c = s.config();
+        caps.limitations.push(format!(
+            "a call may name a `session` to keep its runner (and build outputs) across calls: it ends after {} s idle or {} s in all; at most {} open sessions per caller (docs/sessions.md)",
+            c.idle_ttl_secs, c.max_lifetime_secs, c.max_per_identity
+        ));
+    } else if !runner.executor().forwards_sessions() {
+        caps.limitations
+            .push("no sessions: every call runs in a fresh runner".into());
+    }
     if !config.redaction.is_empty() {
         caps.limitations
             .push("configured secrets in the output are replaced by [REDACTED]".into());

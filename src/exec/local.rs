@@ -420,6 +420,10 @@ impl Executor for LocalExecutor {
         true
     }
 
+    fn keeps_runners(&self) -> bool {
+        true
+    }
+
     /// A private directory that lives across commands ([`kept`]).
     fn keep(
         &self,

@@ -215,6 +215,12 @@ pub trait Executor: Send + Sync + 'static {
         })
     }
 
+    /// Whether [`Executor::keep`] can make runners that live across commands (sessions and
+    /// multi-step runs).
+    fn keeps_runners(&self) -> bool {
+        false
+    }
+
     /// Whether sessions are the backend's to keep (a remote gateway keeps them: the session
     /// name goes along in [`ExecSpec::session`]) rather than this gateway's.
     fn forwards_sessions(&self) -> bool {
