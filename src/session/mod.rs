@@ -470,7 +470,19 @@ impl Sessions {
                 self.finish(s, "lost", e.clone());
                 return Err(e);
             }
-            s.running.store(true, Ordering::Release);
+            {
+                // Under the map's lock, which the expiry holds while it looks at `running`:
+                // a session is either still open and now busy, or ended before this call.
+                let st = lock(&self.state);
+                if !st.open.get(&key).is_some_and(|x| Arc::ptr_eq(x, &s)) {
+                    drop(st);
+                    if let Some(e) = lock(&s.end_reason).clone() {
+                        return Err(e);
+                    }
+                    continue;
+                }
+                s.running.store(true, Ordering::Release);
+            }
             let number = s.calls.fetch_add(1, Ordering::Relaxed) + 1;
             self.metrics.session_call();
             return Ok(SessionCall {
@@ -571,6 +583,17 @@ impl Sessions {
         };
         let context = runner.context();
         *lock(&s.context) = context.clone();
+        // Checked before the runner is set: once it is, ending the session releases it
+        // (`finish` waits for this call's lock, then closes what it finds).
+        if s.ended.is_cancelled() {
+            // Ended (by its owner, or the shutdown) while its runner was being made: nobody
+            // else will release it.
+            runner.close().await;
+            let e = lock(&s.end_reason).clone().unwrap_or_else(|| {
+                ErrorBody::new(ErrorCode::ShuttingDown, "the gateway is shutting down")
+            });
+            return Err(e);
+        }
         let _ = s.runner.set(runner.clone());
         self.metrics.session("created");
         self.metrics.session_call();
@@ -675,6 +698,144 @@ mod tests {
         assert_eq!(c.lifetimes("other").0, Duration::from_secs(900));
         c.profiles.get_mut("gpu").unwrap().idle_ttl_secs = Some(901);
         assert!(c.validate().is_err());
+    }
+
+    /// A backend whose runner is made when the test says so, counting closes.
+    struct Fake {
+        gate: Arc<tokio::sync::Notify>,
+        closed: Arc<AtomicU64>,
+    }
+    struct FakeRunner(Arc<AtomicU64>);
+    impl KeptRunner for FakeRunner {
+        fn context(&self) -> RunContext {
+            RunContext::default()
+        }
+        fn start(
+            &self,
+            _: ExecSpec,
+            _: StartOptions,
+            _: bool,
+        ) -> futures_util::future::BoxFuture<'_, Result<crate::exec::Execution, ErrorBody>>
+        {
+            Box::pin(async { Err(ErrorBody::new(ErrorCode::Internal, "not here")) })
+        }
+        fn check(&self) -> futures_util::future::BoxFuture<'_, Result<(), String>> {
+            Box::pin(async { Ok(()) })
+        }
+        fn close(&self) -> futures_util::future::BoxFuture<'_, ()> {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async {})
+        }
+    }
+    impl Executor for Fake {
+        fn name(&self) -> &'static str {
+            "fake"
+        }
+        fn start(
+            &self,
+            _: ExecSpec,
+            _: StartOptions,
+        ) -> futures_util::future::BoxFuture<'_, Result<crate::exec::Execution, ErrorBody>>
+        {
+            Box::pin(async { Err(ErrorBody::new(ErrorCode::Internal, "not here")) })
+        }
+        fn keep(
+            &self,
+            _: &ExecSpec,
+            _: KeepFor,
+            _: StartOptions,
+        ) -> futures_util::future::BoxFuture<'_, Result<Arc<dyn KeptRunner>, ErrorBody>> {
+            Box::pin(async {
+                self.gate.notified().await;
+                Ok(Arc::new(FakeRunner(self.closed.clone())) as Arc<dyn KeptRunner>)
+            })
+        }
+    }
+
+    #[tokio::test]
+    async fn a_session_ended_while_its_runner_is_made_releases_it() {
+        let fake = Arc::new(Fake {
+            gate: Arc::new(tokio::sync::Notify::new()),
+            closed: Arc::new(AtomicU64::new(0)),
+        });
+        let sessions = Sessions::new(
+            SessionConfig::default(),
+            Metrics::default(),
+            CancellationToken::new(),
+        );
+        let caller = Caller::local("test");
+        let spec = ExecSpec {
+            timeout: Duration::from_secs(5),
+            ..ExecSpec::default()
+        };
+        let opening = {
+            let (sessions, fake, caller, spec) =
+                (sessions.clone(), fake.clone(), caller.clone(), spec.clone());
+            tokio::spawn(async move {
+                sessions
+                    .call(
+                        fake.as_ref(),
+                        &caller,
+                        "s",
+                        &spec,
+                        SessionBusy::Wait,
+                        &Progress::default(),
+                    )
+                    .await
+                    .map(|c| c.number())
+            })
+        };
+        // Opening: not listed yet, but its owner can end it.
+        while sessions.end(&caller, "s").is_err() {
+            tokio::task::yield_now().await;
+        }
+        assert!(sessions.list(&caller).is_empty());
+        fake.gate.notify_one();
+        let e = opening.await.unwrap().unwrap_err();
+        assert_eq!(e.code, ErrorCode::UnknownSession, "{e:?}");
+        assert_eq!(fake.closed.load(Ordering::SeqCst), 1);
+        // A call after that opens a new session, and a second caller's name is its own.
+        fake.gate.notify_one();
+        let n = sessions
+            .call(
+                fake.as_ref(),
+                &caller,
+                "s",
+                &spec,
+                SessionBusy::Wait,
+                &Progress::default(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(n.number(), 1);
+        let busy = sessions
+            .call(
+                fake.as_ref(),
+                &caller,
+                "s",
+                &spec,
+                SessionBusy::Fail,
+                &Progress::default(),
+            )
+            .await
+            .err()
+            .unwrap();
+        assert_eq!(busy.code, ErrorCode::SessionBusy);
+        drop(n);
+        let again = sessions
+            .call(
+                fake.as_ref(),
+                &caller,
+                "s",
+                &spec,
+                SessionBusy::Fail,
+                &Progress::default(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(again.number(), 2);
+        assert_eq!(sessions.list(&caller).len(), 1);
+        assert!(sessions.list(&Caller::local("other")).is_empty());
     }
 
     #[test]
