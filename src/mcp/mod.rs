@@ -500,10 +500,10 @@ impl ServerHandler for McpService {
         _context: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, McpError> {
         let mut tools = vec![self.tool()];
+        tools.extend(self.tools.iter().map(|t| self.cli_tool(t)));
         if self.runner.sessions().is_some() {
             tools.push(self.end_session_tool());
         }
-        tools.extend(self.tools.iter().map(|t| self.cli_tool(t)));
         Ok(ListToolsResult::with_all_items(tools))
     }
 
