@@ -531,3 +531,29 @@ async fn a_killed_gateway_s_sessions_are_cleaned_by_the_next_one() {
     );
     assert_eq!(session_dirs(&dir).len(), 1);
 }
+
+/// A session ends at its maximum lifetime however busy; a call running then finishes first.
+/// Profiles shorten the lifetimes within the operator's.
+#[tokio::test]
+async fn the_maximum_lifetime_ends_a_busy_session_after_its_call() {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = gateway(
+        &dir,
+        "sessions:\n  profiles:\n    default: {max_lifetime_secs: 1}\n",
+        &[],
+    );
+    sh(&gw, Some("s"), "true").await;
+    // Running across the maximum lifetime: it finishes, with its output.
+    let long = sh(&gw, Some("s"), "sleep 1.5; echo done").await;
+    assert_eq!(long.stdout_str(), "done\n");
+    let gone = wait_until(Duration::from_secs(10), || session_dirs(&dir).is_empty());
+    assert!(gone, "{:?}", session_dirs(&dir));
+    let next = sh(&gw, Some("s"), "true").await;
+    assert_eq!(next.status, 410, "{next:?}");
+    let e = next.rejection.unwrap().error;
+    assert!(
+        e.message.contains("maximum lifetime of 1 s"),
+        "{}",
+        e.message
+    );
+}

@@ -117,10 +117,8 @@ impl SessionConfig {
         let max = p
             .and_then(|p| p.max_lifetime_secs)
             .unwrap_or(self.max_lifetime_secs);
-        (
-            Duration::from_secs(idle),
-            Duration::from_secs(max.max(idle)),
-        )
+        // An idle TTL beyond the maximum lifetime would never apply.
+        (Duration::from_secs(idle.min(max)), Duration::from_secs(max))
     }
 }
 
