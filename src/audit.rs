@@ -2,7 +2,9 @@
 //! the execution ends (or is abandoned by its client) and for every refused request.
 //! Fields: `identity` (token name and/or client address), `argv` (JSON, redacted),
 //! `env_names` (never values), `profile`, `backend`, `host`/`namespace`/`pod`/`node`,
-//! `outcome`, `exit_code`, `signal`, `timed_out`, `duration_ms`, `bytes_out`.
+//! `session`, `outcome`, `exit_code`, `signal`, `timed_out`, `duration_ms`, `bytes_out`; and
+//! one line per session event (`outcome=session_opened|session_ended|session_expired|
+//! session_lost|session_closed`, with `identity`, `session`, `profile` and where it ran).
 
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -105,6 +107,31 @@ pub fn rejected(
     );
 }
 
+/// Logs what happened to a session: `opened`, `ended` (by its owner), `expired`, `lost`,
+/// `closed` (at shutdown), with who and why.
+pub fn session(
+    caller: &str,
+    name: &str,
+    event: &str,
+    profile: &str,
+    context: &RunContext,
+    why: &str,
+) {
+    let none = String::new();
+    tracing::info!(
+        target: TARGET,
+        identity = %caller,
+        session = %name,
+        outcome = %format!("session_{event}"),
+        profile = %profile,
+        backend = %context.backend,
+        host = %context.host.as_ref().unwrap_or(&none),
+        namespace = %context.namespace.as_ref().unwrap_or(&none),
+        pod = %context.pod.as_ref().unwrap_or(&none),
+        "{why}"
+    );
+}
+
 /// The env names of a request as a JSON array (the values are never logged).
 pub fn env_names(spec_env: &std::collections::BTreeMap<String, String>) -> String {
     serde_json::to_string(&spec_env.keys().collect::<Vec<_>>()).unwrap_or_default()
@@ -156,6 +183,7 @@ impl AuditFilter {
             namespace = %c.namespace.as_ref().unwrap_or(&none),
             pod = %c.pod.as_ref().unwrap_or(&none),
             node = %c.node.as_ref().unwrap_or(&none),
+            session = %c.session.as_ref().unwrap_or(&none),
             outcome,
             exit_code = exit.and_then(|e| e.code),
             signal = exit.and_then(|e| e.signal),

@@ -72,6 +72,8 @@ pub struct Config {
     pub workspaces: crate::workspace::WorkspaceConfig,
     /// Bounds of the profiles' cache volumes (docs/caches.md).
     pub caches: crate::exec::cache::CachesConfig,
+    /// Sessions: runners kept across calls (docs/sessions.md).
+    pub sessions: crate::session::SessionConfig,
     /// Output templates of the MCP tool, added to the built-ins (docs/templates.md);
     /// checked at start by `templates::Catalog::with_templates`.
     pub templates: BTreeMap<String, yaml_serde::Value>,
@@ -226,6 +228,7 @@ impl Config {
         self.workspaces
             .validate()
             .map_err(|(f, m)| invalid(&f, m))?;
+        self.sessions.validate().map_err(|(f, m)| invalid(&f, m))?;
         crate::mcp::tools::validate(&self.tools).map_err(|e| invalid(&e.field, e.message))?;
         self.redaction
             .validate()

@@ -29,6 +29,8 @@ pub const PROGRESS_HEADER: &str = "mcp-run-progress";
 #[serde(deny_unknown_fields)]
 pub struct RunRequest {
     /// The program to run: a name looked up in `PATH`, or a path. Never interpreted by a shell.
+    /// Required unless `steps` is given.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub executable: String,
     /// Arguments passed to the program as they are, one argv entry each.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -57,6 +59,124 @@ pub struct RunRequest {
     /// `scope: workspace` (default: the workspace's id). Caches are always the caller's own.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache_scope: Option<String>,
+    /// Run in the runner of this named session instead of a fresh one, so that what earlier
+    /// calls wrote stays (build outputs, caches, installed packages). The first call with a
+    /// name opens the session; pass the same name for every call of an edit-build-test loop.
+    /// Names are the caller's own: another identity's `build` is another session.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<String>,
+    /// With `session`: what a call does when another call of the session is running:
+    /// `wait` for it (within this call's timeout; the default) or `fail` at once with 409
+    /// `session_busy`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_busy: Option<SessionBusy>,
+    /// Several commands run in order in one runner, in place of `executable` and `args`. Each
+    /// step's `cwd`, `env` and `timeout_secs` default to the request's. The run stops at the
+    /// first step that fails unless `continue_on_error`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub steps: Vec<Step>,
+    /// With `steps`: run the later steps after one failed.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub continue_on_error: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
+/// One command of a multi-step run.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Step {
+    /// The program to run, as `executable` of a request.
+    pub executable: String,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub args: Vec<String>,
+    /// The step's working directory (default: the request's `cwd`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cwd: Option<String>,
+    /// Added to (and overriding) the request's `env`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    /// The step's own timeout (default: the request's `timeout_secs`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_secs: Option<u64>,
+}
+
+/// The most steps one request may give.
+pub const MAX_STEPS: usize = 32;
+
+/// What a session's call does while another call of the session runs.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum SessionBusy {
+    /// Wait for the running call (reported as the phase `queued`), within the call's timeout.
+    #[default]
+    Wait,
+    /// Fail at once with 409 `session_busy`.
+    Fail,
+}
+
+/// The longest session name.
+pub const MAX_SESSION_NAME: usize = 63;
+
+/// Checks a session name: 1 to 63 characters of `A-Z a-z 0-9 . _ -`, starting with a letter
+/// or digit.
+pub fn check_session_name(name: &str) -> Result<(), ErrorBody> {
+    let ok = !name.is_empty()
+        && name.len() <= MAX_SESSION_NAME
+        && name.as_bytes()[0].is_ascii_alphanumeric()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(ErrorBody::new(
+            ErrorCode::InvalidRequest,
+            format!(
+                "invalid session name {:?}: 1 to {MAX_SESSION_NAME} characters of A-Z, a-z, 0-9, `.`, `_` and `-`, starting with a letter or digit",
+                truncate(name, 80)
+            ),
+        ))
+    }
+}
+
+fn truncate(s: &str, max: usize) -> &str {
+    let mut cut = s.len().min(max);
+    while !s.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    &s[..cut]
+}
+
+/// One open session, as `GET /sessions` lists it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct SessionInfo {
+    pub name: String,
+    /// The runner profile the session's runner was made from.
+    pub profile: String,
+    /// Where the session's commands run (backend, host or pod).
+    pub context: RunContext,
+    /// Seconds since the session was opened.
+    pub age_secs: u64,
+    /// Seconds since its last call ended (0 while a call runs).
+    pub idle_secs: u64,
+    /// Seconds until the session ends unless used: the idle TTL, or less when its maximum
+    /// lifetime comes first.
+    pub expires_in_secs: u64,
+    /// Calls run in it so far.
+    pub calls: u64,
+    /// Whether a call is running now.
+    pub busy: bool,
+}
+
+/// The body of `GET /sessions`: the caller's open sessions.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct SessionList {
+    pub sessions: Vec<SessionInfo>,
 }
 
 /// The most `sync_back` globs a request may give.
@@ -69,6 +189,33 @@ impl RunRequest {
     /// Checks what can be checked without knowing the server's configuration.
     /// Server limits (maximum timeout, profiles) are checked by the gateway.
     pub fn validate(&self) -> Result<(), ErrorBody> {
+        if !self.steps.is_empty() {
+            if !self.executable.is_empty() || !self.args.is_empty() {
+                return Err(ErrorBody::new(
+                    ErrorCode::InvalidRequest,
+                    "give either `executable` (and `args`) or `steps`, not both",
+                ));
+            }
+            if self.steps.len() > MAX_STEPS {
+                return Err(ErrorBody::new(
+                    ErrorCode::InvalidRequest,
+                    format!("at most {MAX_STEPS} `steps`, got {}", self.steps.len()),
+                ));
+            }
+            for (i, step) in self.step_requests().iter().enumerate() {
+                step.validate().map_err(|mut e| {
+                    e.message = format!("steps[{i}]: {}", e.message);
+                    e
+                })?;
+            }
+            return Ok(());
+        }
+        if self.continue_on_error {
+            return Err(ErrorBody::new(
+                ErrorCode::InvalidRequest,
+                "`continue_on_error` needs `steps`",
+            ));
+        }
         if self.executable.is_empty() {
             return Err(ErrorBody::new(
                 ErrorCode::InvalidRequest,
@@ -143,11 +290,49 @@ impl RunRequest {
         if let Some(p) = &self.profile {
             check_nul("profile", p)?;
         }
+        if let Some(name) = &self.session {
+            check_session_name(name)?;
+        } else if self.session_busy.is_some() {
+            return Err(ErrorBody::new(
+                ErrorCode::InvalidRequest,
+                "`session_busy` needs a `session`",
+            ));
+        }
         Ok(())
+    }
+
+    /// Each step as a request of its own: the step's fields, the request's defaults and
+    /// everything else of the request (profile, workspace, session).
+    pub fn step_requests(&self) -> Vec<RunRequest> {
+        self.steps
+            .iter()
+            .map(|s| {
+                let mut env = self.env.clone();
+                env.extend(s.env.clone());
+                RunRequest {
+                    executable: s.executable.clone(),
+                    args: s.args.clone(),
+                    cwd: s.cwd.clone().or_else(|| self.cwd.clone()),
+                    env,
+                    timeout_secs: s.timeout_secs.or(self.timeout_secs),
+                    steps: Vec::new(),
+                    continue_on_error: false,
+                    ..self.clone()
+                }
+            })
+            .collect()
     }
 
     /// The command line as a person would read it (for logs and renderings only; never executed).
     pub fn command_line(&self) -> String {
+        if !self.steps.is_empty() {
+            return self
+                .step_requests()
+                .iter()
+                .map(RunRequest::command_line)
+                .collect::<Vec<_>>()
+                .join(" ; ");
+        }
         std::iter::once(&self.executable)
             .chain(&self.args)
             .map(|s| shell_quote(s))
@@ -218,6 +403,13 @@ pub struct RunContext {
     /// The profile's caches and what became of each (docs/caches.md).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub caches: BTreeMap<String, CacheState>,
+    /// The session the command ran in, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<String>,
+    /// Which call of its session this is: 1 for the call that opened the session (a fresh
+    /// runner), then 2, 3, ...
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_call: Option<u64>,
 }
 
 /// What became of one of a run's caches.
@@ -331,6 +523,12 @@ pub enum Event {
         #[serde(default)]
         truncated: bool,
     },
+    /// A multi-step run: step `step` (from 0) starts; the output events up to its
+    /// `step_exit` are its.
+    Step { step: usize, command: String },
+    /// A multi-step run: step `step` ended. The run's terminal `exit` follows the last step
+    /// that ran.
+    StepExit { step: usize, exit: ExitInfo },
     /// Terminal: the command ended.
     Exit(ExitInfo),
     /// Terminal: the run failed after the stream began.
@@ -483,6 +681,18 @@ pub enum ErrorCode {
     WorkspaceIncomplete,
     /// Uploaded bytes do not hash to the name they were sent under (400).
     HashMismatch,
+    /// Another call of the session is running and the request asked not to wait (409).
+    SessionBusy,
+    /// The session's runner is gone (pod evicted or deleted, node gone, directory removed);
+    /// the message says why. The name is free again: the next call opens a new session (410).
+    SessionLost,
+    /// The session ended after its idle TTL or maximum lifetime; the name is free again:
+    /// the next call opens a new session (410).
+    SessionExpired,
+    /// No open session of the caller has this name (404).
+    UnknownSession,
+    /// The caller (or the gateway) has as many open sessions as it may: end one (429).
+    TooManySessions,
     /// A code this version does not know.
     #[serde(other)]
     Unknown,
@@ -517,6 +727,11 @@ impl ErrorCode {
             ErrorCode::UnknownWorkspace => "unknown_workspace",
             ErrorCode::WorkspaceIncomplete => "workspace_incomplete",
             ErrorCode::HashMismatch => "hash_mismatch",
+            ErrorCode::SessionBusy => "session_busy",
+            ErrorCode::SessionLost => "session_lost",
+            ErrorCode::SessionExpired => "session_expired",
+            ErrorCode::UnknownSession => "unknown_session",
+            ErrorCode::TooManySessions => "too_many_sessions",
             ErrorCode::Unknown => "unknown",
         }
     }
@@ -527,12 +742,13 @@ impl ErrorCode {
             ErrorCode::InvalidRequest | ErrorCode::UnknownProfile | ErrorCode::HashMismatch => 400,
             ErrorCode::Unauthorized => 401,
             ErrorCode::PolicyViolation | ErrorCode::ForbiddenHost => 403,
-            ErrorCode::NotFound | ErrorCode::UnknownWorkspace => 404,
-            ErrorCode::WorkspaceIncomplete => 409,
+            ErrorCode::NotFound | ErrorCode::UnknownWorkspace | ErrorCode::UnknownSession => 404,
+            ErrorCode::WorkspaceIncomplete | ErrorCode::SessionBusy => 409,
+            ErrorCode::SessionLost | ErrorCode::SessionExpired => 410,
             ErrorCode::MethodNotAllowed => 405,
             ErrorCode::PayloadTooLarge => 413,
             ErrorCode::UnsupportedMediaType => 415,
-            ErrorCode::TooManyRequests => 429,
+            ErrorCode::TooManyRequests | ErrorCode::TooManySessions => 429,
             ErrorCode::ImagePullFailed
             | ErrorCode::Unschedulable
             | ErrorCode::ContainerConfigError

@@ -39,5 +39,6 @@ pub mod redact;
 pub mod result;
 pub mod runner;
 pub mod server;
+pub mod session;
 pub mod templates;
 pub mod workspace;

@@ -110,6 +110,11 @@ struct ProfileLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SessionLabels {
+    event: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct VersionLabels {
     version: &'static str,
 }
@@ -138,6 +143,10 @@ pub struct Metrics {
     pool_claims: Family<ClaimLabels, Counter>,
     /// Warm pool refills: from creating a pool pod to it running, by profile.
     pool_refill: HistogramFamily<ProfileLabels>,
+    /// Sessions open now, what happened to sessions, and calls run in sessions.
+    sessions_open: Gauge,
+    session_events: Family<SessionLabels, Counter>,
+    session_calls: Counter,
 }
 
 impl Default for Metrics {
@@ -176,6 +185,9 @@ impl Metrics {
             pod_start: pod_start_histogram(),
             pool_claims: Family::default(),
             pool_refill: Family::new_with_constructor(pod_start_histogram as fn() -> Histogram),
+            sessions_open: Gauge::default(),
+            session_events: Family::default(),
+            session_calls: Counter::default(),
         };
         registry.register(
             "mcp_run_executions",
@@ -216,6 +228,21 @@ impl Metrics {
             "mcp_run_warm_pool_refill_duration_seconds",
             "Time from creating a warm pool pod to it running, by profile",
             m.pool_refill.clone(),
+        );
+        registry.register(
+            "mcp_run_sessions_open",
+            "Sessions open now on this gateway",
+            m.sessions_open.clone(),
+        );
+        registry.register(
+            "mcp_run_sessions",
+            "Sessions by what happened to them (created, ended, expired, lost)",
+            m.session_events.clone(),
+        );
+        registry.register(
+            "mcp_run_session_calls",
+            "Calls run in sessions (the first one, which opened the session, included)",
+            m.session_calls.clone(),
         );
         Self {
             registry: Arc::new(registry),
@@ -288,6 +315,24 @@ impl Metrics {
                 profile: profile.to_owned(),
             })
             .observe(d.as_secs_f64());
+    }
+
+    /// Counts a session event: `created` (open goes up), `ended`, `expired`, `lost` (open
+    /// goes down).
+    pub fn session(&self, event: &'static str) {
+        self.session_events
+            .get_or_create(&SessionLabels { event })
+            .inc();
+        if event == "created" {
+            self.sessions_open.inc();
+        } else {
+            self.sessions_open.dec();
+        }
+    }
+
+    /// Counts a call run in a session.
+    pub fn session_call(&self) {
+        self.session_calls.inc();
     }
 
     /// Every metric in the OpenMetrics text format.

@@ -59,6 +59,8 @@ pub struct Runner {
     redactor: Option<Arc<Redactor>>,
     /// Posted workspaces and their contents; `None`: workspaces are off.
     workspaces: Option<Arc<crate::workspace::WorkspaceStore>>,
+    /// Named runners that live across calls; `None`: sessions are off.
+    sessions: Option<Arc<crate::session::Sessions>>,
     shutdown: CancellationToken,
     tracker: TaskTracker,
     metrics: Metrics,
@@ -75,6 +77,7 @@ impl Runner {
             rate: limits.rate_limit.as_ref().map(RateLimiter::new),
             redactor: None,
             workspaces: None,
+            sessions: None,
             limits,
             shutdown: CancellationToken::new(),
             tracker: TaskTracker::new(),
@@ -110,6 +113,21 @@ impl Runner {
         self
     }
 
+    /// Keeps sessions with `config` (off when `config.enabled` is false). Needs a Tokio
+    /// runtime (the task that expires idle sessions).
+    pub fn with_sessions(mut self, config: crate::session::SessionConfig) -> Self {
+        let here = config.enabled && self.executor.keeps_runners();
+        self.sessions = here.then(|| {
+            crate::session::Sessions::new(config, self.metrics.clone(), self.shutdown.child_token())
+        });
+        self
+    }
+
+    /// The sessions, when they are on (and kept here, not forwarded to a remote gateway).
+    pub fn sessions(&self) -> Option<&Arc<crate::session::Sessions>> {
+        self.sessions.as_ref()
+    }
+
     /// The workspace store, when workspaces are on.
     pub fn workspaces(&self) -> Option<&Arc<crate::workspace::WorkspaceStore>> {
         self.workspaces.as_ref()
@@ -129,6 +147,16 @@ impl Runner {
             executable: r.redact_str(&req.executable),
             args: req.args.iter().map(|a| r.redact_str(a)).collect(),
             cwd: req.cwd.as_deref().map(|c| r.redact_str(c)),
+            steps: req
+                .steps
+                .iter()
+                .map(|s| crate::contract::Step {
+                    executable: r.redact_str(&s.executable),
+                    args: s.args.iter().map(|a| r.redact_str(a)).collect(),
+                    cwd: s.cwd.as_deref().map(|c| r.redact_str(c)),
+                    ..s.clone()
+                })
+                .collect(),
             ..req.clone()
         }
     }
@@ -186,6 +214,8 @@ impl Runner {
             workspace,
             owner: caller.identity.clone(),
             cache_scope: req.cache_scope,
+            session: None,
+            session_busy: None,
         };
         self.executor.check(&spec)?;
         Ok(spec)
@@ -287,16 +317,95 @@ impl Runner {
         if let Some(rate) = &self.rate {
             rate.take(caller)?;
         }
-        let spec = self.spec_for(req, caller)?;
+        if !req.steps.is_empty() {
+            return self.start_steps(req, caller, io).await;
+        }
+        let (session, busy) = (req.session.clone(), req.session_busy.unwrap_or_default());
+        let mut spec = self.spec_for(req, caller)?;
         if io.stdin.is_some() && !self.limits.allow_stdin {
             return Err(ErrorBody::new(
                 ErrorCode::PolicyViolation,
                 "this gateway does not accept stdin for commands (limits.allow_stdin is false)",
             ));
         }
-        // Taken before the backend starts anything, released when the execution is dropped.
-        let slot = match &self.slots {
-            Some(s) => Some(s.clone().try_acquire_owned().map_err(|_| {
+        let call = self
+            .session_call(session, busy, caller, &mut spec, &io.progress)
+            .await?;
+        let slot = self.slot()?;
+        let timeout = spec.timeout + self.executor.timeout_slack();
+        let audited = spec.clone();
+        let execution = match &call {
+            Some(c) => {
+                let opts = StartOptions {
+                    cancel: c.cancel(),
+                    progress: io.progress,
+                    stdin: io.stdin,
+                };
+                let mut e = c.runner().start(spec, opts, true).await?;
+                let ctx = e.context_mut();
+                ctx.session = Some(c.name().to_owned());
+                ctx.session_call = Some(c.number());
+                e
+            }
+            None => {
+                self.executor
+                    .start(
+                        spec,
+                        StartOptions {
+                            cancel: self.shutdown.child_token(),
+                            progress: io.progress,
+                            stdin: io.stdin,
+                        },
+                    )
+                    .await?
+            }
+        };
+        Ok(self.wrap(execution, caller, &audited, timeout, slot, call))
+    }
+
+    /// The request's session for this call, when it names one (before the slot: a call
+    /// waiting for its session's running call holds none). A backend that forwards sessions
+    /// gets the name in the spec instead.
+    async fn session_call(
+        &self,
+        session: Option<String>,
+        busy: crate::contract::SessionBusy,
+        caller: &Caller,
+        spec: &mut ExecSpec,
+        progress: &Progress,
+    ) -> Result<Option<crate::session::SessionCall>, ErrorBody> {
+        let Some(name) = session else {
+            return Ok(None);
+        };
+        if self.executor.forwards_sessions() {
+            spec.session = Some(crate::session::forwarded_name(caller, &name));
+            spec.session_busy = Some(busy);
+            return Ok(None);
+        }
+        let Some(sessions) = &self.sessions else {
+            return Err(ErrorBody::new(
+                ErrorCode::InvalidRequest,
+                if self.executor.keeps_runners() {
+                    "this gateway keeps no sessions (sessions.enabled is false)".to_owned()
+                } else {
+                    format!(
+                        "the {} backend does not keep runners across calls: no sessions here",
+                        self.executor.name()
+                    )
+                },
+            ));
+        };
+        let call = sessions
+            .call(self.executor.as_ref(), caller, &name, spec, busy, progress)
+            .await?;
+        Ok(Some(call))
+    }
+
+    /// A concurrency slot, taken before the backend starts anything and released when the
+    /// execution is dropped.
+    fn slot(&self) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, ErrorBody> {
+        match &self.slots {
+            Some(s) => Ok(Some(s.clone().try_acquire_owned().map_err(|_| {
                 ErrorBody::new(
                     ErrorCode::TooManyRequests,
                     format!(
@@ -305,39 +414,126 @@ impl Runner {
                     ),
                 )
                 .retry_after(1)
-            })?),
-            None => None,
-        };
-        let timeout = spec.timeout + self.executor.timeout_slack();
-        let audited = spec.clone();
-        let mut execution = self
-            .executor
-            .start(
-                spec,
-                StartOptions {
-                    cancel: self.shutdown.child_token(),
-                    progress: io.progress,
-                    stdin: io.stdin,
-                },
-            )
-            .await?;
+            })?)),
+            None => Ok(None),
+        }
+    }
+
+    /// What every execution goes through, written once: redaction, audit, the shutdown's
+    /// error, the timeout, shutdown tracking, metrics, the slot and the session.
+    fn wrap(
+        &self,
+        mut execution: Execution,
+        caller: &Caller,
+        audited: &ExecSpec,
+        timeout: Duration,
+        slot: Option<tokio::sync::OwnedSemaphorePermit>,
+        call: Option<crate::session::SessionCall>,
+    ) -> Execution {
         // Redaction first, so that the audit counts the bytes that actually leave.
         if let Some(r) = &self.redactor {
             execution = execution.filtered(RedactFilter::new(r));
         }
         let audit = crate::audit::AuditFilter::new(
             caller,
-            &audited,
+            audited,
             execution.context(),
             self.redactor.as_deref(),
         );
-        Ok(execution
+        execution
             .filtered(audit)
             .filtered(StoppedFilter(self.shutdown.clone()))
             .with_timeout(timeout)
             .tracked(self.tracker.token())
             .observed(self.metrics.execution_started(self.executor.name()))
-            .hold_while_running(slot))
+            .hold_while_running(slot)
+            // The session is busy until the call's consumer let go of it (sync-back
+            // included), not merely until the kill.
+            .hold(call)
+    }
+
+    /// A multi-step run: every step checked like a request, then the steps in order in one
+    /// runner (the session's, or one kept for this run and released after it).
+    async fn start_steps(
+        &self,
+        req: RunRequest,
+        caller: &Caller,
+        io: RunIo,
+    ) -> Result<Execution, ErrorBody> {
+        req.validate()?;
+        if io.stdin.is_some() {
+            return Err(ErrorBody::new(
+                ErrorCode::InvalidRequest,
+                "a run with `steps` takes no stdin",
+            ));
+        }
+        if self.executor.forwards_sessions() {
+            return Err(ErrorBody::new(
+                ErrorCode::InvalidRequest,
+                format!(
+                    "the {} backend does not run `steps` (run them on the gateway it forwards to)",
+                    self.executor.name()
+                ),
+            ));
+        }
+        let (session, busy) = (req.session.clone(), req.session_busy.unwrap_or_default());
+        let continue_on_error = req.continue_on_error;
+        let mut steps = Vec::with_capacity(req.steps.len());
+        for (i, r) in req.step_requests().into_iter().enumerate() {
+            let command = r.command_line();
+            let spec = self.spec_for(r, caller).map_err(|mut e| {
+                e.message = format!("steps[{i}]: {}", e.message);
+                e
+            })?;
+            steps.push((spec, command));
+        }
+        let mut first = steps[0].0.clone();
+        let call = self
+            .session_call(session, busy, caller, &mut first, &io.progress)
+            .await?;
+        let slot = self.slot()?;
+        let (runner, cancel, close) = match &call {
+            Some(c) => (c.runner().clone(), c.cancel(), false),
+            None => {
+                let keep = crate::exec::KeepFor {
+                    owner: crate::session::label_hash(&[&caller.key()]),
+                    name: crate::session::label_hash(&[&caller.key(), "steps"]),
+                    expires_at: std::time::SystemTime::now()
+                        + steps.iter().map(|(s, _)| s.timeout).sum::<Duration>(),
+                };
+                let opts = StartOptions {
+                    cancel: self.shutdown.child_token(),
+                    progress: io.progress.clone(),
+                    stdin: None,
+                };
+                let runner = self.executor.keep(&first, keep, opts).await?;
+                (runner, self.shutdown.child_token(), true)
+            }
+        };
+        let mut context = runner.context();
+        if let Some(c) = &call {
+            context.session = Some(c.name().to_owned());
+            context.session_call = Some(c.number());
+        }
+        io.progress.report(crate::contract::Phase::Running, None);
+        let timeout =
+            steps.iter().map(|(s, _)| s.timeout).sum::<Duration>() + self.executor.timeout_slack();
+        let audited = ExecSpec {
+            executable: "steps".into(),
+            args: steps.iter().map(|(_, c)| c.clone()).collect(),
+            ..first
+        };
+        let execution = crate::exec::steps::run(
+            crate::exec::steps::Steps {
+                runner,
+                steps,
+                continue_on_error,
+                close,
+            },
+            context,
+            cancel,
+        );
+        Ok(self.wrap(execution, caller, &audited, timeout, slot, call))
     }
 
     /// How many executions are running.
@@ -371,6 +567,9 @@ impl Runner {
                 running = self.tracker.len(),
                 "commands did not report their exit after being killed"
             );
+        }
+        if let Some(s) = &self.sessions {
+            s.shutdown().await;
         }
         self.executor.shutdown().await;
     }

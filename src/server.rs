@@ -19,6 +19,7 @@ use crate::contract::{ErrorBody, ErrorCode, ErrorResponse, RunRequest};
 use crate::runner::Runner;
 
 mod raw;
+mod sessions;
 mod workspace;
 pub use raw::HeadLimit;
 
@@ -118,6 +119,8 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
     let app = Router::new()
         .merge(workspaces)
         .route("/raw", post(raw::raw))
+        .route("/sessions", get(sessions::list))
+        .route("/sessions/{name}", axum::routing::delete(sessions::end))
         .route("/capabilities", get(capabilities))
         .nest_service("/mcp", mcp)
         .route("/healthz", get(healthz))

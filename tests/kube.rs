@@ -856,3 +856,23 @@ async fn warm_pool_replaces_stuck_pods_and_never_claims_them() {
         "{metrics}"
     );
 }
+
+/// This backend keeps no runners across calls yet (docs/sessions.md#kubernetes): a session or
+/// a multi-step run is refused with a clear 400 before any pod is made.
+#[tokio::test(flavor = "multi_thread")]
+async fn sessions_and_steps_are_refused_clearly() {
+    let double = KubeDouble::start();
+    let gw = gateway(&double, &[]);
+    let r = raw(&gw, json!({"executable": "true", "session": "build"})).await;
+    assert_eq!(r.status, 400, "{r:?}");
+    let m = r.rejection.unwrap().error.message;
+    assert!(
+        m.contains("kubernetes backend does not keep runners"),
+        "{m}"
+    );
+    let r = raw(&gw, json!({"steps": [{"executable": "true"}]})).await;
+    assert_eq!(r.status, 400, "{r:?}");
+    let m = r.rejection.unwrap().error.message;
+    assert!(m.contains("does not keep runners"), "{m}");
+    assert!(double.pod_names(NS).is_empty());
+}

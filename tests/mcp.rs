@@ -76,7 +76,8 @@ async fn http_initialize_tools_and_calls() {
 
     // tools/list: valid schemas, annotations.
     let tools = c.list_tools(None).await.unwrap().tools;
-    assert_eq!(tools.len(), 1);
+    let names: Vec<&str> = tools.iter().map(|t| t.name.as_ref()).collect();
+    assert_eq!(names, ["run_network_tool", "end_session"]);
     let tool = &tools[0];
     assert_eq!(tool.name, "run_network_tool");
     let input = Value::Object((*tool.input_schema).clone());
@@ -208,6 +209,131 @@ async fn concurrent_calls_in_one_session() {
         t.elapsed()
     );
     c.cancel().await.unwrap();
+}
+
+/// Sessions over MCP: the tool says when to pass one, calls share the runner, the caller's
+/// sessions are a resource, and `end_session` ends one.
+#[tokio::test(flavor = "multi_thread")]
+async fn sessions_over_http() {
+    let gw = Gateway::start(&[]);
+    let c = http_client(&gw).await;
+    let tools = c.list_tools(None).await.unwrap().tools;
+    let run = &tools[0];
+    assert!(
+        run.description
+            .as_deref()
+            .unwrap()
+            .contains("same `session` name")
+    );
+    assert!(
+        run.input_schema["properties"]["session"]["description"]
+            .as_str()
+            .unwrap()
+            .contains("edit-build-test loop")
+    );
+    let r = tool_call(
+        &c,
+        json!({"executable": "sh", "args": ["-c", "echo warm > state; pwd"], "session": "loop"}),
+    )
+    .await;
+    assert_eq!(structured(&r)["context"]["session_call"], 1, "{}", text(&r));
+    assert!(
+        text(&r).contains("in session `loop` (opened by this call)"),
+        "{}",
+        text(&r)
+    );
+    let r = tool_call(
+        &c,
+        json!({"executable": "cat", "args": ["state"], "session": "loop"}),
+    )
+    .await;
+    assert_eq!(structured(&r)["outputs"][0]["stdout"], "warm\n");
+    assert_eq!(structured(&r)["context"]["session_call"], 2);
+    let res = c
+        .read_resource(ReadResourceRequestParams::new("mcp-run://sessions"))
+        .await
+        .unwrap();
+    let list: Value = match &res.contents[0] {
+        ResourceContents::TextResourceContents { text, .. } => serde_json::from_str(text).unwrap(),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(list["sessions"][0]["name"], "loop");
+    assert_eq!(list["sessions"][0]["calls"], 2);
+    let end = CallToolRequestParams::new("end_session")
+        .with_arguments(json!({"name": "loop"}).as_object().cloned().unwrap());
+    let r = c.call_tool(end.clone()).await.unwrap();
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let r = c.call_tool(end).await.unwrap();
+    assert_eq!(r.is_error, Some(true));
+    assert!(text(&r).contains("no open session"), "{}", text(&r));
+    c.cancel().await.unwrap();
+}
+
+/// Steps over MCP: one `outputs` entry per step that ran, a "Step N" section each, the run
+/// stopped at the first failure unless `continue_on_error`.
+#[tokio::test(flavor = "multi_thread")]
+async fn steps_over_mcp() {
+    let c = stdio_client(&[]).await;
+    let r = tool_call(
+        &c,
+        json!({"steps": [
+            {"executable": "sh", "args": ["-c", "echo built > out"]},
+            {"executable": "sh", "args": ["-c", "cat out; echo bad >&2; exit 2"]},
+            {"executable": "echo", "args": ["never"]}
+        ]}),
+    )
+    .await;
+    assert_eq!(r.is_error, Some(true));
+    let s = structured(&r);
+    assert_eq!(s["success"], false);
+    assert_eq!(s["context"]["steps"], 3);
+    assert_eq!(s["outputs"].as_array().unwrap().len(), 2, "{s}");
+    assert_eq!(s["outputs"][1]["stdout"], "built\n");
+    assert_eq!(s["outputs"][1]["stderr"], "bad\n");
+    assert_eq!(s["outputs"][1]["exit_code"], 2);
+    let md = text(&r);
+    assert!(
+        md.contains("### Step 1: `sh -c 'echo built > out'`"),
+        "{md}"
+    );
+    assert!(md.contains("### Step 2:"), "{md}");
+    assert!(!md.contains("Step 3"), "{md}");
+    let r = tool_call(
+        &c,
+        json!({"steps": [{"executable": "false"}, {"executable": "echo", "args": ["after"]}],
+               "continue_on_error": true}),
+    )
+    .await;
+    let s = structured(&r);
+    assert_eq!(s["outputs"].as_array().unwrap().len(), 2);
+    assert_eq!(s["outputs"][1]["stdout"], "after\n");
+    assert_eq!(s["success"], false);
+    c.cancel().await.unwrap();
+}
+
+/// `mcp-run stdio --session NAME`: every call runs in one runner for the client's lifetime.
+#[tokio::test(flavor = "multi_thread")]
+async fn stdio_session_for_the_client_s_lifetime() {
+    let c = stdio_client(&["--session", "agent"]).await;
+    let r = tool_call(
+        &c,
+        json!({"executable": "sh", "args": ["-c", "echo x > f; pwd"]}),
+    )
+    .await;
+    let home = structured(&r)["outputs"][0]["stdout"]
+        .as_str()
+        .unwrap()
+        .trim()
+        .to_owned();
+    assert!(home.contains("mcp-run-session-"), "{home}");
+    let r = tool_call(&c, json!({"executable": "cat", "args": ["f"]})).await;
+    assert_eq!(structured(&r)["outputs"][0]["stdout"], "x\n");
+    assert_eq!(structured(&r)["context"]["session"], "agent");
+    c.cancel().await.unwrap();
+    // The session ends with the client: its directory goes.
+    assert!(wait_until(Duration::from_secs(20), || {
+        !std::path::Path::new(&home).exists()
+    }));
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -70,7 +70,8 @@ async fn exercise(c: &Client) {
             "failing",
             "filtered",
             "untemplated",
-            "remover"
+            "remover",
+            "end_session"
         ]
     );
     let printer = &tools[1];

@@ -2,8 +2,10 @@
 
 Usage: check.py GATEWAY_BIN URL [--slow]
 Over streamable HTTP (URL, a running gateway) and over stdio (GATEWAY_BIN stdio): a small
-command, a failing one, 10 MB of output, binary output; with --slow, a command that runs for
-over 60 s and must send progress notifications. Exits 1 with the reason on the first failure.
+command, a failing one, 10 MB of output, binary output, steps (stopping at the first failure,
+and with continue_on_error), a session kept across calls and ended with end_session; with
+--slow, a command that runs for over 60 s and must send progress notifications. Exits 1 with
+the reason on the first failure.
 """
 
 import logging
@@ -87,6 +89,45 @@ async def exercise(session, where, slow):
     )
     check(not r.is_error, f"{where}: binary failed")
     check(len(structured(r)["stdout"]) <= BUDGET, f"{where}: binary over budget")
+
+    # Steps: one runner, one output per step that ran, stopped at the first failure.
+    r = await session.call_tool(
+        "run_network_tool",
+        {"steps": [
+            {"executable": "sh", "args": ["-c", "echo built > out"]},
+            {"executable": "sh", "args": ["-c", "cat out; exit 4"]},
+            {"executable": "echo", "args": ["never"]},
+        ]},
+    )
+    s = r.structured_content
+    check(r.is_error, f"{where}: failing steps are not isError")
+    check(len(s["outputs"]) == 2, f"{where}: steps ran on after a failure: {s['outputs']}")
+    check(s["outputs"][1]["stdout"] == "built\n", f"{where}: steps do not share a runner: {s}")
+    check(s["outputs"][1]["exit_code"] == 4, f"{where}: step exit {s['outputs'][1]}")
+    check("### Step 2:" in r.content[0].text, f"{where}: no Step 2 section")
+    r = await session.call_tool(
+        "run_network_tool",
+        {"steps": [{"executable": "false"}, {"executable": "echo", "args": ["after"]}],
+         "continue_on_error": True},
+    )
+    s = r.structured_content
+    check(len(s["outputs"]) == 2 and s["outputs"][1]["stdout"] == "after\n",
+          f"{where}: continue_on_error: {s}")
+    check(s["success"] is False, f"{where}: continue_on_error hid the failure")
+
+    # A session: state kept between calls, then ended.
+    name = "sdk-" + where.split()[0].lower()
+    await session.call_tool(
+        "run_network_tool",
+        {"executable": "sh", "args": ["-c", "echo warm > state"], "session": name},
+    )
+    r = await session.call_tool(
+        "run_network_tool", {"executable": "cat", "args": ["state"], "session": name}
+    )
+    check(structured(r)["stdout"] == "warm\n", f"{where}: the session lost its state: {r}")
+    check(r.structured_content["context"]["session_call"] == 2, f"{where}: session_call")
+    r = await session.call_tool("end_session", {"name": name})
+    check(not r.is_error, f"{where}: end_session failed: {r}")
 
     if slow:
         seen = []

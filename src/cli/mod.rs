@@ -3,6 +3,7 @@
 pub mod outcome;
 pub mod run_remote;
 pub mod run_remote_io;
+pub mod run_remote_sessions;
 pub mod run_remote_templates;
 pub mod run_remote_workspace;
 pub mod serve;

@@ -41,12 +41,15 @@ Examples:
   run-remote --output-format json -- ls /    # one JSON result when the command ends
   run-remote --workspace -- cargo test       # this git tree's files on the runner (incremental)
   run-remote --workspace --sync-back 'out/**' -- make   # and the files it made under out/ back
+  run-remote --session build --workspace -- cargo test   # a warm runner across calls
+  run-remote sessions list                   # your open sessions; `sessions end NAME` ends one
   run-remote templates                       # the output templates available here
   run-remote completions bash > ~/.local/share/bash-completion/completions/run-remote
 
 Environment:
   RUN_REMOTE_SERVER  the gateway's /raw URL, e.g. http://127.0.0.1:8080/raw (required unless --server)
   RUN_REMOTE_TOKEN   bearer token sent to the gateway, if it requires one
+  RUN_REMOTE_SESSION the session to run in (as --session)
 
 Exit status: the remote command's exit code; 128+N if signal N killed it; 124 if the gateway's
 timeout killed it; 141 if our stdout was closed. 125 when run-remote itself failed (bad usage or
@@ -123,6 +126,15 @@ pub struct Args {
     /// `scope: workspace` (docs/caches.md) [default: the workspace].
     #[arg(long, value_name = "NAME", env = "RUN_REMOTE_CACHE_SCOPE")]
     pub cache_scope: Option<String>,
+    /// Run in the runner of this session (opened by the first call with the name), so that
+    /// what earlier calls wrote stays: build outputs, caches. Use one name per build loop;
+    /// `run-remote sessions end NAME` ends it. Overrides RUN_REMOTE_SESSION.
+    #[arg(long, value_name = "NAME")]
+    pub session: Option<String>,
+    /// With a session: when another call of it runs, `wait` for it (default) or `fail` at
+    /// once (exit 125, session_busy).
+    #[arg(long, value_name = "WHAT", value_parser = ["wait", "fail"])]
+    pub session_busy: Option<String>,
     /// `stream`: the command's output as it arrives (default). `json` or `markdown`: the
     /// structured result (context, output, exit) after the command ends. The exit code is
     /// mirrored in every format.
@@ -152,6 +164,7 @@ pub fn main() -> i32 {
         Ok(Invocation::Run(args)) => run_blocking(*args),
         Ok(Invocation::Templates(rest)) => tpl::list(&rest),
         Ok(Invocation::Completions(rest)) => completions(&rest),
+        Ok(Invocation::Sessions(rest)) => super::run_remote_sessions::main(&rest),
         Err(outcome) => outcome,
     };
     outcome::report(&outcome, &mut std::io::stderr())
@@ -165,6 +178,8 @@ pub enum Invocation {
     Templates(Vec<String>),
     /// `run-remote completions SHELL`
     Completions(Vec<String>),
+    /// `run-remote sessions list|end NAME`
+    Sessions(Vec<String>),
 }
 
 /// Parses the command line. `templates` and `completions` as the first argument are
@@ -181,6 +196,7 @@ pub fn parse(argv: &[std::ffi::OsString]) -> Result<Invocation, Outcome> {
     match first {
         Some("templates") => return Ok(Invocation::Templates(rest())),
         Some("completions") => return Ok(Invocation::Completions(rest())),
+        Some("sessions") => return Ok(Invocation::Sessions(rest())),
         _ => {}
     }
     match Args::try_parse_from(argv) {
@@ -238,6 +254,10 @@ fn completions(args: &[String]) -> Outcome {
         .subcommand_negates_reqs(true)
         .subcommand(
             clap::Command::new("templates").about("List the output templates available here"),
+        )
+        .subcommand(
+            clap::Command::new("sessions")
+                .about("List (`list`) or end (`end NAME`) your sessions on the gateway"),
         )
         .subcommand(
             clap::Command::new("completions")
@@ -319,8 +339,24 @@ pub fn build_request(
         profile: args.profile.clone(),
         sync_back: args.sync_back.clone(),
         cache_scope: args.cache_scope.clone(),
+        session: args
+            .session
+            .clone()
+            .or_else(|| env("RUN_REMOTE_SESSION").filter(|s| !s.is_empty())),
+        session_busy: match args.session_busy.as_deref() {
+            Some("fail") => Some(crate::contract::SessionBusy::Fail),
+            Some(_) => Some(crate::contract::SessionBusy::Wait),
+            None => None,
+        },
         ..RunRequest::default()
     };
+    if let Some(name) = &request.session {
+        crate::contract::check_session_name(name).map_err(|e| Failure::usage(e.message))?;
+    } else if request.session_busy.is_some() {
+        return Err(Failure::usage(
+            "--session-busy needs --session (or RUN_REMOTE_SESSION)",
+        ));
+    }
     Ok((server, request))
 }
 

@@ -88,6 +88,10 @@ pub struct StdioArgs {
     /// every command, which runs in it (docs/workspaces.md).
     #[arg(long, value_name = "DIR")]
     pub workspace: Option<PathBuf>,
+    /// Run every call that names no session in this session: one runner (and its build
+    /// outputs) for the client's lifetime, ended when stdin closes (docs/sessions.md).
+    #[arg(long, value_name = "NAME")]
+    pub session: Option<String>,
 }
 
 /// Where commands run: shared by `serve` and `stdio`.
@@ -511,6 +515,7 @@ pub fn build_runner(
     Ok(Runner::new(executor, config.limits.clone())
         .with_workspaces(workspaces)
         .with_metrics(metrics)
+        .with_sessions(config.sessions.clone())
         .with_policy(crate::policy::Policy::new(
             config.policy.clone(),
             config.limits.clone(),
@@ -563,6 +568,16 @@ pub async fn capabilities(config: &Config, runner: &Runner) -> Capabilities {
             r.per_minute, r.burst
         ));
     }
+    if let Some(s) = runner.sessions() {
+        let c = s.config();
+        caps.limitations.push(format!(
+            "a call may name a `session` to keep its runner (and build outputs) across calls: it ends after {} s idle or {} s in all; at most {} open sessions per caller (docs/sessions.md)",
+            c.idle_ttl_secs, c.max_lifetime_secs, c.max_per_identity
+        ));
+    } else if !runner.executor().forwards_sessions() {
+        caps.limitations
+            .push("no sessions: every call runs in a fresh runner".into());
+    }
     if !config.redaction.is_empty() {
         caps.limitations
             .push("configured secrets in the output are replaced by [REDACTED]".into());
@@ -603,11 +618,20 @@ fn run_stdio(args: StdioArgs) -> anyhow::Result<()> {
         );
         config.remote.workspace = Some(dir);
     }
-    block_on(stdio(config))
+    if let Some(name) = &args.session {
+        crate::contract::check_session_name(name)
+            .map_err(|e| anyhow::anyhow!("--session: {}", e.message))?;
+    }
+    block_on(stdio_with(config, args.session))
 }
 
 /// Serves MCP on stdin/stdout until the client closes stdin (or SIGTERM/SIGINT).
 pub async fn stdio(config: Config) -> anyhow::Result<()> {
+    stdio_with(config, None).await
+}
+
+/// [`stdio`] with a session for the calls that name none.
+pub async fn stdio_with(config: Config, session: Option<String>) -> anyhow::Result<()> {
     use rmcp::ServiceExt as _;
     let Prepared {
         runner,
@@ -616,7 +640,8 @@ pub async fn stdio(config: Config) -> anyhow::Result<()> {
     } = prepare(&config, true).await?;
     let service = McpService::new(runner.clone(), capabilities, &config.mcp)
         .with_tools(Arc::new(config.tools.clone()))
-        .with_templates(templates, working_dir());
+        .with_templates(templates, working_dir())
+        .with_default_session(session);
     let running = service
         .serve(rmcp::transport::stdio())
         .await

@@ -26,6 +26,8 @@ use tokio::sync::mpsc;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use super::{EVENT_BUFFER, ExecSpec, Execution, Executor, StartOptions, read_opt};
+
+mod kept;
 use crate::contract::{ErrorBody, ErrorCode, Event, ExitInfo, RunContext};
 
 /// The local backend's section of the configuration (`local:`).
@@ -440,6 +442,23 @@ impl Executor for LocalExecutor {
 
     fn supports_workspaces(&self) -> bool {
         true
+    }
+
+    fn keeps_runners(&self) -> bool {
+        true
+    }
+
+    /// A private directory that lives across commands ([`kept`]).
+    fn keep(
+        &self,
+        _spec: &ExecSpec,
+        _keep: super::KeepFor,
+        _opts: StartOptions,
+    ) -> BoxFuture<'_, Result<Arc<dyn super::KeptRunner>, ErrorBody>> {
+        Box::pin(async move {
+            let kept = self.keep_local()?;
+            Ok(Arc::new(kept) as Arc<dyn super::KeptRunner>)
+        })
     }
 
     /// Profiles are the configured names (`default` always).

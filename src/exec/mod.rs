@@ -21,6 +21,7 @@ pub mod kube;
 pub mod local;
 pub mod reaper;
 pub mod remote;
+pub mod steps;
 
 use std::collections::BTreeMap;
 use std::pin::Pin;
@@ -63,6 +64,11 @@ pub struct ExecSpec {
     pub owner: Option<String>,
     /// The request's `cache_scope` (see [`cache`]).
     pub cache_scope: Option<String>,
+    /// Only for a backend that [`Executor::forwards_sessions`] (a remote gateway): the
+    /// session to run in there, already made unique per caller. Other backends get sessions
+    /// as a [`KeptRunner`] instead.
+    pub session: Option<String>,
+    pub session_busy: Option<crate::contract::SessionBusy>,
 }
 
 /// What a caller hands a backend besides the spec: the cancellation token, where to report
@@ -118,6 +124,48 @@ impl Progress {
     }
 }
 
+/// Whom a kept runner belongs to and until when. Backends that make objects (a session's
+/// pod) label them with it, so that any gateway replica finds the runner by its labels and
+/// the reaper deletes it once it expired, even after the gateway that made it was killed.
+#[derive(Debug, Clone)]
+pub struct KeepFor {
+    /// A hash of the owner's identity (never the identity itself: labels are readable).
+    pub owner: String,
+    /// A hash of the session's name and owner.
+    pub name: String,
+    /// When the runner must be gone at the latest (its maximum lifetime), whatever happens
+    /// to the gateway.
+    pub expires_at: std::time::SystemTime,
+}
+
+/// A runner that lives across commands ("one runner, many execs"): a session's, or the one
+/// runner of a multi-step run. Each command in it has the same contract as
+/// [`Executor::start`]: its own timeout, kill and exactly one terminal event; killing a
+/// command leaves the runner.
+pub trait KeptRunner: Send + Sync + 'static {
+    /// Where its commands run (the backend, host or pod).
+    fn context(&self) -> RunContext;
+
+    /// Starts a command in the runner. With a workspace, `sync_tree` brings the runner's
+    /// tree to the workspace's manifest first (for the paths it covers; other paths, such as
+    /// build outputs, stay); without it the tree is used as it is (the later steps of a
+    /// multi-step run).
+    fn start(
+        &self,
+        spec: ExecSpec,
+        opts: StartOptions,
+        sync_tree: bool,
+    ) -> BoxFuture<'_, Result<Execution, ErrorBody>>;
+
+    /// Whether the runner is still there: `Err(reason)` when it was lost (pod evicted or
+    /// deleted, node gone, directory removed).
+    fn check(&self) -> BoxFuture<'_, Result<(), String>>;
+
+    /// Releases the runner (kills what still runs, deletes the pod or directory). Called
+    /// once; the runner is not used afterwards.
+    fn close(&self) -> BoxFuture<'_, ()>;
+}
+
 /// A backend that runs commands.
 pub trait Executor: Send + Sync + 'static {
     /// The backend's name as reported in `started` contexts: `local`, `kubernetes`, `remote`.
@@ -151,6 +199,37 @@ pub trait Executor: Send + Sync + 'static {
     /// enforces the timeout itself (a remote gateway).
     fn timeout_slack(&self) -> Duration {
         Duration::ZERO
+    }
+
+    /// Makes a runner that lives across commands, from `spec`'s profile (a session's first
+    /// call). `Err` when the backend cannot keep runners.
+    fn keep(
+        &self,
+        _spec: &ExecSpec,
+        _keep: KeepFor,
+        _opts: StartOptions,
+    ) -> BoxFuture<'_, Result<std::sync::Arc<dyn KeptRunner>, ErrorBody>> {
+        Box::pin(async move {
+            Err(ErrorBody::new(
+                ErrorCode::InvalidRequest,
+                format!(
+                    "the {} backend does not keep runners across calls (sessions, steps)",
+                    self.name()
+                ),
+            ))
+        })
+    }
+
+    /// Whether [`Executor::keep`] can make runners that live across commands (sessions and
+    /// multi-step runs).
+    fn keeps_runners(&self) -> bool {
+        false
+    }
+
+    /// Whether sessions are the backend's to keep (a remote gateway keeps them: the session
+    /// name goes along in [`ExecSpec::session`]) rather than this gateway's.
+    fn forwards_sessions(&self) -> bool {
+        false
     }
 
     /// Called once at shutdown after every execution was cancelled: release what is left.
@@ -317,7 +396,8 @@ impl Execution {
         &self.context
     }
 
-    /// For a backend that learns more about the run after its start (its caches).
+    /// For a backend that learns more about the run after its start (its caches), and for
+    /// whoever wraps a backend's execution and knows more (the session it ran in).
     pub fn context_mut(&mut self) -> &mut RunContext {
         &mut self.context
     }

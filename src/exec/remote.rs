@@ -102,6 +102,64 @@ impl RemoteExecutor {
         )
     }
 
+    /// The gateway's URL for `tail` (`/sessions`), beside its `/raw`.
+    fn beside(&self, tail: &str) -> reqwest::Url {
+        let mut u = self.url.clone();
+        let path = format!(
+            "{}{tail}",
+            u.path().trim_end_matches('/').trim_end_matches("/raw")
+        );
+        u.set_path(&path);
+        u
+    }
+
+    /// Sends `builder` (with the token) and reads a JSON answer, or the gateway's error.
+    async fn call_json<T: serde::de::DeserializeOwned>(
+        &self,
+        mut builder: reqwest::RequestBuilder,
+        url: &reqwest::Url,
+    ) -> Result<Option<T>, ErrorBody> {
+        if let Some(token) = &self.token {
+            builder = builder.bearer_auth(token);
+        }
+        let resp = builder.send().await.map_err(|e| {
+            ErrorBody::new(
+                ErrorCode::GatewayUnreachable,
+                format!("cannot reach the gateway at {url}: {}", error_chain(&e)),
+            )
+        })?;
+        let status = resp.status();
+        let body = resp.text().await.unwrap_or_default();
+        if !status.is_success() {
+            return Err(ErrorBody::from_answer(status, &body));
+        }
+        if status == reqwest::StatusCode::NO_CONTENT {
+            return Ok(None);
+        }
+        serde_json::from_str(&body).map(Some).map_err(|e| {
+            ErrorBody::new(
+                ErrorCode::ProtocolError,
+                format!("the gateway's answer from {url} is not what was expected: {e}"),
+            )
+        })
+    }
+
+    /// `GET /sessions`: the caller's open sessions.
+    pub async fn sessions(&self) -> Result<crate::contract::SessionList, ErrorBody> {
+        let url = self.beside("/sessions");
+        let list = self.call_json(self.client.get(url.clone()), &url).await?;
+        Ok(list.unwrap_or_default())
+    }
+
+    /// `DELETE /sessions/{name}`: ends one of the caller's sessions.
+    pub async fn end_session(&self, name: &str) -> Result<(), ErrorBody> {
+        crate::contract::check_session_name(name)?;
+        let url = self.beside(&format!("/sessions/{name}"));
+        self.call_json::<serde_json::Value>(self.client.delete(url.clone()), &url)
+            .await?;
+        Ok(())
+    }
+
     /// Sends a request and returns once the gateway reported `started`.
     pub async fn run(
         &self,
@@ -335,6 +393,8 @@ impl Executor for RemoteExecutor {
                 timeout_secs: Some(spec.timeout.as_secs().max(1)),
                 profile: spec.profile,
                 cache_scope: spec.cache_scope,
+                session: spec.session,
+                session_busy: spec.session_busy,
                 ..RunRequest::default()
             };
             self.run_with(&req, opts).await
@@ -346,6 +406,11 @@ impl Executor for RemoteExecutor {
     }
 
     /// Workspaces are forwarded: uploaded from this gateway's cache to the upstream one.
+    /// The remote gateway keeps the sessions (see [`crate::session`]).
+    fn forwards_sessions(&self) -> bool {
+        true
+    }
+
     fn supports_workspaces(&self) -> bool {
         true
     }

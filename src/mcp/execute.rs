@@ -41,6 +41,9 @@ pub struct Ran {
     pub filtered: Option<(Filtered, Filtered)>,
     /// Where the full output can be read, when the store kept it.
     pub recording: Option<Arc<Recording>>,
+    /// A multi-step run's template per step (its steps are filtered one by one); empty
+    /// without a template.
+    pub step_templates: Vec<Template>,
 }
 
 /// Why a call produced no run.
@@ -87,7 +90,16 @@ pub async fn execute(
         rx
     });
     let io = RunIo { progress, stdin };
-    // `auto` picks by the command line here, or by the output as it streams.
+    // `auto` picks by the command line here, or by the output as it streams; a multi-step
+    // run's steps each by their own command line.
+    let step_templates: Vec<Template> = match &call.template {
+        Some(t) => req
+            .steps
+            .iter()
+            .map(|s| t.for_command(&s.executable, &s.args))
+            .collect(),
+        None => Vec::new(),
+    };
     let template = call
         .template
         .map(|t| t.for_command(&req.executable, &req.args));
@@ -163,6 +175,7 @@ pub async fn execute(
         collected,
         filtered,
         recording,
+        step_templates,
     })
 }
 

@@ -43,6 +43,15 @@ use store::{Missing, OutputStore, StoreLimits};
 /// The one built-in tool.
 pub const TOOL: &str = "run_network_tool";
 
+/// The tool that ends one of the caller's sessions (served when sessions are on).
+pub const END_SESSION_TOOL: &str = "end_session";
+
+/// The resource listing the caller's open sessions.
+pub const SESSIONS_URI: &str = "mcp-run://sessions";
+
+/// What the `session` argument says to an agent.
+const SESSION_HELP: &str = "Run in the runner of this named session instead of a fresh one: what earlier calls wrote stays (target/, node_modules/, .venv/, caches, /tmp), so rebuilds are incremental. For an edit-build-test loop pass the same name (e.g. \"build\") on every call; the first call opens the session. Calls of one session run one at a time. It ends after it was idle for its TTL, or with the tool `end_session`; `mcp-run://sessions` lists yours. Omit it for a run that must start clean.";
+
 /// The tool's output schema: derived once, not on every tools/list and tools/call.
 static OUTPUT_SCHEMA: std::sync::LazyLock<Map<String, Value>> =
     std::sync::LazyLock::new(schema::run_output);
@@ -61,6 +70,8 @@ pub struct McpService {
     /// `template_dir`, reloaded after a TTL.
     templates: Arc<crate::templates::TemplateStore>,
     template_dir: std::path::PathBuf,
+    /// The session of calls that name none (`mcp-run stdio --session NAME`).
+    default_session: Option<String>,
 }
 
 impl McpService {
@@ -85,7 +96,88 @@ impl McpService {
             tools: Arc::new(Vec::new()),
             templates: Arc::new(crate::templates::TemplateStore::default()),
             template_dir: std::env::current_dir().unwrap_or_else(|_| "/".into()),
+            default_session: None,
         }
+    }
+
+    /// Runs every call that names no session in the session `name` (`mcp-run stdio
+    /// --session NAME`: one runner for the client's lifetime).
+    pub fn with_default_session(mut self, name: Option<String>) -> Self {
+        self.default_session = name;
+        self
+    }
+
+    /// Whether calls may name a session (kept here, or by the remote gateway).
+    fn sessions_on(&self) -> bool {
+        self.runner.sessions().is_some() || self.runner.executor().forwards_sessions()
+    }
+
+    /// The tool `end_session`.
+    fn end_session_tool(&self) -> Tool {
+        let input = serde_json::json!({
+            "type": "object",
+            "properties": {"name": {"type": "string", "minLength": 1, "maxLength": crate::contract::MAX_SESSION_NAME,
+                "description": "The session to end (the `session` you passed to run_network_tool)."}},
+            "required": ["name"],
+            "additionalProperties": false
+        });
+        let mut tool = Tool::new(
+            END_SESSION_TOOL,
+            "End one of your sessions of run_network_tool: its running call is killed and its runner (directory or pod, with everything calls wrote) is deleted. Do it when your build loop is done; idle sessions also end by themselves after their TTL.",
+            as_object(input),
+        );
+        tool.annotations = Some(
+            ToolAnnotations::with_title("End an mcp-run session")
+                .read_only(false)
+                .destructive(true)
+                .idempotent(true)
+                .open_world(false),
+        );
+        tool
+    }
+
+    fn end_session(
+        &self,
+        arguments: Option<Map<String, Value>>,
+        context: &RequestContext<RoleServer>,
+    ) -> CallToolResult {
+        let caller = crate::auth::mcp_caller(&context.extensions)
+            .unwrap_or_else(|| crate::auth::Caller::local("stdio"));
+        let name = arguments
+            .as_ref()
+            .and_then(|a| a.get("name"))
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
+        if let Err(e) = crate::contract::check_session_name(&name) {
+            return error_result(&e);
+        }
+        let Some(sessions) = self.runner.sessions() else {
+            return error_result(&ErrorBody::new(
+                ErrorCode::InvalidRequest,
+                "this server keeps no sessions itself (sessions are off, or its backend keeps them: end them there)",
+            ));
+        };
+        match sessions.end(&caller, &name) {
+            Ok(()) => CallToolResult::success(vec![rmcp::model::ContentBlock::text(format!(
+                "session {name:?} ended"
+            ))]),
+            Err(e) => error_result(&e),
+        }
+    }
+
+    /// The caller's open sessions as JSON.
+    fn sessions_json(&self, context: &RequestContext<RoleServer>) -> String {
+        let caller = crate::auth::mcp_caller(&context.extensions)
+            .unwrap_or_else(|| crate::auth::Caller::local("stdio"));
+        let list = crate::contract::SessionList {
+            sessions: self
+                .runner
+                .sessions()
+                .map(|s| s.list(&caller))
+                .unwrap_or_default(),
+        };
+        serde_json::to_string_pretty(&list).unwrap_or_default()
     }
 
     /// Takes output templates from this store, configured for this directory (the
@@ -142,7 +234,10 @@ impl McpService {
             }
         };
         let req = match t.request(&arguments.unwrap_or_default()) {
-            Ok(r) => r,
+            Ok(mut r) => {
+                r.session = self.default_session.clone();
+                r
+            }
             Err(e) => {
                 return error_result(&ErrorBody::new(
                     ErrorCode::InvalidRequest,
@@ -197,8 +292,23 @@ impl McpService {
             props.remove("workspace");
             props.remove("sync_back");
         }
+        if self.sessions_on() {
+            input["properties"]["session"] = serde_json::json!({
+                "type": "string", "minLength": 1, "maxLength": crate::contract::MAX_SESSION_NAME,
+                "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                "description": SESSION_HELP
+            });
+        } else if let Some(p) = input.get_mut("properties").and_then(Value::as_object_mut) {
+            p.remove("session");
+            p.remove("session_busy");
+        }
+        let session_hint = if self.sessions_on() {
+            " For a build or test loop, pass the same `session` name on every call: the runner and its build outputs stay warm between calls."
+        } else {
+            ""
+        };
         let description = format!(
-            "Run a command and get its stdout, stderr and exit code. {} Limits: timeout up to {} s (default {} s); no TTY; the result carries up to {} characters of output (head and tail kept, each cut marked), and the full output stays readable as a resource (mcp-run://runs/{{id}}/stdout, with ?lines=, ?bytes= or ?grep=) for {} s.",
+            "Run a command and get its stdout, stderr and exit code.{session_hint} {} Limits: timeout up to {} s (default {} s); no TTY; the result carries up to {} characters of output (head and tail kept, each cut marked), and the full output stays readable as a resource (mcp-run://runs/{{id}}/stdout, with ?lines=, ?bytes= or ?grep=) for {} s.",
             caps.where_line(),
             caps.limits.max_timeout_secs,
             caps.limits.default_timeout_secs,
@@ -286,8 +396,13 @@ impl McpService {
         if let Some(unknown) = self.unknown_argument(&arguments) {
             return error_result(&ErrorBody::new(ErrorCode::InvalidRequest, unknown));
         }
-        let req: RunRequest = match serde_json::from_value(Value::Object(arguments)) {
-            Ok(r) => r,
+        let req: RunRequest = match serde_json::from_value::<RunRequest>(Value::Object(arguments)) {
+            Ok(mut r) => {
+                if r.session.is_none() {
+                    r.session = self.default_session.clone();
+                }
+                r
+            }
             Err(e) => {
                 return error_result(&ErrorBody::new(
                     ErrorCode::InvalidRequest,
@@ -444,12 +559,18 @@ impl ServerHandler for McpService {
     ) -> Result<ListToolsResult, McpError> {
         let mut tools = vec![self.tool()];
         tools.extend(self.tools.iter().map(|t| self.cli_tool(t)));
+        if self.runner.sessions().is_some() {
+            tools.push(self.end_session_tool());
+        }
         Ok(ListToolsResult::with_all_items(tools))
     }
 
     fn get_tool(&self, name: &str) -> Option<Tool> {
         if name == TOOL {
             return Some(self.tool());
+        }
+        if name == END_SESSION_TOOL && self.runner.sessions().is_some() {
+            return Some(self.end_session_tool());
         }
         self.tools
             .iter()
@@ -466,6 +587,9 @@ impl ServerHandler for McpService {
             let t = t.clone();
             let r = self.run_cli_tool(&t, request.arguments, context).await;
             return Ok(self.redact_error(r).into());
+        }
+        if request.name == END_SESSION_TOOL && self.runner.sessions().is_some() {
+            return Ok(self.end_session(request.arguments, &context).into());
         }
         if request.name != TOOL {
             return Err(self.redact_mcp_error(McpError::invalid_params(
@@ -488,6 +612,14 @@ impl ServerHandler for McpService {
                 .with_description("Where commands run (backend, namespace, profiles, images), the limits, the policy and the templates on offer.")
                 .with_mime_type("application/json"),
         ];
+        if self.runner.sessions().is_some() {
+            list.push(
+                Resource::new(SESSIONS_URI, "sessions")
+                    .with_title("Your open mcp-run sessions")
+                    .with_description("Your open sessions of run_network_tool: name, profile, calls, idle time, when each expires, where it runs.")
+                    .with_mime_type("application/json"),
+            );
+        }
         // The caller's most recent kept outputs.
         if let Some(store) = &self.store {
             let caller = crate::auth::mcp_caller(&context.extensions)
@@ -536,6 +668,12 @@ impl ServerHandler for McpService {
                 .read_output(&request.uri, &context)
                 .map(Into::into)
                 .map_err(|e| self.redact_mcp_error(e));
+        }
+        if request.uri == SESSIONS_URI && self.runner.sessions().is_some() {
+            let text = self.sessions_json(&context);
+            return Ok(
+                ReadResourceResult::new(vec![ResourceContents::text(text, SESSIONS_URI)]).into(),
+            );
         }
         if request.uri != RESOURCE_URI {
             return Err(self.redact_mcp_error(McpError::resource_not_found(

@@ -104,6 +104,10 @@ pub fn texts(ran: &Ran, budget: usize) -> Texts {
 /// structured content, both bounded by `budget`; `isError` unless the command exited 0.
 pub fn run_result(tool: &str, req: &RunRequest, ran: &Ran, budget: usize) -> CallToolResult {
     let mut r = StructuredResult::from_run(tool, req, &ran.collected);
+    if !ran.collected.steps.is_empty() {
+        steps_texts(&mut r, ran, budget);
+        return finish(r);
+    }
     let t = texts(ran, budget);
     if let Some(o) = r.outputs.first_mut() {
         o.stdout = t.stdout;
@@ -112,6 +116,54 @@ pub fn run_result(tool: &str, req: &RunRequest, ran: &Ran, budget: usize) -> Cal
         o.full_output = t.full;
     }
     finish(r)
+}
+
+/// A multi-step run's outputs within `budget`: each step's streams get an equal share, each
+/// filtered by the call's template on its own (the step's exit code decides what a failure
+/// keeps). The full output of all steps together stays readable as the run's resources.
+fn steps_texts(r: &mut StructuredResult, ran: &Ran, budget: usize) {
+    let steps = &ran.collected.steps;
+    let share = (budget / (2 * steps.len().max(1))).max(200);
+    let mut cut = false;
+    for (step, (o, s)) in r.outputs.iter_mut().zip(steps).enumerate() {
+        let code = s.exit.filter(|e| !e.timed_out).and_then(|e| e.code);
+        let mut texts = [String::new(), String::new()];
+        for (i, capture) in [&s.stdout, &s.stderr].into_iter().enumerate() {
+            let (text, was_cut) = match ran.step_templates.get(step) {
+                Some(t) => {
+                    let (whole, _) = capture.text();
+                    let mut f = crate::templates::StreamFilter::new(t);
+                    f.push(whole.as_bytes());
+                    let filtered = f.finish(code, None);
+                    excerpt(&filtered.output, None, share, |a, b| {
+                        format!("[... mcp-run: {} bytes of the filtered step output left out ...]", b - a)
+                    })
+                }
+                None => capture.excerpt(share, |a, b| {
+                    format!(
+                        "[... mcp-run: bytes {a}-{b} of this step's output ({} of {}) left out ...]",
+                        b - a,
+                        capture.total()
+                    )
+                }),
+            };
+            cut |= was_cut;
+            texts[i] = text;
+        }
+        let [stdout, stderr] = texts;
+        o.stdout = stdout;
+        o.stderr = stderr;
+        o.truncated |= cut;
+    }
+    if let (true, Some(rec), Some(last)) = (cut, &ran.recording, r.outputs.last_mut()) {
+        last.full_output = Some(FullOutput {
+            stdout_uri: rec.uri(Stream::Stdout),
+            stdout_bytes: rec.total(Stream::Stdout),
+            stderr_uri: rec.uri(Stream::Stderr),
+            stderr_bytes: rec.total(Stream::Stderr),
+            how: format!("{HOW_TO_READ} (every step's output, in order)"),
+        });
+    }
 }
 
 /// A tool result from a structured result.

@@ -109,7 +109,13 @@ fn not_null(v: &mut Value) {
 /// The input schema of `run_network_tool`: [`RunRequest`]'s, with the profiles as an enum,
 /// the timeout bounded, and MCP's own arguments (`template`, `stdin`, `result_chars`).
 pub fn run_input(x: &InputExtras) -> Map<String, Value> {
-    let mut raw = serde_json::to_value(schemars::schema_for!(RunRequest)).unwrap_or_default();
+    // Inlined (no `$defs`/`$ref` for `steps` and `session_busy`): some clients do not
+    // resolve references in tool schemas.
+    let schema = schemars::generate::SchemaSettings::draft2020_12()
+        .with(|s| s.inline_subschemas = true)
+        .into_generator()
+        .into_root_schema_for::<RunRequest>();
+    let mut raw = serde_json::to_value(schema).unwrap_or_default();
     if let Some(props) = raw.get_mut("properties").and_then(Value::as_object_mut) {
         props.values_mut().for_each(not_null);
     }
@@ -136,7 +142,7 @@ pub fn run_input(x: &InputExtras) -> Map<String, Value> {
     };
     set(
         "executable",
-        json!({"minLength": 1, "description": "The program to run, looked up in the runner's PATH (or an absolute path). Not a shell command line: pass arguments in `args`, and use executable `sh` with args [\"-c\", \"...\"] when you need a shell."}),
+        json!({"minLength": 1, "description": "The program to run, looked up in the runner's PATH (or an absolute path). Not a shell command line: pass arguments in `args`, and use executable `sh` with args [\"-c\", \"...\"] when you need a shell. Required unless `steps` is given."}),
     );
     set(
         "timeout_secs",
@@ -154,6 +160,10 @@ pub fn run_input(x: &InputExtras) -> Map<String, Value> {
     set(
         "sync_back",
         json!({"description": "With `workspace`: globs (relative to its root; `*` within a path component, `**` across) of the files to report back when the command created or changed them."}),
+    );
+    set(
+        "steps",
+        json!({"maxItems": crate::contract::MAX_STEPS, "description": "Several commands to run in order in one runner (one pod), in place of `executable` and `args`; each step's cwd, env and timeout_secs default to the call's. The run stops at the first failing step unless `continue_on_error`; the result has one `outputs` entry per step that ran."}),
     );
     props.insert(
         "template".into(),
@@ -221,7 +231,8 @@ mod tests {
         let s = Value::Object(run_input(&extras()));
         assert_eq!(s["type"], "object");
         assert_eq!(s["additionalProperties"], false);
-        assert_eq!(s["required"], json!(["executable"]));
+        // `executable` or `steps`: the server says which is missing.
+        assert!(s.get("required").is_none(), "{s}");
         let p = &s["properties"];
         // Every RunRequest field is there, from the contract.
         for f in [
@@ -240,6 +251,8 @@ mod tests {
         assert_eq!(p["template"]["enum"], json!(["cargo-test"]));
         assert_eq!(p["result_chars"]["maximum"], 100_000);
         assert!(s.get("$schema").is_none());
+        assert!(!s.to_string().contains("$ref"), "{s}");
+        assert_eq!(p["steps"]["items"]["required"], json!(["executable"]));
         jsonschema::meta::validate(&s).unwrap();
     }
 

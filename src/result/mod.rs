@@ -60,6 +60,15 @@ pub struct ExecutionContext {
     pub workspace: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub workspace_version: Option<String>,
+    /// The session the command ran in, and which call of it this was (1: it opened it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_call: Option<u64>,
+    /// For a multi-step run: how many steps it asked for (`outputs` has one entry per step
+    /// that started).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub steps: Option<usize>,
 }
 
 /// One command's captured result.
@@ -199,6 +208,19 @@ pub struct Collected {
     pub error: Option<ErrorBody>,
     pub started_at: String,
     pub duration: Duration,
+    /// A multi-step run's steps, in order (empty for a single command, whose output is
+    /// `stdout` and `stderr`).
+    pub steps: Vec<CollectedStep>,
+}
+
+/// One step of a multi-step run as collected.
+#[derive(Debug)]
+pub struct CollectedStep {
+    pub command: String,
+    pub stdout: Capture,
+    pub stderr: Capture,
+    pub exit: Option<ExitInfo>,
+    pub started_at: String,
 }
 
 /// Which stream a chunk came from.
@@ -220,15 +242,34 @@ pub async fn collect(
     let context = execution.context().clone();
     let (mut stdout, mut stderr) = (Capture::new(cap), Capture::new(cap));
     let (mut exit, mut error) = (None, None);
+    let mut steps: Vec<CollectedStep> = Vec::new();
     while let Some(event) = execution.next().await {
         match event {
             Event::Stdout { data } => {
                 on_output(Stream::Stdout, &data);
-                stdout.push(&data);
+                match steps.last_mut() {
+                    Some(s) => s.stdout.push(&data),
+                    None => stdout.push(&data),
+                }
             }
             Event::Stderr { data } => {
                 on_output(Stream::Stderr, &data);
-                stderr.push(&data);
+                match steps.last_mut() {
+                    Some(s) => s.stderr.push(&data),
+                    None => stderr.push(&data),
+                }
+            }
+            Event::Step { command, .. } => steps.push(CollectedStep {
+                command,
+                stdout: Capture::new(cap),
+                stderr: Capture::new(cap),
+                exit: None,
+                started_at: k8s_openapi::jiff::Timestamp::now().to_string(),
+            }),
+            Event::StepExit { exit: info, .. } => {
+                if let Some(s) = steps.last_mut() {
+                    s.exit = Some(info);
+                }
             }
             Event::Exit(info) => exit = Some(info),
             Event::Error { code, message } => error = Some(ErrorBody::new(code, message)),
@@ -243,6 +284,7 @@ pub async fn collect(
         error,
         started_at,
         duration: started.elapsed(),
+        steps,
     }
 }
 
@@ -262,11 +304,97 @@ impl StructuredResult {
             cwd: req.cwd.clone(),
             workspace: ctx.workspace,
             workspace_version: ctx.workspace_version,
+            session: ctx.session,
+            session_call: ctx.session_call,
+            steps: (!req.steps.is_empty()).then_some(req.steps.len()),
+        }
+    }
+
+    /// The result of a multi-step run that started: one output per step that started.
+    fn from_steps(tool: &str, req: &RunRequest, run: &Collected) -> Self {
+        let mut context = Self::context_for(tool, req, Some(&run.context));
+        context.steps = Some(req.steps.len());
+        let outputs: Vec<CommandOutput> = run
+            .steps
+            .iter()
+            .map(|s| {
+                let (stdout, t1) = s.stdout.text();
+                let (stderr, t2) = s.stderr.text();
+                let exit = s.exit.unwrap_or_default();
+                CommandOutput {
+                    command: s.command.clone(),
+                    stdout,
+                    stderr,
+                    exit_code: s.exit.and_then(|e| e.code),
+                    signal: s.exit.and_then(|e| e.signal),
+                    duration_ms: exit.duration_ms,
+                    started_at: s.started_at.clone(),
+                    truncated: t1 || t2,
+                    timed_out: exit.timed_out,
+                    full_output: None,
+                }
+            })
+            .collect();
+        let all_ran = outputs.len() == req.steps.len();
+        let success = run.error.is_none()
+            && all_ran
+            && run
+                .steps
+                .iter()
+                .all(|s| s.exit.is_some_and(|e| e.success()));
+        let error = run
+            .error
+            .as_ref()
+            .map(|e| format!("{}: {}", e.code, e.message));
+        let failed = run
+            .steps
+            .iter()
+            .position(|s| !s.exit.is_some_and(|e| e.success()));
+        let how = match (&run.error, failed) {
+            (Some(e), _) => format!("failed: {}", e.message),
+            (None, None) if all_ran => "all succeeded".to_owned(),
+            (None, None) => "stopped".to_owned(),
+            (None, Some(i)) => {
+                let e = run.steps[i].exit.unwrap_or_default();
+                let what = match (e.timed_out, e.code, e.signal) {
+                    (true, _, _) => "timed out".to_owned(),
+                    (_, Some(c), _) => format!("exited {c}"),
+                    (_, None, Some(sig)) => format!("was killed by signal {sig}"),
+                    _ => "ended without an exit status".to_owned(),
+                };
+                let rest = if all_ran {
+                    String::new()
+                } else {
+                    format!(
+                        "; steps {} to {} did not run",
+                        outputs.len() + 1,
+                        req.steps.len()
+                    )
+                };
+                format!("step {} `{}` {what}{rest}", i + 1, run.steps[i].command)
+            }
+        };
+        let summary = format!(
+            "{} steps: {how} in {} ms {}",
+            req.steps.len(),
+            run.duration.as_millis(),
+            where_line(&context)
+        );
+        Self {
+            total_duration_ms: run.duration.as_millis() as u64,
+            context,
+            outputs,
+            success,
+            summary,
+            error,
         }
     }
 
     /// The result of a run that started.
     pub fn from_run(tool: &str, req: &RunRequest, run: &Collected) -> Self {
+        if !req.steps.is_empty() {
+            return Self::from_steps(tool, req, run);
+        }
         let context = Self::context_for(tool, req, Some(&run.context));
         let (stdout, t1) = run.stdout.text();
         let (stderr, t2) = run.stderr.text();
@@ -358,7 +486,12 @@ impl StructuredResult {
             "✓ Success".to_string()
         } else if let Some(e) = &self.error {
             format!("✗ Failed: {e}")
-        } else if let Some(o) = self.outputs.first() {
+        } else if let Some(o) = self
+            .outputs
+            .iter()
+            .find(|o| o.exit_code != Some(0) || o.timed_out)
+            .or(self.outputs.first())
+        {
             match (o.exit_code, o.signal, o.timed_out) {
                 (_, _, true) => "✗ Timed out".to_string(),
                 (Some(c), _, _) => format!("✗ Failed (exit code {c})"),
@@ -370,8 +503,17 @@ impl StructuredResult {
         };
         md.push_str(&format!("**Status:** {status}\n"));
         md.push_str(&format!("**Duration:** {}ms\n\n", self.total_duration_ms));
-        for o in &self.outputs {
-            md.push_str(&format!("### `{}` ({}ms)\n\n", o.command, o.duration_ms));
+        for (i, o) in self.outputs.iter().enumerate() {
+            if self.context.steps.is_some() {
+                md.push_str(&format!(
+                    "### Step {}: `{}` ({}ms)\n\n",
+                    i + 1,
+                    o.command,
+                    o.duration_ms
+                ));
+            } else {
+                md.push_str(&format!("### `{}` ({}ms)\n\n", o.command, o.duration_ms));
+            }
             for (title, text) in [("Output", &o.stdout), ("Errors", &o.stderr)] {
                 if text.is_empty() {
                     continue;
@@ -415,7 +557,7 @@ fn fence_for(text: &str) -> String {
 
 /// "on pod P on node N (namespace S, image I)" or "on host H".
 fn where_line(c: &ExecutionContext) -> String {
-    match (&c.pod, &c.host) {
+    let place = match (&c.pod, &c.host) {
         (Some(pod), _) => {
             let mut s = format!("on pod `{pod}`");
             if let Some(n) = &c.node {
@@ -436,6 +578,11 @@ fn where_line(c: &ExecutionContext) -> String {
         (None, Some(host)) => format!("on host `{host}` ({} backend)", c.backend),
         (None, None) if !c.backend.is_empty() => format!("on the {} backend", c.backend),
         _ => "nowhere (it did not start)".into(),
+    };
+    match (&c.session, c.session_call) {
+        (Some(name), Some(1)) => format!("{place}, in session `{name}` (opened by this call)"),
+        (Some(name), Some(n)) => format!("{place}, in session `{name}` (call {n})"),
+        _ => place,
     }
 }
 
@@ -505,6 +652,7 @@ mod tests {
             error: None,
             started_at: "2026-11-23T10:00:00Z".into(),
             duration: Duration::from_millis(50),
+            steps: Vec::new(),
         }
     }
 

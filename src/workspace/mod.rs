@@ -11,6 +11,7 @@
 pub mod client;
 pub mod config;
 pub mod jsoncap;
+pub mod kept;
 pub mod local;
 pub mod manifest;
 pub mod results;

@@ -99,6 +99,9 @@ impl Executor for SyncedRemote {
                 workspace: Some(self.sync().await?),
                 sync_back: Vec::new(),
                 cache_scope: spec.cache_scope,
+                session: spec.session,
+                session_busy: spec.session_busy,
+                ..RunRequest::default()
             };
             match self.remote.run(&req, opts.cancel.clone()).await {
                 // Evicted between the sync and the run (or another replica): once more.
@@ -113,6 +116,10 @@ impl Executor for SyncedRemote {
 
     fn timeout_slack(&self) -> Duration {
         self.remote.timeout_slack()
+    }
+
+    fn forwards_sessions(&self) -> bool {
+        true
     }
 
     fn capabilities(&self) -> BoxFuture<'_, crate::capabilities::BackendCapabilities> {
@@ -153,6 +160,9 @@ pub async fn forward(
         workspace: Some(client.sync(&walked).await?.workspace),
         sync_back: run.sync_back.clone(),
         cache_scope: spec.cache_scope,
+        session: spec.session,
+        session_busy: spec.session_busy,
+        ..RunRequest::default()
     };
     let inner = match remote.run_with(&req, opts).await {
         // Evicted upstream between the sync and the run: once more (the first attempt took

@@ -1,0 +1,282 @@
+//! A session's tree (the local backend): brought to each call's manifest for the paths the
+//! manifest covers, everything else left alone, so that build outputs (`target/`,
+//! `node_modules/`, `.venv/`) stay between calls.
+//!
+//! Unlike [`super::trees`], which makes a tree hold exactly the manifest, a kept tree only:
+//! writes the manifest's files that are missing or differ, removes the files an earlier
+//! manifest had and this one has not (a file deleted in the caller's checkout), and never
+//! touches a path no manifest named. A file is known intact by the `lstat` recorded when it
+//! was written (as git's index does, see [`super::trees`] for the racy-clock argument), so an
+//! unchanged rerun writes nothing.
+//!
+//! Safety as for a fresh tree: nothing is written through a symlink. Every parent directory
+//! of a path is checked with `lstat` from the root down, and a symlink or file in the way
+//! (a command may have put one there) is removed and replaced by a real directory; the
+//! destination itself is removed before it is written. Only the gateway writes while the
+//! tree syncs: a session's calls run one at a time and a call's processes are killed when
+//! it ends.
+
+use std::collections::HashMap;
+use std::os::unix::fs::{DirBuilderExt as _, MetadataExt as _, PermissionsExt as _};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use super::WorkspaceRun;
+use super::manifest::{EntryKind, ManifestEntry};
+use crate::contract::{ErrorBody, ErrorCode};
+
+/// Mode of the directories the sync makes.
+const DIR_MODE: u32 = 0o755;
+
+/// What a sync did (logged at debug level; tests read it).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KeptSync {
+    pub kept: usize,
+    pub written: usize,
+    pub removed: usize,
+}
+
+/// One file or symlink as written: what it is and its `lstat` right after.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Record {
+    kind: EntryKind,
+    mode: u32,
+    /// Files: the content's hash; symlinks: the target.
+    what: String,
+    stamp: Stamp,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Stamp {
+    dev: u64,
+    ino: u64,
+    mode: u32,
+    nlink: u64,
+    size: u64,
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+}
+
+impl Stamp {
+    fn of(m: &std::fs::Metadata) -> Self {
+        Self {
+            dev: m.dev(),
+            ino: m.ino(),
+            mode: m.mode(),
+            nlink: m.nlink(),
+            size: m.size(),
+            mtime: (m.mtime(), m.mtime_nsec()),
+            ctime: (m.ctime(), m.ctime_nsec()),
+        }
+    }
+}
+
+/// A session's tree below `root`, and what the gateway wrote into it.
+#[derive(Debug)]
+pub struct KeptTree {
+    root: PathBuf,
+    written: HashMap<String, Record>,
+}
+
+fn failed(what: &str, e: std::io::Error) -> ErrorBody {
+    ErrorBody::new(
+        ErrorCode::StartFailed,
+        format!("cannot bring the session's tree to the workspace: {what}: {e}"),
+    )
+}
+
+impl KeptTree {
+    /// A tree in `root` (an existing directory that may hold files of earlier calls).
+    pub fn new(root: PathBuf) -> Self {
+        Self {
+            root,
+            written: HashMap::new(),
+        }
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Brings the tree to `run`'s manifest for the paths it covers. Blocking.
+    pub fn sync(&mut self, run: &WorkspaceRun) -> Result<KeptSync, ErrorBody> {
+        let pin = run.store.pin(&run.workspace)?;
+        let entries = &run.workspace.manifest.entries;
+        let mut stats = KeptSync::default();
+        // Files an earlier manifest had and this one has not: deleted in the checkout.
+        let gone: Vec<String> = self
+            .written
+            .keys()
+            .filter(|p| {
+                entries
+                    .binary_search_by(|e| e.path.as_str().cmp(p.as_str()))
+                    .is_err()
+            })
+            .cloned()
+            .collect();
+        for rel in gone {
+            self.written.remove(&rel);
+            if let Some(path) = self.existing_parent(&rel)?
+                && path.symlink_metadata().is_ok()
+            {
+                remove_any(&path).map_err(|e| failed(&rel, e))?;
+                stats.removed += 1;
+            }
+        }
+        let mut newest = None;
+        for e in entries {
+            let dest = self.make_parents(&e.path)?;
+            let now = dest.symlink_metadata().ok();
+            let intact = match (self.written.get(&e.path), &now) {
+                (Some(r), Some(m)) => r.is(e) && r.stamp == Stamp::of(m),
+                _ => false,
+            };
+            if intact {
+                stats.kept += 1;
+                continue;
+            }
+            if now.is_some() {
+                remove_any(&dest).map_err(|err| failed(&e.path, err))?;
+            }
+            let record = self.write(e, &dest, run, &pin)?;
+            newest = newest.max(Some(record.stamp.ctime));
+            self.written.insert(e.path.clone(), record);
+            stats.written += 1;
+        }
+        if !run.cwd.is_empty() {
+            // The command's directory (a trailing `.` makes every component a parent).
+            self.make_parents(&format!("{}/.", run.cwd))?;
+        }
+        if let Some(newest) = newest
+            && !self.settle(newest)?
+        {
+            // The file system's clock did not move on: a later edit could keep the recorded
+            // ctime, so nothing written is trusted (the next sync writes it again).
+            self.written.clear();
+        }
+        Ok(stats)
+    }
+
+    /// The path of `rel` when every parent directory is a real directory, else `None`
+    /// (then nothing of the tree is there to remove).
+    fn existing_parent(&self, rel: &str) -> Result<Option<PathBuf>, ErrorBody> {
+        let mut path = self.root.clone();
+        let parts: Vec<&str> = rel.split('/').collect();
+        for part in &parts[..parts.len() - 1] {
+            path.push(part);
+            match path.symlink_metadata() {
+                Ok(m) if m.is_dir() => {}
+                _ => return Ok(None),
+            }
+        }
+        path.push(parts[parts.len() - 1]);
+        Ok(Some(path))
+    }
+
+    /// Makes `rel`'s parent directories real directories (replacing a symlink or file in the
+    /// way), giving them back their permissions; returns `rel`'s path.
+    fn make_parents(&self, rel: &str) -> Result<PathBuf, ErrorBody> {
+        let mut path = self.root.clone();
+        let parts: Vec<&str> = rel.split('/').collect();
+        for part in &parts[..parts.len() - 1] {
+            path.push(part);
+            match path.symlink_metadata() {
+                Ok(m) if m.is_dir() => {
+                    if m.mode() & 0o700 != 0o700 {
+                        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(DIR_MODE))
+                            .map_err(|e| failed(rel, e))?;
+                    }
+                    continue;
+                }
+                Ok(_) => remove_any(&path).map_err(|e| failed(rel, e))?,
+                Err(_) => {}
+            }
+            std::fs::DirBuilder::new()
+                .mode(DIR_MODE)
+                .create(&path)
+                .map_err(|e| failed(rel, e))?;
+        }
+        if parts[parts.len() - 1] != "." {
+            path.push(parts[parts.len() - 1]);
+        }
+        Ok(path)
+    }
+
+    /// Writes one file or symlink at `dest` (nothing is there) and records its `lstat`.
+    fn write(
+        &self,
+        e: &ManifestEntry,
+        dest: &Path,
+        run: &WorkspaceRun,
+        pin: &super::store::Pinned,
+    ) -> Result<Record, ErrorBody> {
+        let what = match e.kind {
+            EntryKind::File => {
+                let blob = run.store.path_of(pin, &e.hash);
+                // `copy` creates the file (nothing is there, and no other writer runs).
+                std::fs::copy(&blob, dest).map_err(|err| failed(&e.path, err))?;
+                std::fs::set_permissions(dest, std::fs::Permissions::from_mode(e.mode))
+                    .map_err(|err| failed(&e.path, err))?;
+                e.hash.clone()
+            }
+            EntryKind::Symlink => {
+                let target = e.target.clone().unwrap_or_default();
+                std::os::unix::fs::symlink(&target, dest).map_err(|err| failed(&e.path, err))?;
+                target
+            }
+        };
+        let meta = dest
+            .symlink_metadata()
+            .map_err(|err| failed(&e.path, err))?;
+        Ok(Record {
+            kind: e.kind,
+            mode: e.mode,
+            what,
+            stamp: Stamp::of(&meta),
+        })
+    }
+
+    /// Waits until the file system's clock (as it stamps a change of the root) is past
+    /// `newest`; false when it did not move on within 200 ms.
+    fn settle(&self, newest: (i64, i64)) -> Result<bool, ErrorBody> {
+        for _ in 0..200 {
+            std::fs::set_permissions(&self.root, std::fs::Permissions::from_mode(0o700))
+                .map_err(|e| failed("the tree's root", e))?;
+            let m = self
+                .root
+                .symlink_metadata()
+                .map_err(|e| failed("the tree's root", e))?;
+            if (m.ctime(), m.ctime_nsec()) > newest {
+                return Ok(true);
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Ok(false)
+    }
+}
+
+impl Record {
+    fn is(&self, e: &ManifestEntry) -> bool {
+        self.kind == e.kind
+            && match e.kind {
+                EntryKind::File => self.mode == e.mode && self.what == e.hash,
+                EntryKind::Symlink => Some(self.what.as_str()) == e.target.as_deref(),
+            }
+    }
+}
+
+/// Removes a file, symlink (not its target) or directory tree.
+fn remove_any(path: &Path) -> std::io::Result<()> {
+    match path.symlink_metadata() {
+        Ok(m) if m.is_dir() => {
+            super::trees::remove_tree(path);
+            match path.symlink_metadata() {
+                Ok(_) => Err(std::io::Error::other("the directory could not be removed")),
+                Err(_) => Ok(()),
+            }
+        }
+        Ok(_) => std::fs::remove_file(path),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    }
+}
