@@ -680,9 +680,10 @@ fn retry_after_is_honoured_on_every_verb_within_the_budget() {
         &dir,
         "kubernetes:\n  pod_start_timeout_secs: 20\nprofiles:\n  default: {}\n",
     );
+    // Twelve, as a busy API server sent them to a run that a count of attempts failed.
     let storm = [
-        ("create", 2),
-        ("list", 2),
+        ("create", 3),
+        ("list", 4),
         ("watch", 1),
         ("exec", 2),
         ("delete", 2),
@@ -731,7 +732,7 @@ fn retry_after_is_honoured_on_every_verb_within_the_budget() {
         .filter(|r| r.starts_with("POST /api/v1/namespaces/default/pods"))
         .count()
         - creates_before;
-    assert_eq!(creates, 3);
+    assert_eq!(creates, 4);
 }
 
 /// An API server that cannot be reached (connection refused, a name that does not resolve,
@@ -814,4 +815,65 @@ fn an_unreachable_api_server_fails_within_seconds_with_the_cause() {
             "{case}: {log}"
         );
     }
+}
+
+/// Real containers (podman and runc, `DoubleOptions::containers`): a command that the
+/// kernel OOM-kills in a container with a 32Mi limit comes back as `pod_failed` naming
+/// `OOMKilled` and the limit, not as a bare 137. The kill is the kernel's; the pod's status
+/// comes a second after the exec ended, as from a kubelet.
+#[test]
+fn a_real_oom_kill_in_a_real_container_is_pod_failed() {
+    if let Err(why) = kube_double::podman::available() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI installs podman, runc and busybox-static (.ci/install.d/containers.sh): {why}"
+        );
+        eprintln!("SKIPPED: no real containers here: {why}");
+        return;
+    }
+    let double = KubeDouble::start_with(DoubleOptions {
+        containers: true,
+        ..Default::default()
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let gw = gateway_with(
+        &double,
+        &dir,
+        "profiles:\n  default:\n    resources: {limits: {memory: 32Mi}}\n",
+    );
+    // The pod's user and PID 1 are real.
+    let out = run_remote_v(
+        &gw,
+        &["sh", "-c", "id -u; cat /proc/1/cmdline | tr '\\0' ' '"],
+    )
+    .wait_with_output()
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.starts_with("65532\nsleep "), "{stdout}");
+    let out = run_remote_v(
+        &gw,
+        &[
+            "sh",
+            "-c",
+            "x=$(head -c 200000000 /dev/zero | tr '\\0' a); echo survived",
+        ],
+    )
+    .wait_with_output()
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "");
+    assert_eq!(out.status.code(), Some(125), "{stderr}");
+    assert!(
+        stderr.contains("ran out of memory (OOMKilled; memory limit 32Mi) (pod_failed)"),
+        "{stderr}"
+    );
+    assert!(support::wait_until(Duration::from_secs(15), || double
+        .pod_names(NS)
+        .is_empty()));
 }

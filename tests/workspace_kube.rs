@@ -331,21 +331,49 @@ async fn busybox_images_take_workspaces_and_images_without_tar_or_shell_say_so()
     if !std::path::Path::new(kube_double::BUSYBOX).exists() {
         assert!(
             std::env::var_os("CI").is_none(),
-            "CI installs busybox (.ci/install.d/busybox.sh)"
+            "CI installs busybox (.ci/install.d/containers.sh)"
         );
         eprintln!("SKIPPED: {} is not installed", kube_double::BUSYBOX);
         return;
     }
-    let double = KubeDouble::start();
+    busybox_workspaces(false);
+}
+
+/// The same in real busybox containers (podman and runc): busybox's tar, find and sh, the
+/// pod's user and an `emptyDir` (tmpfs) are real.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn busybox_workspaces_in_real_containers() {
+    if let Err(why) = kube_double::podman::available() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI installs podman, runc and busybox-static (.ci/install.d/containers.sh): {why}"
+        );
+        eprintln!("SKIPPED: no real containers here: {why}");
+        return;
+    }
+    busybox_workspaces(true);
+}
+
+fn busybox_workspaces(real: bool) {
+    let double = KubeDouble::start_with(DoubleOptions {
+        containers: real,
+        ..Default::default()
+    });
     let dir = tempfile::tempdir().unwrap();
     let ws = tempfile::tempdir().unwrap();
     for p in ["bb", "bare"] {
         std::fs::create_dir_all(ws.path().join(p)).unwrap();
     }
+    // In a real container the workspace is the pod's emptyDir, at /workspace.
+    let bb = if real {
+        "/workspace".to_string()
+    } else {
+        format!("{}/bb", ws.path().display())
+    };
     let cfg = config_file(
         &dir,
         &format!(
-            "workspaces:\n  cache_dir: {cache}\nprofiles:\n  default: {{}}\n  busybox:\n    image: registry.example/busybox-applets:1.36\n    workspace_path: {ws}/bb\n  \
+            "workspaces:\n  cache_dir: {cache}\nprofiles:\n  default: {{}}\n  busybox:\n    image: registry.example/busybox-applets:1.36\n    workspace_path: {bb}\n  \
              bare:\n    image: registry.example/no-shell:1\n    workspace_path: {ws}/bare\n",
             cache = dir.path().join("cache").display(),
             ws = ws.path().display()
@@ -388,11 +416,25 @@ async fn busybox_images_take_workspaces_and_images_without_tar_or_shell_say_so()
     let out = output_within(cmd, Duration::from_secs(40));
     check_synced_back(tree.path(), &out);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(
-        v["outputs"][0]["stderr"].as_str().map(str::trim),
-        Some(kube_double::BUSYBOX),
+    let exe = v["outputs"][0]["stderr"]
+        .as_str()
+        .map(str::trim)
+        .unwrap_or("");
+    assert!(
+        exe.ends_with("/busybox"),
         "the command's shell was busybox: {v}"
     );
+    if real {
+        assert_eq!(
+            v["outputs"][0]["stdout"].as_str(),
+            Some("65532\n"),
+            "as the pod's user"
+        );
+        assert!(wait_until(Duration::from_secs(15), || double
+            .pod_names("default")
+            .is_empty()));
+        return;
+    }
 
     // No tar in the image: the placement says so.
     let tree = sync_tree();

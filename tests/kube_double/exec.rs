@@ -251,7 +251,13 @@ pub async fn exec(
         .map(|e| (e.name.clone(), e.value.clone().unwrap_or_default()))
         .collect();
     let image_fs = image_fs(&shared, &spec.image.clone().unwrap_or_default());
-    if !env.iter().any(|(k, _)| k == "PATH") {
+    let container = shared
+        .opts
+        .containers
+        .then(|| pod.metadata.uid.clone())
+        .flatten();
+    // In a real container the image's own PATH applies.
+    if container.is_none() && !env.iter().any(|(k, _)| k == "PATH") {
         let path = match &image_fs {
             Some(bin) => bin.display().to_string(),
             None => std::env::var("PATH").unwrap_or_default(),
@@ -279,6 +285,7 @@ pub async fn exec(
             refused,
             user,
             image_fs,
+            container,
         };
         session.run(socket).await;
     })
@@ -298,6 +305,8 @@ struct Session {
     user: Option<(u32, u32)>,
     /// The imitated image's programs (`image_fs`), or the host's.
     image_fs: Option<std::path::PathBuf>,
+    /// The pod's uid when its container is real (`podman.rs`): the exec runs in it.
+    container: Option<String>,
 }
 
 /// With `run_as_pod_user`, when the double runs as root: the uid and gid of the container's
@@ -624,17 +633,27 @@ impl Session {
             Some(bin) => in_image(bin, &self.req.argv[0]),
             None => self.req.argv[0].clone().into(),
         };
-        let mut cmd = tokio::process::Command::new(&program);
-        cmd.args(&self.req.argv[1..])
-            .env_clear()
-            .envs(self.env.iter().map(|(k, v)| (k, v)))
-            .current_dir(&self.cwd)
-            .process_group(0)
+        let mut cmd = match &self.container {
+            Some(uid) => {
+                super::podman::exec(uid, &self.req.argv, &self.env, &self.cwd, self.req.stdin)
+            }
+            None => {
+                let mut cmd = tokio::process::Command::new(&program);
+                cmd.args(&self.req.argv[1..])
+                    .env_clear()
+                    .envs(self.env.iter().map(|(k, v)| (k, v)))
+                    .current_dir(&self.cwd);
+                cmd
+            }
+        };
+        cmd.process_group(0)
             .stdin(pipe(self.req.stdin))
             .stdout(pipe(self.req.stdout))
             .stderr(pipe(self.req.stderr || (self.req.tty && self.req.stdout)))
             .kill_on_drop(true);
-        if let Some((uid, gid)) = self.user {
+        if let Some((uid, gid)) = self.user
+            && self.container.is_none()
+        {
             cmd.uid(uid).gid(gid);
         }
         let spawned = match self.refused.clone() {
@@ -726,6 +745,11 @@ impl Session {
                 tokio::spawn(async move {
                     let _ = tokio::time::timeout(std::time::Duration::from_secs(5), reader).await;
                 });
+                if let (Some(uid), Ok(s)) = (&self.container, &status)
+                    && s.code() == Some(137)
+                {
+                    self.after_kill(uid).await;
+                }
                 match status {
                     Ok(s) => {
                         Outcome::Exit(s.code().unwrap_or_else(|| 128 + s.signal().unwrap_or(9)))
@@ -747,6 +771,43 @@ impl Session {
             .await;
         drop(tx);
         let _ = writer.await;
+    }
+}
+
+impl Session {
+    /// A process of a real container died by SIGKILL: when the kernel's OOM killer did it
+    /// (the container's `oom_kill` count grew), the container ends as with a kubelet's
+    /// group kill on cgroup v2, and the pod's status says `OOMKilled` a second later (the
+    /// kubelet's relist), after the exec's status went out.
+    async fn after_kill(&self, uid: &str) {
+        let id = uid.to_string();
+        let kills = tokio::task::spawn_blocking(move || super::podman::oom_kills(&id))
+            .await
+            .ok()
+            .flatten()
+            .unwrap_or(0);
+        let new = {
+            let mut st = self.shared.lock();
+            let seen = st.oom_kills.entry(uid.to_string()).or_insert(0);
+            let new = kills > *seen;
+            *seen = kills;
+            new
+        };
+        if !new {
+            return;
+        }
+        let (shared, ns, pod, id) = (
+            self.shared.clone(),
+            self.ns.clone(),
+            self.pod.clone(),
+            uid.to_string(),
+        );
+        std::thread::spawn(move || {
+            super::podman::kill(&id);
+            shared.kill_execs(Some((&ns, &pod)));
+            std::thread::sleep(std::time::Duration::from_secs(1));
+            super::mark_killed(&shared, &ns, &pod, false);
+        });
     }
 }
 

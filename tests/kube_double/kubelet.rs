@@ -290,6 +290,31 @@ pub(super) async fn lifecycle(shared: Arc<Shared>, ns: String, name: String, uid
         }
         tokio::time::sleep(delay).await;
     }
+    // Real containers: the runner container starts now (podman's error is the runtime's).
+    let mut refused: Option<String> = None;
+    let snapshot = if shared.opts.containers {
+        shared.lock().pods.get(&key(&ns, &name)).cloned()
+    } else {
+        None
+    };
+    if let Some(snapshot) = snapshot
+        && !images(&snapshot).iter().any(|(_, i)| {
+            ["pull-error", "config-error", "cannot-run", "root-user"]
+                .iter()
+                .any(|m| i.contains(m))
+        })
+        && let Some(c) = snapshot
+            .spec
+            .as_ref()
+            .and_then(|s| s.containers.first())
+            .cloned()
+    {
+        let owner = shared.owner.clone();
+        refused = tokio::task::spawn_blocking(move || super::podman::run(&owner, &snapshot, &c))
+            .await
+            .unwrap_or_else(|e| Err(e.to_string()))
+            .err();
+    }
     let mut pulling = false;
     let mut start_error = false;
     step(&shared, &ns, &name, &uid, |p| {
@@ -329,7 +354,23 @@ pub(super) async fn lifecycle(shared: Arc<Shared>, ns: String, name: String, uid
                         "container has runAsNonRoot and image will run as root (pod: \"{pod_id}\", container: {n})"
                     )),
                 ));
-            } else if let Some(exe) = keepalive.filter(|e| !executable_exists(e)) {
+            } else if let Some(why) = refused.clone() {
+                start_error = true;
+                cs.image_id = format!("{i}@sha256:{}", "0".repeat(64));
+                cs.state = Some(ContainerState {
+                    terminated: Some(ContainerStateTerminated {
+                        exit_code: 128,
+                        reason: Some("StartError".into()),
+                        message: Some(why),
+                        started_at: Some(now()),
+                        finished_at: Some(now()),
+                        ..ContainerStateTerminated::default()
+                    }),
+                    ..ContainerState::default()
+                });
+            } else if let Some(exe) =
+                keepalive.filter(|e| !shared.opts.containers && !executable_exists(e))
+            {
                 // The runtime cannot start the main process: the container never runs.
                 start_error = true;
                 cs.image_id = format!("{i}@sha256:{}", "0".repeat(64));

@@ -154,6 +154,7 @@ mod admission;
 mod delete;
 mod exec;
 mod kubelet;
+pub mod podman;
 mod pods;
 pub mod protobuf;
 mod pvcs;
@@ -212,6 +213,10 @@ pub struct DoubleOptions {
     pub idle_timeout: Option<Duration>,
     /// Whose words a failed exec start is reported in.
     pub runtime: Runtime,
+    /// Pods as real containers (podman and runc, see `podman.rs`): the runner container of
+    /// a running pod is a busybox container and execs run in it. Check
+    /// `podman::available()` first.
+    pub containers: bool,
     /// A graceful deletion removes the pod no sooner than this, whatever its grace period:
     /// a real kubelet takes 2 s or more to stop the containers, unmount volumes and report.
     pub min_deletion: Duration,
@@ -258,6 +263,7 @@ impl Default for DoubleOptions {
             force_kill_delay: Duration::from_millis(300),
             idle_timeout: None,
             min_deletion: Duration::ZERO,
+            containers: false,
             runtime: Runtime::Runc,
             run_as_pod_user: false,
         }
@@ -327,6 +333,8 @@ pub(crate) struct State {
     pub delete_log: Vec<DeleteRecord>,
     /// PersistentVolumeClaims (pvcs.rs).
     pub pvcs: pvcs::PvcStore,
+    /// OOM kills seen per real container (pod uid), `podman.rs`.
+    pub oom_kills: std::collections::HashMap<String, u64>,
 }
 
 /// One DELETE of a pod as the double received it.
@@ -377,6 +385,8 @@ pub struct Faults {
 
 pub(crate) struct Shared {
     pub opts: DoubleOptions,
+    /// Names this double's containers (`podman::owner_label`).
+    pub owner: String,
     /// The imitated images' program directories (`exec::image_fs`): made on first use.
     pub image_dirs: std::sync::OnceLock<(tempfile::TempDir, PathBuf, PathBuf)>,
     pub state: Mutex<State>,
@@ -440,8 +450,15 @@ impl KubeDouble {
 
     pub fn start_with(opts: DoubleOptions) -> KubeDouble {
         let (tx, _) = broadcast::channel(4096);
+        static DOUBLES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let owner = format!(
+            "{}-{}",
+            std::process::id(),
+            DOUBLES.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        );
         let shared = Arc::new(Shared {
             opts,
+            owner,
             image_dirs: Default::default(),
             state: Mutex::new(State {
                 next_ip: 10,
@@ -690,7 +707,7 @@ impl KubeDouble {
 
 /// The pod's status after the kubelet found its container OOM-killed (or the pod evicted):
 /// terminated with exit 137, the pod Failed.
-fn mark_killed(shared: &Arc<Shared>, namespace: &str, name: &str, evicted: bool) {
+pub(crate) fn mark_killed(shared: &Arc<Shared>, namespace: &str, name: &str, evicted: bool) {
     let mut st = shared.lock();
     pods::modify_locked(shared, &mut st, namespace, name, |p| {
         let s = p.status.get_or_insert_with(Default::default);
@@ -727,6 +744,9 @@ fn mark_killed(shared: &Arc<Shared>, namespace: &str, name: &str, evicted: bool)
 impl Drop for KubeDouble {
     fn drop(&mut self) {
         self.shared.kill_execs(None);
+        if self.shared.opts.containers {
+            podman::remove_all(&self.shared.owner);
+        }
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
         }

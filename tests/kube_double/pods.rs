@@ -286,6 +286,9 @@ pub(super) fn remove_locked(shared: &Shared, st: &mut St, ns: &str, name: &str) 
     let mut pod = st.pods.remove(&key(ns, name))?;
     if let Some(uid) = &pod.metadata.uid {
         st.with_containers.remove(uid);
+        if shared.opts.containers {
+            super::podman::remove(uid);
+        }
     }
     let rv = st.next_rv();
     pod.metadata.resource_version = Some(rv.to_string());

@@ -35,6 +35,9 @@ use tokio::time::Instant;
 /// that the address or the credentials are wrong.
 pub(super) const UNREACHABLE_GRACE: Duration = Duration::from_secs(3);
 
+/// An exec request and its WebSocket upgrade may take this long.
+pub(super) const EXEC_UPGRADE_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// The largest error body read to add a `Retry-After` to it.
 const MAX_ERROR_BODY: usize = 64 * 1024;
 

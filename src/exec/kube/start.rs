@@ -12,7 +12,7 @@ use kube::api::{AttachParams, PostParams};
 use tokio::sync::{OwnedSemaphorePermit, mpsc};
 use tokio::time::Instant;
 
-use super::backoff::{self, Budget, Failure, WatchEnd};
+use super::backoff::{self, Budget, EXEC_UPGRADE_TIMEOUT, Failure, WatchEnd};
 use super::config::Profile;
 use super::guard::{PodGuard, Timings};
 use super::pod::{self, CONTAINER, LABEL_GATEWAY, LABEL_INSTANCE};
@@ -24,9 +24,6 @@ use crate::exec::{EVENT_BUFFER, ExecSpec, Execution, Progress, StartOptions};
 
 /// One pod create call may take this long before it is retried.
 const CREATE_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// The exec request and its WebSocket upgrade may take this long.
-pub(super) const EXEC_UPGRADE_TIMEOUT: Duration = Duration::from_secs(30);
 
 fn shutting_down() -> ErrorBody {
     ErrorBody::new(ErrorCode::ShuttingDown, "the gateway is shutting down")
@@ -233,7 +230,7 @@ impl KubeExecutor {
     }
 
     /// The error of a call of the start path that failed for good.
-    pub(super) fn start_error(&self, what: &str, f: Failure) -> ErrorBody {
+    fn start_error(&self, what: &str, f: Failure) -> ErrorBody {
         match f {
             Failure::Api(e) => api_error(what, &e),
             Failure::OutOfTime { attempts, last } => ErrorBody::new(

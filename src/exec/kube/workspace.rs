@@ -79,7 +79,7 @@ impl KubeExecutor {
             FedError::Cancelled => {
                 ErrorBody::new(ErrorCode::ShuttingDown, "the gateway is shutting down")
             }
-            FedError::Exec(e) => failed(format!("cannot exec tar: {}", e.message)),
+            FedError::Exec(e) => failed(format!("cannot exec tar: {e}")),
         })?;
         let ok = status.as_ref().and_then(|s| s.status.as_deref()) == Some("Success");
         if !ok {
@@ -119,7 +119,8 @@ struct Fed {
 
 enum FedError {
     Cancelled,
-    Exec(ErrorBody),
+    /// Why the exec could not be opened.
+    Exec(String),
 }
 
 const STDIN: u8 = 0;
@@ -151,8 +152,8 @@ impl KubeExecutor {
             ..Default::default()
         };
         let budget = super::backoff::Budget {
-            end: tokio::time::Instant::now() + super::start::EXEC_UPGRADE_TIMEOUT,
-            attempt: super::start::EXEC_UPGRADE_TIMEOUT,
+            end: tokio::time::Instant::now() + super::backoff::EXEC_UPGRADE_TIMEOUT,
+            attempt: super::backoff::EXEC_UPGRADE_TIMEOUT,
             retry_internal: false,
         };
         let connect = super::backoff::call("opening an exec stream", budget, || {
@@ -170,7 +171,16 @@ impl KubeExecutor {
             }
         });
         let connection = tokio::select! {
-            r = connect => r.map_err(|f| FedError::Exec(self.start_error("cannot exec", f)))?,
+            r = connect => r.map_err(|f| FedError::Exec(match f {
+                super::backoff::Failure::Api(e) => super::backoff::describe(&e),
+                super::backoff::Failure::OutOfTime { attempts, last } => {
+                    format!("no exec stream in {attempts} attempts: {last}")
+                }
+                super::backoff::Failure::Unreachable(why) => format!(
+                    "the Kubernetes API server at {} is not reachable: {why}",
+                    self.shared.server
+                ),
+            }))?,
             _ = cancel.cancelled() => return Err(FedError::Cancelled),
         };
         let can_close = connection.supports_stream_close();
