@@ -85,6 +85,15 @@ async fn state_stays_in_the_session_and_nowhere_else() {
     let again = sh(&gw, Some("build"), "cat state target/o; pwd").await;
     assert_eq!(again.stdout_str(), format!("warm\nobj\n{home}\n"));
     assert_eq!(again.context.unwrap().session_call, Some(2));
+    // The session's TMPDIR is its own and kept too (and goes with it).
+    sh(&gw, Some("build"), "echo t > \"$TMPDIR/t\"").await;
+    let tmp = sh(&gw, Some("build"), "cat \"$TMPDIR/t\"; echo \"$TMPDIR\"").await;
+    let tmp = tmp.stdout_str();
+    assert!(tmp.starts_with("t\n"), "{tmp}");
+    assert!(
+        tmp.contains("mcp-run-session-") && tmp.trim_end().ends_with("/tmp"),
+        "{tmp}"
+    );
     // Another session, a one-shot run, another identity with the same name: none sees it.
     let other = sh(&gw, Some("other"), "cat state").await;
     assert_ne!(other.code(), Some(0), "{}", other.stdout_str());
@@ -115,7 +124,7 @@ async fn state_stays_in_the_session_and_nowhere_else() {
     assert_eq!(listed["sessions"].as_array().unwrap().len(), 2);
     let build = &listed["sessions"][0];
     assert_eq!(build["name"], "build");
-    assert_eq!(build["calls"], 2);
+    assert_eq!(build["calls"], 4);
     assert_eq!(build["busy"], false);
     assert!(build["expires_in_secs"].as_u64().unwrap() > 800);
     // The metrics count them.
@@ -129,7 +138,7 @@ async fn state_stays_in_the_session_and_nowhere_else() {
         .unwrap();
     assert!(metrics.contains("mcp_run_sessions_open 3"), "{metrics}");
     assert!(
-        metrics.contains("mcp_run_session_calls_total 4"),
+        metrics.contains("mcp_run_session_calls_total 6"),
         "{metrics}"
     );
     // Ending removes the directory; the name then opens a fresh session.

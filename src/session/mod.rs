@@ -307,6 +307,19 @@ impl Sessions {
     /// maximum lifetime once their call ended).
     fn expire(&self, now: Instant) {
         let mut st = lock(&self.state);
+        // Sessions whose opening call went away before their runner was made (nobody holds
+        // their lock, and they have no runner): they hold a name and a place in the caps.
+        let abandoned: Vec<Key> = st
+            .open
+            .iter()
+            .filter(|(_, s)| !s.runner.initialized() && s.busy.try_lock().is_ok())
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in abandoned {
+            if let Some(s) = st.open.remove(&k) {
+                s.ended.cancel();
+            }
+        }
         // A session busy at its maximum lifetime ends after that call.
         let due: Vec<(Key, String)> = st
             .open
@@ -448,7 +461,13 @@ impl Sessions {
                 continue;
             }
             let Some(runner) = s.runner.get().cloned() else {
-                // Its opening failed; the map no longer has it.
+                // Its opening failed or was abandoned (the opening call went away): it is
+                // taken out of the map (if still there), and this call opens a new one.
+                let mut st = lock(&self.state);
+                if st.open.get(&key).is_some_and(|x| Arc::ptr_eq(x, &s)) {
+                    st.open.remove(&key);
+                }
+                s.ended.cancel();
                 continue;
             };
             if let Err(reason) = runner.check().await {
@@ -834,6 +853,61 @@ mod tests {
         assert_eq!(again.number(), 2);
         assert_eq!(sessions.list(&caller).len(), 1);
         assert!(sessions.list(&Caller::local("other")).is_empty());
+    }
+
+    #[tokio::test]
+    async fn an_opening_abandoned_by_its_caller_does_not_hold_the_name() {
+        let fake = Arc::new(Fake {
+            gate: Arc::new(tokio::sync::Notify::new()),
+            closed: Arc::new(AtomicU64::new(0)),
+        });
+        let sessions = Sessions::new(
+            SessionConfig::default(),
+            Metrics::default(),
+            CancellationToken::new(),
+        );
+        let spec = ExecSpec {
+            timeout: Duration::from_secs(5),
+            ..ExecSpec::default()
+        };
+        let opening = {
+            let (sessions, fake, spec) = (sessions.clone(), fake.clone(), spec.clone());
+            tokio::spawn(async move {
+                let caller = Caller::local("test");
+                let _ = sessions
+                    .call(
+                        fake.as_ref(),
+                        &caller,
+                        "s",
+                        &spec,
+                        SessionBusy::Wait,
+                        &Progress::default(),
+                    )
+                    .await;
+            })
+        };
+        // Until the opening call holds the new session (waiting for its runner).
+        while lock(&sessions.state).open.is_empty() {
+            tokio::task::yield_now().await;
+        }
+        opening.abort();
+        let _ = opening.await;
+        fake.gate.notify_one();
+        let call = tokio::time::timeout(
+            Duration::from_secs(5),
+            sessions.call(
+                fake.as_ref(),
+                &Caller::local("test"),
+                "s",
+                &spec,
+                SessionBusy::Wait,
+                &Progress::default(),
+            ),
+        )
+        .await
+        .expect("no endless retry")
+        .unwrap();
+        assert_eq!(call.number(), 1);
     }
 
     #[test]

@@ -1,7 +1,9 @@
 //! The local backend's kept runner (a session's, or a multi-step run's): a private directory
-//! that lives across commands. Commands without a `cwd` run in it; a workspace's tree is
-//! kept in it ([`crate::workspace::kept`]), so build outputs stay between calls. Each command
-//! is an ordinary local process group with its own kill: killing one leaves the directory.
+//! that lives across commands, holding `work/` and `tmp/`. Commands without a `cwd` run in
+//! `work/`; a workspace's tree is kept there ([`crate::workspace::kept`]), so build outputs
+//! stay between calls; `TMPDIR` points at `tmp/` (unless the request sets it), so temporary
+//! files stay with the session and go with it. Each command is an ordinary local process
+//! group with its own kill: killing one leaves the directory.
 //!
 //! After a gateway SIGKILL the commands die with it (parent-death signal, reaper process);
 //! the directories it left are removed by the next gateway that keeps a runner (their names
@@ -24,7 +26,11 @@ const PREFIX: &str = "mcp-run-session-";
 pub(super) struct LocalKept {
     /// A copy of the executor's spawning parts (environment, `PATH`, host).
     spawner: LocalExecutor,
+    /// The runner's directory (removed by `close`), and in it the commands' working
+    /// directory and their `TMPDIR`.
     dir: PathBuf,
+    work: PathBuf,
+    tmp: PathBuf,
     tree: Arc<Mutex<KeptTree>>,
 }
 
@@ -84,10 +90,13 @@ impl LocalExecutor {
             std::process::id(),
             rand::random::<u64>()
         ));
-        std::fs::DirBuilder::new()
-            .mode(0o700)
-            .create(&dir)
-            .map_err(failed)?;
+        let (work, tmp) = (dir.join("work"), dir.join("tmp"));
+        for d in [&dir, &work, &tmp] {
+            std::fs::DirBuilder::new()
+                .mode(0o700)
+                .create(d)
+                .map_err(failed)?;
+        }
         Ok(LocalKept {
             spawner: LocalExecutor {
                 base_env: self.base_env.clone(),
@@ -98,8 +107,10 @@ impl LocalExecutor {
                 trees: self.trees.clone(),
                 caches: self.caches.clone(),
             },
-            tree: Arc::new(Mutex::new(KeptTree::new(dir.clone()))),
+            tree: Arc::new(Mutex::new(KeptTree::new(work.clone()))),
             dir,
+            work,
+            tmp,
         })
     }
 }
@@ -117,9 +128,13 @@ impl KeptRunner for LocalKept {
     ) -> BoxFuture<'_, Result<Execution, ErrorBody>> {
         Box::pin(async move {
             let cancel = opts.cancel.child_token();
+            if !spec.env.contains_key("TMPDIR") {
+                let tmp = self.tmp.to_str().ok_or_else(not_utf8)?;
+                spec.env.insert("TMPDIR".into(), tmp.to_owned());
+            }
             let Some(run) = spec.workspace.take() else {
                 if spec.cwd.is_none() {
-                    spec.cwd = Some(self.dir_str()?);
+                    spec.cwd = Some(self.work.to_str().ok_or_else(not_utf8)?.to_owned());
                 }
                 return self.spawner.spawn(&spec, cancel, opts.stdin, None);
             };
@@ -140,7 +155,7 @@ impl KeptRunner for LocalKept {
                     "session tree ready"
                 );
             }
-            let cwd = self.dir.join(&run.cwd);
+            let cwd = self.work.join(&run.cwd);
             spec.cwd = Some(cwd.to_str().map(str::to_owned).ok_or_else(not_utf8)?);
             let inner = self
                 .spawner
@@ -151,16 +166,24 @@ impl KeptRunner for LocalKept {
             if run.sync_back.is_empty() {
                 return Ok(relay(inner, context, cancel, None));
             }
-            Ok(relay(inner, context, cancel, Some((self.dir.clone(), run))))
+            Ok(relay(
+                inner,
+                context,
+                cancel,
+                Some((self.work.clone(), run)),
+            ))
         })
     }
 
     fn check(&self) -> BoxFuture<'_, Result<(), String>> {
         Box::pin(async move {
-            if self.dir.is_dir() {
+            if self.work.is_dir() && self.tmp.is_dir() {
                 Ok(())
             } else {
-                Err(format!("its directory {} was removed", self.dir.display()))
+                Err(format!(
+                    "its directory {} (or its work/ or tmp/) was removed",
+                    self.dir.display()
+                ))
             }
         })
     }
@@ -171,12 +194,6 @@ impl KeptRunner for LocalKept {
             let _ = tokio::task::spawn_blocking(move || crate::workspace::trees::remove_tree(&dir))
                 .await;
         })
-    }
-}
-
-impl LocalKept {
-    fn dir_str(&self) -> Result<String, ErrorBody> {
-        self.dir.to_str().map(str::to_owned).ok_or_else(not_utf8)
     }
 }
 
