@@ -232,3 +232,75 @@ fn commands_die_with_a_killed_gateway() {
         pids.iter().filter(|p| pid_alive(**p)).collect::<Vec<_>>()
     );
 }
+
+/// Issue 24.8: on the local backend, commands run as the gateway's user. The gateway is
+/// non-dumpable, so a command cannot read its environment (the tokens) or memory through
+/// /proc (checked as an unprivileged user: root reads any process); and several identities
+/// need the operator's word, since their commands could read each other's trees.
+#[test]
+fn commands_cannot_read_the_gateways_secrets_and_identities_are_not_mixed() {
+    const TOKEN: &str = "ci:tok-0123456789abcdef-secret";
+    // As `nobody`, in a temporary directory that user can write.
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(
+        tmp.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
+    )
+    .unwrap();
+    let probe = std::process::Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "true"])
+        .status();
+    if !probe.is_ok_and(|s| s.success()) {
+        eprintln!("SKIPPED: setpriv cannot switch to uid 65534 here (not root?)");
+    } else {
+        let gw = Gateway::start_wrapped(
+            &["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"],
+            None,
+            &[],
+            &[
+                ("MCP_RUN_AUTH_TOKENS", TOKEN),
+                ("TMPDIR", tmp.path().to_str().unwrap()),
+            ],
+        );
+        let token = TOKEN.split_once(':').unwrap().1;
+        let body = json!({"executable": "sh", "args": ["-c",
+            "id -u; cat /proc/$PPID/environ; head -c 64 /proc/$PPID/cmdline >/dev/null; echo; echo done"]})
+        .to_string();
+        let a = exchange(
+            &gw,
+            &wire::request(
+                "POST",
+                "/raw",
+                &wire::addr(&gw),
+                &[
+                    "Content-Type: application/json",
+                    &format!("Authorization: Bearer {token}"),
+                ],
+                body.as_bytes(),
+            ),
+        );
+        let out = stdout_of(&events(&a));
+        assert!(out.starts_with("65534\n"), "{out}");
+        assert!(out.contains("done"), "{out}");
+        assert!(!out.contains(token), "the command read the gateway's tokens: {out}");
+    }
+
+    // Two identities on the local backend: refused at start, with the way out named.
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(support::gateway_bin())
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .env("MCP_RUN_AUTH_TOKENS", "a:aaaaaaaaaaaaaaaaaaaa,b:bbbbbbbbbbbbbbbbbbbb")
+        .env_remove("MCP_RUN_AUTH_TOKENS_FILE")
+        .env("TMPDIR", dir.path())
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("local.allow_multiple_identities"), "{stderr}");
+    let cfg = config_file(&dir, "local:\n  allow_multiple_identities: true\n");
+    let _gw = Gateway::start_with_env(
+        &["--config", cfg.to_str().unwrap()],
+        &[("MCP_RUN_AUTH_TOKENS", "a:aaaaaaaaaaaaaaaaaaaa,b:bbbbbbbbbbbbbbbbbbbb")],
+    );
+}

@@ -497,7 +497,7 @@ async fn one_identity_cannot_evict_another() {
     let cfg = config_file(
         &dir,
         &format!(
-            "workspaces:\n  local_dir: {}\n  cache_dir: {}\n  max_cache_bytes: 4194304\n  max_file_bytes: 1048576\n  max_workspaces: 4\n",
+            "local:\n  allow_multiple_identities: true\nworkspaces:\n  local_dir: {}\n  cache_dir: {}\n  max_cache_bytes: 4194304\n  max_file_bytes: 1048576\n  max_workspaces: 4\n",
             dir.path().join("runs").display(),
             dir.path().join("cache").display()
         ),

@@ -34,12 +34,18 @@ use crate::contract::{ErrorBody, ErrorCode, Event, ExitInfo, RunContext};
 pub struct LocalConfig {
     /// Variables of the gateway's environment that every command inherits.
     pub inherit_env: Vec<String>,
+    /// Accept several identities (auth tokens with different names) although every command
+    /// runs as the gateway's user, so that one identity's commands can read what another's
+    /// leave in their trees and the content cache (docs/policy.md, "The local backend").
+    /// Off: the gateway refuses to start with more than one identity on this backend.
+    pub allow_multiple_identities: bool,
 }
 
 impl Default for LocalConfig {
     fn default() -> Self {
         Self {
             inherit_env: DEFAULT_INHERIT_ENV.iter().map(|s| s.to_string()).collect(),
+            allow_multiple_identities: false,
         }
     }
 }
