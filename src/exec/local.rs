@@ -248,9 +248,15 @@ impl LocalExecutor {
             cmd.current_dir(cwd);
         }
         let gateway = nix::unistd::getpid();
-        // SAFETY: only async-signal-safe calls (prctl, getppid) between fork and exec.
+        // Its own cgroup where the machine allows: nothing it starts can leave it.
+        let cgroup = super::cgroup::for_run(&tag);
+        // SAFETY: only async-signal-safe calls (prctl, getppid, open/write) between fork and
+        // exec.
         unsafe {
             cmd.pre_exec(move || {
+                if let Some(cg) = &cgroup {
+                    cg.enter();
+                }
                 // The command dies with the gateway, even on SIGKILL (no cleanup runs then).
                 nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
                 if nix::unistd::getppid() != gateway {
@@ -516,6 +522,7 @@ async fn feed_stdin(
 /// Kills a command's group and whatever escaped it, off the async threads.
 fn kill_all(pgid: Option<u32>, tag: &str) {
     kill_group(pgid);
+    super::cgroup::kill(tag);
     let tag = tag.to_owned();
     tokio::task::spawn_blocking(move || {
         let n = kill_tagged(&tag, true);
@@ -620,6 +627,7 @@ async fn supervise(
         }
     }
 
+    super::cgroup::release(&tag);
     let info = match status {
         Some(Ok(s)) => ExitInfo {
             code: s.code(),

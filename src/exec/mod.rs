@@ -16,6 +16,7 @@
 //! Size: about 420 lines of code; the rest are the unit tests of `Execution`'s timeout, kill
 //! and filter semantics, kept beside it.
 
+pub mod cgroup;
 pub mod kube;
 pub mod local;
 pub mod reaper;
