@@ -653,3 +653,86 @@ async fn leftovers_of_killed_gateways_are_removed() {
     assert!(gone, "left: {:?}", ours(tmp.path()));
     drop(gw2);
 }
+
+/// Issue 24.4: the directories a manifest implies count against `workspaces.max_files`, and
+/// concurrent runs on the local backend together materialise at most
+/// `workspaces.max_local_inodes` files and directories.
+#[tokio::test]
+async fn inodes_are_bounded_per_workspace_and_across_concurrent_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = gateway(
+        &dir,
+        "  max_files: 6000\n  max_local_inodes: 8000\n",
+        &[],
+    );
+    // 4,000 files, each two directories deep of its own: 8,000 directories.
+    let empty = sha256(b"");
+    let deep: Vec<serde_json::Value> = (0..4000)
+        .map(|i| serde_json::json!({"path": format!("d{i}/e/f"), "size": 0, "hash": empty}))
+        .collect();
+    let resp = support::http()
+        .post(gw.url("/workspaces"))
+        .json(&serde_json::json!({ "entries": deep }))
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    let text = resp.text().await.unwrap();
+    assert_eq!(status, 413, "{text}");
+    assert!(text.contains("directories") && text.contains("workspaces.max_files"), "{text}");
+
+    // 5,000 files in 50 directories: one run fits, a second at the same time does not.
+    let (status, text) = post_gzip_manifest(&gw, None, wide_manifest(5000, "w")).await;
+    assert_eq!(status, 200, "{text}");
+    let id = serde_json::from_str::<serde_json::Value>(&text).unwrap()["workspace"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let put = support::http()
+        .put(gw.url(&format!("/workspaces/{id}/blobs/{empty}")))
+        .body(Vec::new())
+        .send()
+        .await
+        .unwrap();
+    assert!(put.status().is_success());
+    let body = serde_json::json!({"executable": "sleep", "args": ["60"], "workspace": id});
+    let mut first = support::http()
+        .post(gw.raw_url())
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(first.status().as_u16(), 200);
+    let mut seen = String::new();
+    while !seen.contains(r#""type":"started""#) {
+        let chunk = first.chunk().await.unwrap().expect("started");
+        seen.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    let second = support::http()
+        .post(gw.raw_url())
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let status = second.status().as_u16();
+    let text = second.text().await.unwrap();
+    assert_eq!(status, 429, "{text}");
+    assert!(text.contains("workspaces.max_local_inodes"), "{text}");
+    drop(first);
+    // Once the first run is gone, its share is free again.
+    let mut ok = false;
+    for _ in 0..100 {
+        let r = support::http()
+            .post(gw.raw_url())
+            .json(&serde_json::json!({"executable": "true", "workspace": id}))
+            .send()
+            .await
+            .unwrap();
+        if r.status().as_u16() == 200 {
+            ok = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(ok, "the first run's inodes were not given back");
+}

@@ -25,11 +25,14 @@ pub struct LocalTree {
     /// that ended otherwise (client gone, error) may still have processes writing into it,
     /// so the tree is removed instead.
     exited: bool,
+    /// Its share of `workspaces.max_local_inodes`, while it is in use.
+    _inodes: tokio::sync::OwnedSemaphorePermit,
 }
 
 /// A tree holding exactly the run's workspace, from `trees` (an idle one brought up to date,
 /// else a fresh one). Blocking.
 pub fn materialize(run: &WorkspaceRun, trees: &Arc<Trees>) -> Result<LocalTree, ErrorBody> {
+    let inodes = run.store.reserve_inodes(&run.workspace)?;
     // Held while copying from the cache; the tree has its own copies afterwards.
     let pin = run.store.pin(&run.workspace)?;
     let (tree, stats) = trees.check_out(run, &pin)?;
@@ -48,6 +51,7 @@ pub fn materialize(run: &WorkspaceRun, trees: &Arc<Trees>) -> Result<LocalTree, 
         tree: Some(tree),
         trees: trees.clone(),
         exited: false,
+        _inodes: inodes,
     })
 }
 
