@@ -83,19 +83,7 @@ impl Drop for LocalTree {
     }
 }
 
-/// Compiles the sync-back globs: `*` stays within one path component, `**` spans several.
-pub fn globs(patterns: &[String]) -> Result<globset::GlobSet, String> {
-    let mut b = globset::GlobSetBuilder::new();
-    for p in patterns {
-        let g = globset::GlobBuilder::new(p)
-            .literal_separator(true)
-            .build()
-            .map_err(|e| format!("invalid sync_back glob {p:?}: {e}"))?;
-        b.add(g);
-    }
-    b.build()
-        .map_err(|e| format!("invalid sync_back globs: {e}"))
-}
+pub use super::results::globs;
 
 /// Walks `root` without following symlinks and stores every regular file that matches the
 /// globs and differs from the manifest (new, other content, or other mode). Returns the
