@@ -366,11 +366,11 @@ async fn tar_long_name_and_pax_bombs_are_refused_without_memory() {
             .unwrap();
         let status = resp.status().as_u16();
         let text = resp.text().await.unwrap();
-        assert_eq!(status, 400, "{text}");
-        assert!(text.contains(what), "{text}");
         let (rss, peak) = memory_mib(pid);
         eprintln!("{what} bomb: idle {idle:.1} MiB, now {rss:.1} MiB, peak {peak:.1} MiB");
         assert!(peak - idle < 32.0, "peak {peak:.1} MiB against idle {idle:.1} MiB");
+        assert_eq!(status, 400, "{text}");
+        assert!(text.contains(what), "{text}");
     }
 }
 
