@@ -254,7 +254,12 @@ fn commands_cannot_read_the_gateways_secrets_and_identities_are_not_mixed() {
         eprintln!("SKIPPED: setpriv cannot switch to uid 65534 here (not root?)");
     } else {
         let gw = Gateway::start_wrapped(
-            &["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"],
+            &[
+                "setpriv",
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+            ],
             None,
             &[],
             &[
@@ -282,14 +287,20 @@ fn commands_cannot_read_the_gateways_secrets_and_identities_are_not_mixed() {
         let out = stdout_of(&events(&a));
         assert!(out.starts_with("65534\n"), "{out}");
         assert!(out.contains("done"), "{out}");
-        assert!(!out.contains(token), "the command read the gateway's tokens: {out}");
+        assert!(
+            !out.contains(token),
+            "the command read the gateway's tokens: {out}"
+        );
     }
 
     // Two identities on the local backend: refused at start, with the way out named.
     let dir = tempfile::tempdir().unwrap();
     let out = std::process::Command::new(support::gateway_bin())
         .args(["serve", "--listen", "127.0.0.1:0"])
-        .env("MCP_RUN_AUTH_TOKENS", "a:aaaaaaaaaaaaaaaaaaaa,b:bbbbbbbbbbbbbbbbbbbb")
+        .env(
+            "MCP_RUN_AUTH_TOKENS",
+            "a:aaaaaaaaaaaaaaaaaaaa,b:bbbbbbbbbbbbbbbbbbbb",
+        )
         .env_remove("MCP_RUN_AUTH_TOKENS_FILE")
         .env("TMPDIR", dir.path())
         .stdin(std::process::Stdio::null())
@@ -297,11 +308,17 @@ fn commands_cannot_read_the_gateways_secrets_and_identities_are_not_mixed() {
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("local.allow_multiple_identities"), "{stderr}");
+    assert!(
+        stderr.contains("local.allow_multiple_identities"),
+        "{stderr}"
+    );
     let cfg = config_file(&dir, "local:\n  allow_multiple_identities: true\n");
     let _gw = Gateway::start_with_env(
         &["--config", cfg.to_str().unwrap()],
-        &[("MCP_RUN_AUTH_TOKENS", "a:aaaaaaaaaaaaaaaaaaaa,b:bbbbbbbbbbbbbbbbbbbb")],
+        &[(
+            "MCP_RUN_AUTH_TOKENS",
+            "a:aaaaaaaaaaaaaaaaaaaa,b:bbbbbbbbbbbbbbbbbbbb",
+        )],
     );
 }
 
@@ -371,15 +388,14 @@ fn escapes_from_the_process_group_and_the_tag_are_killed() {
     if !machine_has_cgroups() {
         eprintln!("SKIPPED: no writable cgroup v2 with cgroup.kill here");
         for pid in processes_with("sleep 987651") {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(pid),
-                nix::sys::signal::SIGKILL,
-            );
+            let _ =
+                nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL);
         }
         return;
     }
     assert!(
-        wait_until(Duration::from_secs(5), || processes_with("sleep 987651").is_empty()),
+        wait_until(Duration::from_secs(5), || processes_with("sleep 987651")
+            .is_empty()),
         "the escapee outlived its run: {:?}",
         processes_with("sleep 987651")
     );
@@ -391,7 +407,8 @@ fn escapes_from_the_process_group_and_the_tag_are_killed() {
     );
     assert!(evs.iter().any(|e| e["type"] == "exit"), "{evs:?}");
     assert!(
-        wait_until(Duration::from_secs(5), || processes_with("sleep 987652").is_empty()),
+        wait_until(Duration::from_secs(5), || processes_with("sleep 987652")
+            .is_empty()),
         "the escapee outlived its timeout: {:?}",
         processes_with("sleep 987652")
     );

@@ -93,10 +93,19 @@ fn sync_back_never_writes_into_git() {
     );
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{stderr}");
-    assert!(!t.join(".git/hooks/pre-commit").exists(), "a hook came back");
-    assert_eq!(std::fs::read_to_string(t.join(".git/config")).unwrap(), "[core]\n");
+    assert!(
+        !t.join(".git/hooks/pre-commit").exists(),
+        "a hook came back"
+    );
+    assert_eq!(
+        std::fs::read_to_string(t.join(".git/config")).unwrap(),
+        "[core]\n"
+    );
     assert!(!t.join("sub/.GIT").exists(), "{stderr}");
-    assert_eq!(std::fs::read_to_string(t.join("made.txt")).unwrap(), "made\n");
+    assert_eq!(
+        std::fs::read_to_string(t.join("made.txt")).unwrap(),
+        "made\n"
+    );
 }
 
 /// What the fake gateway serves.
@@ -225,7 +234,10 @@ fn run_remote_refuses_what_it_did_not_ask_for() {
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_ne!(out.status.code(), Some(0), "{stderr}");
-    assert!(stderr.contains("sync_back") || stderr.contains("sync-back"), "{stderr}");
+    assert!(
+        stderr.contains("sync_back") || stderr.contains("sync-back"),
+        "{stderr}"
+    );
     assert_eq!(
         files_below(t),
         ["src.txt", "target/ok.xml", "target/suid.xml"],
@@ -250,7 +262,8 @@ async fn a_remote_backend_gateway_keeps_only_acceptable_results() {
     // A workspace on the front gateway (one small file).
     let http = support::http();
     let data = b"x";
-    let manifest = serde_json::json!({"entries": [{"path": "src.txt", "size": 1, "hash": sha256(data)}]});
+    let manifest =
+        serde_json::json!({"entries": [{"path": "src.txt", "size": 1, "hash": sha256(data)}]});
     let posted: serde_json::Value = http
         .post(front.url("/workspaces"))
         .json(&manifest)
@@ -352,7 +365,11 @@ async fn tar_long_name_and_pax_bombs_are_refused_without_memory() {
     let id = small_workspace(&gw, None).await;
     let pid = gw.pid().unwrap();
     let (idle, _) = memory_mib(pid);
-    for (kind, what) in [(b'L', "GNU long name"), (b'x', "PAX header"), (b'K', "GNU long link")] {
+    for (kind, what) in [
+        (b'L', "GNU long name"),
+        (b'x', "PAX header"),
+        (b'K', "GNU long link"),
+    ] {
         // 96 MiB announced and sent: whole in memory without the cap.
         let body = gzip_of(&tar_header(kind, "././@LongLink", 96 << 20), 96 << 20, b'a');
         assert!(body.len() < 1 << 20, "{}", body.len());
@@ -368,7 +385,10 @@ async fn tar_long_name_and_pax_bombs_are_refused_without_memory() {
         let text = resp.text().await.unwrap();
         let (rss, peak) = memory_mib(pid);
         eprintln!("{what} bomb: idle {idle:.1} MiB, now {rss:.1} MiB, peak {peak:.1} MiB");
-        assert!(peak - idle < 32.0, "peak {peak:.1} MiB against idle {idle:.1} MiB");
+        assert!(
+            peak - idle < 32.0,
+            "peak {peak:.1} MiB against idle {idle:.1} MiB"
+        );
         assert_eq!(status, 400, "{text}");
         assert!(text.contains(what), "{text}");
     }
@@ -418,19 +438,28 @@ async fn registered_manifests_and_symlink_targets_are_bounded_in_memory() {
     let (idle, _) = memory_mib(pid);
     // Each about 5 MiB registered: the registry keeps one of them.
     for i in 0..4 {
-        let (status, text) = post_gzip_manifest(&gw, None, wide_manifest(20_000, &format!("t{i}"))).await;
+        let (status, text) =
+            post_gzip_manifest(&gw, None, wide_manifest(20_000, &format!("t{i}"))).await;
         assert_eq!(status, 200, "{text}");
     }
     let (rss, peak) = memory_mib(pid);
-    eprintln!("4 manifests of 20,000 files: idle {idle:.1} MiB, now {rss:.1} MiB, peak {peak:.1} MiB");
-    assert!(peak - idle < 32.0, "peak {peak:.1} MiB against idle {idle:.1} MiB");
+    eprintln!(
+        "4 manifests of 20,000 files: idle {idle:.1} MiB, now {rss:.1} MiB, peak {peak:.1} MiB"
+    );
+    assert!(
+        peak - idle < 32.0,
+        "peak {peak:.1} MiB against idle {idle:.1} MiB"
+    );
 
     let (status, text) = post_gzip_manifest(&gw, None, wide_manifest(60_000, "big")).await;
     assert_eq!(status, 413, "{text}");
     assert!(text.contains("workspaces.max_registry_bytes"), "{text}");
     let (rss, peak) = memory_mib(pid);
     eprintln!("and one of 60,000 files (refused): now {rss:.1} MiB, peak {peak:.1} MiB");
-    assert!(peak - idle < 32.0, "peak {peak:.1} MiB against idle {idle:.1} MiB");
+    assert!(
+        peak - idle < 32.0,
+        "peak {peak:.1} MiB against idle {idle:.1} MiB"
+    );
     drop(gw);
 
     // Symlink targets of 32 MiB (a few KiB of gzip each), on a fresh gateway.
@@ -456,8 +485,13 @@ async fn registered_manifests_and_symlink_targets_are_bounded_in_memory() {
         assert!(text.contains("PATH_MAX"), "{text}");
     }
     let (rss, peak) = memory_mib(pid);
-    eprintln!("4 symlink targets of 32 MiB: idle {idle:.1} MiB, now {rss:.1} MiB, peak {peak:.1} MiB");
-    assert!(peak - idle < 32.0, "peak {peak:.1} MiB against idle {idle:.1} MiB");
+    eprintln!(
+        "4 symlink targets of 32 MiB: idle {idle:.1} MiB, now {rss:.1} MiB, peak {peak:.1} MiB"
+    );
+    assert!(
+        peak - idle < 32.0,
+        "peak {peak:.1} MiB against idle {idle:.1} MiB"
+    );
 }
 
 const ALICE: &str = "alice-token-0123456789abcdef";
@@ -466,7 +500,8 @@ const BOB: &str = "bob-token-0123456789abcdef01";
 /// Posts a workspace of one file as `token` and uploads its content: the id.
 async fn owned_workspace(gw: &Gateway, token: &str, name: &str, data: &[u8]) -> String {
     let http = support::http();
-    let manifest = serde_json::json!({"entries": [{"path": name, "size": data.len(), "hash": sha256(data)}]});
+    let manifest =
+        serde_json::json!({"entries": [{"path": name, "size": data.len(), "hash": sha256(data)}]});
     let posted: serde_json::Value = http
         .post(gw.url("/workspaces"))
         .bearer_auth(token)
@@ -561,13 +596,19 @@ async fn chained_symlinks_are_refused_and_declared_lengths_accepted() {
         serde_json::json!({"executable": "wc", "args": ["-c", "f"], "workspace": id}),
     )
     .await;
-    assert_eq!(run.stdout_str(), format!("{} f\n", 3 << 19), "{:?}", run.events);
+    assert_eq!(
+        run.stdout_str(),
+        format!("{} f\n", 3 << 19),
+        "{:?}",
+        run.events
+    );
 }
 
 /// [`owned_workspace`] without auth, named `f`.
 async fn owned_workspace_anon(gw: &Gateway, data: &[u8]) -> String {
     let http = support::http();
-    let manifest = serde_json::json!({"entries": [{"path": "f", "size": data.len(), "hash": sha256(data)}]});
+    let manifest =
+        serde_json::json!({"entries": [{"path": "f", "size": data.len(), "hash": sha256(data)}]});
     let posted: serde_json::Value = http
         .post(gw.url("/workspaces"))
         .json(&manifest)
@@ -585,7 +626,11 @@ async fn owned_workspace_anon(gw: &Gateway, data: &[u8]) -> String {
         .await
         .unwrap();
     let status = put.status();
-    assert!(status.is_success(), "{status}: {}", put.text().await.unwrap());
+    assert!(
+        status.is_success(),
+        "{status}: {}",
+        put.text().await.unwrap()
+    );
     id
 }
 
@@ -660,11 +705,7 @@ async fn leftovers_of_killed_gateways_are_removed() {
 #[tokio::test]
 async fn inodes_are_bounded_per_workspace_and_across_concurrent_runs() {
     let dir = tempfile::tempdir().unwrap();
-    let gw = gateway(
-        &dir,
-        "  max_files: 6000\n  max_local_inodes: 8000\n",
-        &[],
-    );
+    let gw = gateway(&dir, "  max_files: 6000\n  max_local_inodes: 8000\n", &[]);
     // 4,000 files, each two directories deep of its own: 8,000 directories.
     let empty = sha256(b"");
     let deep: Vec<serde_json::Value> = (0..4000)
@@ -679,7 +720,10 @@ async fn inodes_are_bounded_per_workspace_and_across_concurrent_runs() {
     let status = resp.status().as_u16();
     let text = resp.text().await.unwrap();
     assert_eq!(status, 413, "{text}");
-    assert!(text.contains("directories") && text.contains("workspaces.max_files"), "{text}");
+    assert!(
+        text.contains("directories") && text.contains("workspaces.max_files"),
+        "{text}"
+    );
 
     // 5,000 files in 50 directories: one run fits, a second at the same time does not.
     let (status, text) = post_gzip_manifest(&gw, None, wide_manifest(5000, "w")).await;

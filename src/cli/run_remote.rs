@@ -504,7 +504,8 @@ async fn stream(
             (Event::Exit(info), _) => {
                 // Results come back before the status is mirrored.
                 if let Some((w, changes)) = sync_back
-                    && let Err(f) = ws::sync_back(&w.client, &w.resolved.root, &w.globs, changes, false).await
+                    && let Err(f) =
+                        ws::sync_back(&w.client, &w.resolved.root, &w.globs, changes, false).await
                 {
                     break Err(f);
                 }

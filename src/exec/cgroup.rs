@@ -79,7 +79,12 @@ static RUNNING: Mutex<Vec<(String, PathBuf)>> = Mutex::new(Vec::new());
 pub fn for_run(tag: &str) -> Option<RunCgroup> {
     let dir = base()?.join(tag.replace(['/', '.'], "-"));
     std::fs::create_dir(&dir).ok()?;
-    let procs = CString::new(dir.join("cgroup.procs").into_os_string().into_encoded_bytes()).ok()?;
+    let procs = CString::new(
+        dir.join("cgroup.procs")
+            .into_os_string()
+            .into_encoded_bytes(),
+    )
+    .ok()?;
     if let Ok(mut r) = RUNNING.lock() {
         r.push((tag.to_owned(), dir.clone()));
     }

@@ -78,7 +78,7 @@ pub fn run(prefix: &str) -> std::process::ExitCode {
     }
     // Its commands' cgroups, and what the gateway could not remove (killed, or its
     // shutdown ran out of time).
-    if let Some(pid) = prefix.trim_end_matches('.').parse().ok() {
+    if let Ok(pid) = prefix.trim_end_matches('.').parse() {
         super::cgroup::sweep(pid);
     }
     crate::leftovers::sweep(&std::env::temp_dir());

@@ -128,10 +128,7 @@ async fn post_manifest(
             inner: BodyCap::new(body_reader(body, gz), max as u64),
             hasher: WorkspaceStore::body_hasher(&owner),
         };
-        let reader = std::io::BufReader::with_capacity(
-            64 * 1024,
-            JsonStringCap::new(&mut hashing),
-        );
+        let reader = std::io::BufReader::with_capacity(64 * 1024, JsonStringCap::new(&mut hashing));
         let cfg = store2.config();
         let manifest =
             crate::workspace::manifest::parse(reader, cfg.max_files, cfg.max_registry_bytes)?;
@@ -187,8 +184,7 @@ async fn post_bundle(
         let reader = body_reader(body, gz);
         let bad = |m: String| ErrorBody::new(ErrorCode::InvalidRequest, m);
         // Extended headers are capped before the tar crate reads them into memory.
-        let mut archive =
-            tar::Archive::new(crate::workspace::tarcap::CappedHeaders::new(reader));
+        let mut archive = tar::Archive::new(crate::workspace::tarcap::CappedHeaders::new(reader));
         let entries = archive
             .entries()
             .map_err(|e| bad(format!("invalid upload (a tar stream of contents): {e}")))?;

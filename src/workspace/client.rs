@@ -281,10 +281,7 @@ impl WorkspaceClient {
         out: &mut std::fs::File,
     ) -> Result<(), String> {
         use sha2::Digest as _;
-        let mut resp = self
-            .download_response(hash)
-            .await
-            .map_err(|e| e.message)?;
+        let mut resp = self.download_response(hash).await.map_err(|e| e.message)?;
         let mut hasher = sha2::Sha256::new();
         let mut n = 0u64;
         while let Some(chunk) = resp

@@ -232,7 +232,7 @@ pub fn parse(
         max_cost,
     }
     .deserialize(&mut de)
-        .and_then(|m| de.end().map(|()| m));
+    .and_then(|m| de.end().map(|()| m));
     m.map_err(|e| {
         let text = e.to_string();
         if [
@@ -241,8 +241,8 @@ pub fn parse(
             "workspaces.max_manifest_bytes",
             "workspaces.max_registry_bytes",
         ]
-            .iter()
-            .any(|bound| text.contains(bound))
+        .iter()
+        .any(|bound| text.contains(bound))
         {
             too_large(format!("invalid manifest: {text}"))
         } else {
@@ -624,7 +624,13 @@ mod tests {
     fn parsing_bounds_entries_and_strings() {
         let f = ManifestEntry::file("a", false, 1, h('a'));
         let two = serde_json::to_vec(&Manifest {
-            entries: vec![f.clone(), ManifestEntry { path: "b".into(), ..f }],
+            entries: vec![
+                f.clone(),
+                ManifestEntry {
+                    path: "b".into(),
+                    ..f
+                },
+            ],
         })
         .unwrap();
         assert_eq!(parse(&two[..], 2, 1 << 20).unwrap().entries.len(), 2);

@@ -40,7 +40,10 @@ impl ResultRules {
             ));
         }
         if !super::is_hash(&f.hash) {
-            return Err(format!("refused result {:?}: no valid content hash", f.path));
+            return Err(format!(
+                "refused result {:?}: no valid content hash",
+                f.path
+            ));
         }
         Ok(())
     }

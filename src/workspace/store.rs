@@ -51,7 +51,11 @@ pub struct Workspace {
 /// high side (docs/workspaces.md has the measured figure).
 pub fn registry_cost(manifest: &Manifest, contents: usize) -> u64 {
     const CONTENT: u64 = 160;
-    let entries: u64 = manifest.entries.iter().map(super::manifest::entry_cost).sum();
+    let entries: u64 = manifest
+        .entries
+        .iter()
+        .map(super::manifest::entry_cost)
+        .sum();
     entries + contents as u64 * CONTENT
 }
 
@@ -614,7 +618,13 @@ impl WorkspaceStore {
             }
             let Some(top) = held
                 .into_iter()
-                .max_by_key(|(_, (b, n))| if by_count { (*n as u64, *b) } else { (*b, *n as u64) })
+                .max_by_key(|(_, (b, n))| {
+                    if by_count {
+                        (*n as u64, *b)
+                    } else {
+                        (*b, *n as u64)
+                    }
+                })
                 .map(|(o, _)| o.clone())
             else {
                 return;
@@ -639,13 +649,14 @@ impl WorkspaceStore {
     /// nobody holds any longer is deleted. Until the cache fits.
     fn evict_blobs(&self, inner: &mut Inner) {
         let mut charged: HashMap<Owner, u64> = HashMap::new();
-        let mut lru: HashMap<Owner, std::collections::VecDeque<(Instant, String)>> =
-            HashMap::new();
+        let mut lru: HashMap<Owner, std::collections::VecDeque<(Instant, String)>> = HashMap::new();
         for (h, b) in &inner.blobs {
             for o in &b.owners {
                 *charged.entry(o.clone()).or_default() += b.size;
                 if b.pins == 0 {
-                    lru.entry(o.clone()).or_default().push_back((b.used, h.clone()));
+                    lru.entry(o.clone())
+                        .or_default()
+                        .push_back((b.used, h.clone()));
                 }
             }
         }
@@ -828,7 +839,8 @@ mod tests {
             entries: vec![entry("a", &data)],
         };
         let p = s.post(m, &alice).unwrap();
-        s.receive(&mut &data[..], &p.missing[0], 40, &alice).unwrap();
+        s.receive(&mut &data[..], &p.missing[0], 40, &alice)
+            .unwrap();
         for i in 0..20u8 {
             let data = vec![i; 40];
             let m = Manifest {

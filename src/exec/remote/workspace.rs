@@ -252,8 +252,7 @@ async fn store_result(
     use futures_util::TryStreamExt as _;
     let resp = client.download_response(&f.hash).await?;
     let stream = resp.bytes_stream().map_err(std::io::Error::other);
-    let mut reader =
-        tokio_util::io::SyncIoBridge::new(tokio_util::io::StreamReader::new(stream));
+    let mut reader = tokio_util::io::SyncIoBridge::new(tokio_util::io::StreamReader::new(stream));
     let store = run.store.clone();
     let owner = run.workspace.owner.clone();
     let (hash, size) = (f.hash.clone(), f.size);

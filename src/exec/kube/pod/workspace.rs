@@ -1,9 +1,7 @@
 //! The workspace volume of a runner pod: an `emptyDir` at the profile's `workspace_path`,
 //! into which a workspace's tree is written (see `exec::kube::workspace`).
 
-use k8s_openapi::api::core::v1::{
-    EmptyDirVolumeSource, ResourceRequirements, Volume, VolumeMount,
-};
+use k8s_openapi::api::core::v1::{EmptyDirVolumeSource, ResourceRequirements, Volume, VolumeMount};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
 use crate::exec::kube::config::Profile;
