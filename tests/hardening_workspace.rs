@@ -780,3 +780,58 @@ async fn inodes_are_bounded_per_workspace_and_across_concurrent_runs() {
     }
     assert!(ok, "the first run's inodes were not given back");
 }
+
+/// Issue 24.1: run-remote streams a result into its file instead of holding it: a 48 MiB
+/// result leaves its peak memory below the file's size.
+#[test]
+fn run_remote_streams_large_results() {
+    let size = 48usize << 20;
+    let data = vec![0x5au8; size];
+    let hash = sha256(&data);
+    let mut contents = std::collections::HashMap::new();
+    contents.insert(hash.clone(), data);
+    let base = fake_gateway(Served {
+        files: vec![ChangedFile {
+            path: "target/big.bin".into(),
+            mode: 0o644,
+            size: size as u64,
+            hash,
+        }],
+        contents,
+    });
+    let tree = tempfile::tempdir().unwrap();
+    std::fs::write(tree.path().join("src.txt"), "x").unwrap();
+    let home = tempfile::tempdir().unwrap();
+    // Through a small python process that reports its child's peak: a child forked from
+    // this test process would count this process's memory at the fork.
+    const MEASURE: &str = "import resource, subprocess, sys\n\
+        r = subprocess.run(sys.argv[1:])\n\
+        print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n\
+        sys.exit(r.returncode)\n";
+    let out = std::process::Command::new("python3")
+        .args(["-c", MEASURE])
+        .arg(support::run_remote_bin())
+        .args(["--workspace", "--sync-back", "target/*", "--", "true"])
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("RUN_REMOTE_SERVER", format!("{base}/raw"))
+        .env("XDG_CACHE_HOME", home.path())
+        .current_dir(tree.path())
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let peak_kib: f64 = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .last()
+        .and_then(|l| l.trim().parse().ok())
+        .expect("the peak");
+    let written = std::fs::metadata(tree.path().join("target/big.bin"))
+        .unwrap()
+        .len();
+    assert_eq!(written, size as u64);
+    let peak_mib = peak_kib / 1024.0;
+    eprintln!("run-remote peak while syncing back 48 MiB: {peak_mib:.1} MiB");
+    assert!(peak_mib < 40.0, "run-remote peaked at {peak_mib:.1} MiB");
+}
