@@ -68,6 +68,9 @@ pub struct Auth {
     file_digest: Mutex<[u8; 32]>,
     /// Tokens from `MCP_RUN_AUTH_TOKENS` (fixed for the process).
     env_tokens: Vec<Token>,
+    /// The most distinct identities a reloaded file may bring (the local backend is
+    /// single-tenant unless told otherwise).
+    identity_limit: std::sync::OnceLock<usize>,
 }
 
 /// `(name, token)` pairs as parsed.
@@ -81,6 +84,14 @@ fn tokens_of(entries: Entries) -> Vec<Token> {
             digest: digest(token.as_bytes()),
         })
         .collect()
+}
+
+fn distinct_names(tokens: &[Token]) -> usize {
+    tokens
+        .iter()
+        .map(|t| t.name.as_str())
+        .collect::<std::collections::BTreeSet<_>>()
+        .len()
 }
 
 fn digest(token: &[u8]) -> [u8; 32] {
@@ -180,6 +191,7 @@ impl Auth {
             file,
             file_digest: Mutex::new(file_digest),
             env_tokens,
+            identity_limit: Default::default(),
         }))
     }
 
@@ -199,7 +211,19 @@ impl Auth {
             file: None,
             file_digest: Mutex::new([0; 32]),
             env_tokens,
+            identity_limit: Default::default(),
         }
+    }
+
+    /// How many distinct identities (token names) are configured.
+    pub fn identities(&self) -> usize {
+        distinct_names(&self.current())
+    }
+
+    /// From now on, a reloaded tokens file that brings more than `n` identities is refused
+    /// (the previous tokens stay).
+    pub fn limit_identities(&self, n: usize) {
+        let _ = self.identity_limit.set(n);
     }
 
     fn current(&self) -> Arc<Vec<Token>> {
@@ -231,6 +255,14 @@ impl Auth {
         }
         let mut all = tokens_of(entries);
         all.extend(self.env_tokens.iter().cloned());
+        if let Some(&max) = self.identity_limit.get()
+            && distinct_names(&all) > max
+        {
+            return Err(format!(
+                "the auth tokens file {} names more than {max} identity: the local backend runs every command as the gateway's user, so several identities need local.allow_multiple_identities (docs/policy.md)",
+                path.display()
+            ));
+        }
         *self.tokens.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(all);
         *last = d;
         Ok(true)

@@ -15,7 +15,11 @@ fn with_tokens(yaml: &str) -> (Gateway, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let tokens = dir.path().join("tokens");
     std::fs::write(&tokens, format!("# tokens\nci:{TOKEN_CI}\n")).unwrap();
-    let config = config_file(&dir, yaml);
+    // Two identities on the local backend (they trust each other here).
+    let config = config_file(
+        &dir,
+        &format!("local:\n  allow_multiple_identities: true\n{yaml}"),
+    );
     let gw = Gateway::start_with_env(
         &["--config", config.to_str().unwrap()],
         &[

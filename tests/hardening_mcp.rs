@@ -145,7 +145,7 @@ fn a_reused_request_id_is_refused_while_the_first_runs() {
 #[test]
 fn sessions_are_capped_in_total_and_per_client_and_expire() {
     let (gw, _dir) = gateway_with(
-        "mcp:\n  max_sessions: 3\n  max_sessions_per_client: 2\n",
+        "mcp:\n  max_sessions: 3\n  max_sessions_per_client: 2\nlocal:\n  allow_multiple_identities: true\n",
         &[(
             "MCP_RUN_AUTH_TOKENS",
             "a:aaaaaaaaaaaaaaaaaaaa,b:bbbbbbbbbbbbbbbbbbbb",

@@ -383,14 +383,14 @@ async fn tar_long_name_and_pax_bombs_are_refused_without_memory() {
             .unwrap();
         let status = resp.status().as_u16();
         let text = resp.text().await.unwrap();
-        assert_eq!(status, 400, "{text}");
-        assert!(text.contains(what), "{text}");
         let (rss, peak) = memory_mib(pid);
         eprintln!("{what} bomb: idle {idle:.1} MiB, now {rss:.1} MiB, peak {peak:.1} MiB");
         assert!(
             peak - idle < 32.0,
             "peak {peak:.1} MiB against idle {idle:.1} MiB"
         );
+        assert_eq!(status, 400, "{text}");
+        assert!(text.contains(what), "{text}");
     }
 }
 
@@ -437,14 +437,14 @@ async fn registered_manifests_and_symlink_targets_are_bounded_in_memory() {
     let pid = gw.pid().unwrap();
     let (idle, _) = memory_mib(pid);
     // Each about 5 MiB registered: the registry keeps one of them.
-    for i in 0..4 {
+    for i in 0..8 {
         let (status, text) =
             post_gzip_manifest(&gw, None, wide_manifest(20_000, &format!("t{i}"))).await;
         assert_eq!(status, 200, "{text}");
     }
     let (rss, peak) = memory_mib(pid);
     eprintln!(
-        "4 manifests of 20,000 files: idle {idle:.1} MiB, now {rss:.1} MiB, peak {peak:.1} MiB"
+        "8 manifests of 20,000 files: idle {idle:.1} MiB, now {rss:.1} MiB, peak {peak:.1} MiB"
     );
     assert!(
         peak - idle < 32.0,
@@ -532,7 +532,7 @@ async fn one_identity_cannot_evict_another() {
     let cfg = config_file(
         &dir,
         &format!(
-            "workspaces:\n  local_dir: {}\n  cache_dir: {}\n  max_cache_bytes: 4194304\n  max_file_bytes: 1048576\n  max_workspaces: 4\n",
+            "local:\n  allow_multiple_identities: true\nworkspaces:\n  local_dir: {}\n  cache_dir: {}\n  max_cache_bytes: 4194304\n  max_file_bytes: 1048576\n  max_workspaces: 4\n",
             dir.path().join("runs").display(),
             dir.path().join("cache").display()
         ),
@@ -696,4 +696,141 @@ async fn leftovers_of_killed_gateways_are_removed() {
     });
     assert!(gone, "left: {:?}", ours(tmp.path()));
     drop(gw2);
+}
+
+/// Issue 24.4: the directories a manifest implies count against `workspaces.max_files`, and
+/// concurrent runs on the local backend together materialise at most
+/// `workspaces.max_local_inodes` files and directories.
+#[tokio::test]
+async fn inodes_are_bounded_per_workspace_and_across_concurrent_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = gateway(&dir, "  max_files: 6000\n  max_local_inodes: 8000\n", &[]);
+    // 4,000 files, each two directories deep of its own: 8,000 directories.
+    let empty = sha256(b"");
+    let deep: Vec<serde_json::Value> = (0..4000)
+        .map(|i| serde_json::json!({"path": format!("d{i}/e/f"), "size": 0, "hash": empty}))
+        .collect();
+    let resp = support::http()
+        .post(gw.url("/workspaces"))
+        .json(&serde_json::json!({ "entries": deep }))
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    let text = resp.text().await.unwrap();
+    assert_eq!(status, 413, "{text}");
+    assert!(
+        text.contains("directories") && text.contains("workspaces.max_files"),
+        "{text}"
+    );
+
+    // 5,000 files in 50 directories: one run fits, a second at the same time does not.
+    let (status, text) = post_gzip_manifest(&gw, None, wide_manifest(5000, "w")).await;
+    assert_eq!(status, 200, "{text}");
+    let id = serde_json::from_str::<serde_json::Value>(&text).unwrap()["workspace"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let put = support::http()
+        .put(gw.url(&format!("/workspaces/{id}/blobs/{empty}")))
+        .body(Vec::new())
+        .send()
+        .await
+        .unwrap();
+    assert!(put.status().is_success());
+    let body = serde_json::json!({"executable": "sleep", "args": ["60"], "workspace": id});
+    let mut first = support::http()
+        .post(gw.raw_url())
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(first.status().as_u16(), 200);
+    let mut seen = String::new();
+    while !seen.contains(r#""type":"started""#) {
+        let chunk = first.chunk().await.unwrap().expect("started");
+        seen.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    let second = support::http()
+        .post(gw.raw_url())
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let status = second.status().as_u16();
+    let text = second.text().await.unwrap();
+    assert_eq!(status, 429, "{text}");
+    assert!(text.contains("workspaces.max_local_inodes"), "{text}");
+    drop(first);
+    // Once the first run is gone, its share is free again.
+    let mut ok = false;
+    for _ in 0..100 {
+        let r = support::http()
+            .post(gw.raw_url())
+            .json(&serde_json::json!({"executable": "true", "workspace": id}))
+            .send()
+            .await
+            .unwrap();
+        if r.status().as_u16() == 200 {
+            ok = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(ok, "the first run's inodes were not given back");
+}
+
+/// Issue 24.1: run-remote streams a result into its file instead of holding it: a 48 MiB
+/// result leaves its peak memory below the file's size.
+#[test]
+fn run_remote_streams_large_results() {
+    let size = 48usize << 20;
+    let data = vec![0x5au8; size];
+    let hash = sha256(&data);
+    let mut contents = std::collections::HashMap::new();
+    contents.insert(hash.clone(), data);
+    let base = fake_gateway(Served {
+        files: vec![ChangedFile {
+            path: "target/big.bin".into(),
+            mode: 0o644,
+            size: size as u64,
+            hash,
+        }],
+        contents,
+    });
+    let tree = tempfile::tempdir().unwrap();
+    std::fs::write(tree.path().join("src.txt"), "x").unwrap();
+    let home = tempfile::tempdir().unwrap();
+    // Through a small python process that reports its child's peak: a child forked from
+    // this test process would count this process's memory at the fork.
+    const MEASURE: &str = "import resource, subprocess, sys\n\
+        r = subprocess.run(sys.argv[1:])\n\
+        print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n\
+        sys.exit(r.returncode)\n";
+    let out = std::process::Command::new("python3")
+        .args(["-c", MEASURE])
+        .arg(support::run_remote_bin())
+        .args(["--workspace", "--sync-back", "target/*", "--", "true"])
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("RUN_REMOTE_SERVER", format!("{base}/raw"))
+        .env("XDG_CACHE_HOME", home.path())
+        .current_dir(tree.path())
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let peak_kib: f64 = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .last()
+        .and_then(|l| l.trim().parse().ok())
+        .expect("the peak");
+    let written = std::fs::metadata(tree.path().join("target/big.bin"))
+        .unwrap()
+        .len();
+    assert_eq!(written, size as u64);
+    let peak_mib = peak_kib / 1024.0;
+    eprintln!("run-remote peak while syncing back 48 MiB: {peak_mib:.1} MiB");
+    assert!(peak_mib < 40.0, "run-remote peaked at {peak_mib:.1} MiB");
 }

@@ -101,7 +101,18 @@ async fn the_tree_is_placed_in_fresh_and_warm_pods() {
         .into_iter()
         .find(|v| v.name == "mcp-run-workspace")
         .expect("the workspace volume");
-    assert!(vol.empty_dir.is_some());
+    // Issue 24.4: bounded, and so is the container's ephemeral storage.
+    let size = vol.empty_dir.as_ref().and_then(|e| e.size_limit.clone());
+    assert_eq!(size.map(|q| q.0), Some("4Gi".to_string()));
+    let limits = spec.containers[0]
+        .resources
+        .as_ref()
+        .and_then(|r| r.limits.clone())
+        .unwrap_or_default();
+    assert_eq!(
+        limits.get("ephemeral-storage").map(|q| q.0.as_str()),
+        Some("4Gi")
+    );
     let mount = spec.containers[0]
         .volume_mounts
         .clone()

@@ -240,7 +240,7 @@ async fn a_workspace_is_usable_only_by_the_identity_that_posted_it() {
     let dir = tempfile::tempdir().unwrap();
     let gw = gateway(
         &dir,
-        "",
+        "local:\n  allow_multiple_identities: true\n",
         &[(
             "MCP_RUN_AUTH_TOKENS",
             "alice:tok-alice-1234567890,bob:tok-bob-1234567890",

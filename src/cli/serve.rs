@@ -396,6 +396,9 @@ pub async fn app(config: &Config) -> anyhow::Result<App> {
     };
     check_exposure(config, state.auth.is_some())?;
     if let Some(auth) = &state.auth {
+        check_tenancy(config, auth)?;
+    }
+    if let Some(auth) = &state.auth {
         auth.watch(Duration::from_secs(config.auth.reload_secs));
         tracing::info!(
             tokens = auth.len(),
@@ -419,6 +422,11 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
         auth_on,
     } = app(&config).await?;
     crate::leftovers::claim_and_sweep(&[config.workspaces.local_dir()]);
+    // Commands run as this user: without this, they could read the gateway's environment
+    // (tokens) and memory through /proc/PID/environ and /proc/PID/mem, or ptrace it.
+    if let Err(e) = nix::sys::prctl::set_dumpable(false) {
+        tracing::warn!("cannot make the gateway non-dumpable: {e}");
+    }
     let listener = tokio::net::TcpListener::bind(config.server.listen)
         .await
         .with_context(|| format!("cannot listen on {}", config.server.listen))?;
@@ -466,6 +474,23 @@ async fn bounded_shutdown_signal(bound: Duration) {
         );
         std::process::exit(0);
     });
+}
+
+/// The local backend runs every command as the gateway's user: several identities would
+/// reach each other's trees and cached contents, so they need the operator's word.
+fn check_tenancy(config: &Config, auth: &crate::auth::Auth) -> anyhow::Result<()> {
+    if config.server.backend != BackendKind::Local || config.local.allow_multiple_identities {
+        return Ok(());
+    }
+    let n = auth.identities();
+    if n > 1 {
+        anyhow::bail!(
+            "the local backend runs every identity's commands as this gateway's user, so {n} identities could read each other's workspace trees and cached contents: \
+             use one identity, the kube backend, or set local.allow_multiple_identities: true if they trust each other (docs/policy.md)"
+        );
+    }
+    auth.limit_identities(1);
+    Ok(())
 }
 
 /// Refuses to serve a non-loopback address without auth unless the operator said so.

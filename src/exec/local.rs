@@ -36,12 +36,18 @@ use crate::contract::{ErrorBody, ErrorCode, Event, ExitInfo, RunContext};
 pub struct LocalConfig {
     /// Variables of the gateway's environment that every command inherits.
     pub inherit_env: Vec<String>,
+    /// Accept several identities (auth tokens with different names) although every command
+    /// runs as the gateway's user, so that one identity's commands can read what another's
+    /// leave in their trees and the content cache (docs/policy.md, "The local backend").
+    /// Off: the gateway refuses to start with more than one identity on this backend.
+    pub allow_multiple_identities: bool,
 }
 
 impl Default for LocalConfig {
     fn default() -> Self {
         Self {
             inherit_env: DEFAULT_INHERIT_ENV.iter().map(|s| s.to_string()).collect(),
+            allow_multiple_identities: false,
         }
     }
 }
@@ -253,9 +259,15 @@ impl LocalExecutor {
             cmd.current_dir(cwd);
         }
         let gateway = nix::unistd::getpid();
-        // SAFETY: only async-signal-safe calls (prctl, getppid) between fork and exec.
+        // Its own cgroup where the machine allows: nothing it starts can leave it.
+        let cgroup = super::cgroup::for_run(&tag);
+        // SAFETY: only async-signal-safe calls (prctl, getppid, open/write) between fork and
+        // exec.
         unsafe {
             cmd.pre_exec(move || {
+                if let Some(cg) = &cgroup {
+                    cg.enter();
+                }
                 // The command dies with the gateway, even on SIGKILL (no cleanup runs then).
                 nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
                 if nix::unistd::getppid() != gateway {
@@ -553,6 +565,7 @@ async fn feed_stdin(
 /// Kills a command's group and whatever escaped it, off the async threads.
 fn kill_all(pgid: Option<u32>, tag: &str) {
     kill_group(pgid);
+    super::cgroup::kill(tag);
     let tag = tag.to_owned();
     tokio::task::spawn_blocking(move || {
         let n = kill_tagged(&tag, true);
@@ -657,6 +670,7 @@ async fn supervise(
         }
     }
 
+    super::cgroup::release(&tag);
     let info = match status {
         Some(Ok(s)) => ExitInfo {
             code: s.code(),

@@ -17,6 +17,7 @@
 //! and filter semantics, kept beside it.
 
 pub mod cache;
+pub mod cgroup;
 pub mod kube;
 pub mod local;
 pub mod reaper;

@@ -76,7 +76,11 @@ pub fn run(prefix: &str) -> std::process::ExitCode {
         }
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
-    // Then what the gateway could not remove (killed, or its shutdown ran out of time).
+    // Its commands' cgroups, and what the gateway could not remove (killed, or its
+    // shutdown ran out of time).
+    if let Ok(pid) = prefix.trim_end_matches('.').parse() {
+        super::cgroup::sweep(pid);
+    }
     crate::leftovers::sweep(&std::env::temp_dir());
     std::process::ExitCode::SUCCESS
 }

@@ -40,6 +40,9 @@ pub struct WorkspaceConfig {
     /// temporary directory].
     #[serde(skip_serializing_if = "Option::is_none")]
     pub local_dir: Option<PathBuf>,
+    /// Files and directories (inodes) that concurrent runs' trees may hold at once on the
+    /// local backend; a run that would go over it is refused with 429.
+    pub max_local_inodes: u64,
     /// Trees the local backend keeps between runs, so that a rerun copies only what changed
     /// (0: a fresh tree per run, removed afterwards).
     pub local_idle_trees: usize,
@@ -63,6 +66,7 @@ impl Default for WorkspaceConfig {
             max_manifest_bytes: 64 * MIB as usize,
             local_dir: None,
             local_idle_trees: 2,
+            max_local_inodes: 400_000,
         }
     }
 }
@@ -87,6 +91,7 @@ impl WorkspaceConfig {
         min("max_manifest_bytes", self.max_manifest_bytes as u64, 1024)?;
         min("max_workspaces", self.max_workspaces as u64, 1)?;
         min("max_registry_bytes", self.max_registry_bytes, MIB)?;
+        min("max_local_inodes", self.max_local_inodes, 16)?;
         min("max_age_secs", self.max_age_secs, 1)?;
         if self.max_cache_bytes < self.max_file_bytes {
             return Err((

@@ -25,11 +25,14 @@ pub struct LocalTree {
     /// that ended otherwise (client gone, error) may still have processes writing into it,
     /// so the tree is removed instead.
     exited: bool,
+    /// Its share of `workspaces.max_local_inodes`, while it is in use.
+    _inodes: tokio::sync::OwnedSemaphorePermit,
 }
 
 /// A tree holding exactly the run's workspace, from `trees` (an idle one brought up to date,
 /// else a fresh one). Blocking.
 pub fn materialize(run: &WorkspaceRun, trees: &Arc<Trees>) -> Result<LocalTree, ErrorBody> {
+    let inodes = run.store.reserve_inodes(&run.workspace)?;
     // Held while copying from the cache; the tree has its own copies afterwards.
     let pin = run.store.pin(&run.workspace)?;
     let (tree, stats) = trees.check_out(run, &pin)?;
@@ -48,6 +51,7 @@ pub fn materialize(run: &WorkspaceRun, trees: &Arc<Trees>) -> Result<LocalTree, 
         tree: Some(tree),
         trees: trees.clone(),
         exited: false,
+        _inodes: inodes,
     })
 }
 
@@ -79,19 +83,7 @@ impl Drop for LocalTree {
     }
 }
 
-/// Compiles the sync-back globs: `*` stays within one path component, `**` spans several.
-pub fn globs(patterns: &[String]) -> Result<globset::GlobSet, String> {
-    let mut b = globset::GlobSetBuilder::new();
-    for p in patterns {
-        let g = globset::GlobBuilder::new(p)
-            .literal_separator(true)
-            .build()
-            .map_err(|e| format!("invalid sync_back glob {p:?}: {e}"))?;
-        b.add(g);
-    }
-    b.build()
-        .map_err(|e| format!("invalid sync_back globs: {e}"))
-}
+pub use super::results::globs;
 
 /// Walks `root` without following symlinks and stores every regular file that matches the
 /// globs and differs from the manifest (new, other content, or other mode). Returns the

@@ -359,6 +359,8 @@ pub struct Checked {
     /// Each distinct content and its size.
     pub contents: HashMap<String, u64>,
     pub files: usize,
+    /// Directories the paths imply.
+    pub dirs: usize,
     pub bytes: u64,
 }
 
@@ -493,12 +495,29 @@ impl Manifest {
                 end += 1;
             }
         }
+        // Directories count too: one content can stand for many files, each in a directory
+        // of its own, and every one is an inode where the tree is written.
+        let mut dirs = std::collections::HashSet::new();
+        for e in &self.entries {
+            for (i, _) in e.path.match_indices('/') {
+                dirs.insert(&e.path[..i]);
+            }
+        }
+        if dirs.len() > limits.max_files {
+            return Err(too_large(format!(
+                "the manifest implies {} directories, more than the gateway's maximum of {} (workspaces.max_files)",
+                dirs.len(),
+                limits.max_files
+            )));
+        }
+        let dirs = dirs.len();
         // Hashed as it is written, not held: the canonical text is as large as the body.
         let mut canonical = HashWriter(sha2::Sha256::new());
         serde_json::to_writer(&mut canonical, &self).map_err(|e| invalid(e.to_string()))?;
         Ok(Checked {
             digest: super::hex(&sha2::Digest::finalize(canonical.0)),
             files: self.entries.len(),
+            dirs,
             bytes,
             contents,
             manifest: self,

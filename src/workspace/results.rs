@@ -26,7 +26,7 @@ impl ResultRules {
     /// `globs` as sent in the request's `sync_back` (same syntax as the gateway's).
     pub fn new(globs: &[String]) -> Result<Self, String> {
         Ok(Self {
-            globs: super::local::globs(globs)?,
+            globs: self::globs(globs)?,
         })
     }
 
@@ -47,6 +47,20 @@ impl ResultRules {
         }
         Ok(())
     }
+}
+
+/// Compiles the sync-back globs: `*` stays within one path component, `**` spans several.
+pub fn globs(patterns: &[String]) -> Result<globset::GlobSet, String> {
+    let mut b = globset::GlobSetBuilder::new();
+    for p in patterns {
+        let g = globset::GlobBuilder::new(p)
+            .literal_separator(true)
+            .build()
+            .map_err(|e| format!("invalid sync_back glob {p:?}: {e}"))?;
+        b.add(g);
+    }
+    b.build()
+        .map_err(|e| format!("invalid sync_back globs: {e}"))
 }
 
 /// The mode a result is written with: 0755 when any execute bit is set, else 0644.

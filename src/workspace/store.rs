@@ -39,6 +39,8 @@ pub struct Workspace {
     /// Each distinct content and its size.
     pub contents: HashMap<String, u64>,
     pub files: usize,
+    /// Directories the paths imply.
+    pub dirs: usize,
     pub bytes: u64,
     /// About what the workspace costs in the gateway's memory ([`registry_cost`]).
     pub memory: u64,
@@ -92,6 +94,9 @@ pub struct WorkspaceStore {
     /// Created by us with a per-process default name: removed when the store is dropped.
     remove_root: bool,
     inner: Mutex<Inner>,
+    /// Files and directories that runs may have materialised at once on this host
+    /// (`workspaces.max_local_inodes`).
+    inodes: Arc<tokio::sync::Semaphore>,
 }
 
 fn internal(what: &str, e: std::io::Error) -> ErrorBody {
@@ -127,11 +132,17 @@ impl WorkspaceStore {
             }
             std::fs::create_dir_all(&dir)?;
         }
+        let inodes = Arc::new(tokio::sync::Semaphore::new(
+            usize::try_from(cfg.max_local_inodes)
+                .unwrap_or(usize::MAX)
+                .min(tokio::sync::Semaphore::MAX_PERMITS),
+        ));
         Ok(Self {
             cfg,
             root,
             remove_root,
             inner: Mutex::new(Inner::default()),
+            inodes,
         })
     }
 
@@ -257,6 +268,7 @@ impl WorkspaceStore {
             manifest: checked.manifest,
             contents: checked.contents,
             files: checked.files,
+            dirs: checked.dirs,
             bytes: checked.bytes,
         });
         inner.workspaces.insert(id, (workspace.clone(), now));
@@ -516,6 +528,38 @@ impl WorkspaceStore {
             store: self.clone(),
             workspace: ws.clone(),
         })
+    }
+
+    /// Reserves the inodes (files and directories) of `ws` for a tree written on this host,
+    /// until the permit is dropped: concurrent runs cannot together make more than
+    /// `workspaces.max_local_inodes`. Refused at once (429) when others hold too many.
+    pub fn reserve_inodes(
+        &self,
+        ws: &Workspace,
+    ) -> Result<tokio::sync::OwnedSemaphorePermit, ErrorBody> {
+        let max = self.cfg.max_local_inodes;
+        let n = (ws.files + ws.dirs + 1) as u64;
+        if n > max {
+            return Err(ErrorBody::new(
+                ErrorCode::PayloadTooLarge,
+                format!(
+                    "workspace {} needs {n} files and directories, more than the {max} this gateway writes at once (workspaces.max_local_inodes)",
+                    ws.id
+                ),
+            ));
+        }
+        self.inodes
+            .clone()
+            .try_acquire_many_owned(n as u32)
+            .map_err(|_| {
+                ErrorBody::new(
+                    ErrorCode::TooManyRequests,
+                    format!(
+                        "runs in progress hold most of the {max} files and directories this gateway writes at once (workspaces.max_local_inodes); workspace {} needs {n}: retry when they end",
+                        ws.id
+                    ),
+                )
+            })
     }
 
     /// Where a pinned content is on disk.

@@ -53,7 +53,25 @@ impl Gateway {
 
     /// Like [`Gateway::start_with_env`], in the working directory `dir` (when given).
     pub fn start_in(dir: Option<&std::path::Path>, args: &[&str], env: &[(&str, &str)]) -> Gateway {
-        let mut cmd = Command::new(gateway_bin());
+        Self::start_wrapped(&[], dir, args, env)
+    }
+
+    /// Like [`Gateway::start_in`], started through `wrapper` (a program and its arguments
+    /// that run the gateway's command line, e.g. `setpriv --reuid=...`); none: directly.
+    pub fn start_wrapped(
+        wrapper: &[&str],
+        dir: Option<&std::path::Path>,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Gateway {
+        let mut cmd = match wrapper.split_first() {
+            Some((program, rest)) => {
+                let mut c = Command::new(program);
+                c.args(rest).arg(gateway_bin());
+                c
+            }
+            None => Command::new(gateway_bin()),
+        };
         if let Some(dir) = dir {
             cmd.current_dir(dir);
         }

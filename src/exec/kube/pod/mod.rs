@@ -142,7 +142,7 @@ pub fn build(req: &PodRequest<'_>, id: &Identity) -> Pod {
         image: Some(p.image().to_string()),
         image_pull_policy: p.image_pull_policy.clone(),
         command: Some(keepalive),
-        resources: p.resources.clone(),
+        resources: workspace::resources(p),
         working_dir: p.working_dir.clone(),
         volume_mounts: workspace::volume_mounts(p),
         stdin: Some(false),
