@@ -62,6 +62,18 @@ async fn local_caches_are_kept_per_identity_bounded_and_swept() {
         caches.display()
     );
     let mut gw = gateway(&dir, &yaml, &[]);
+    // The capabilities tell a caller which profile keeps what.
+    gw.token = Some(ALICE.into());
+    let caps = support::get_json(&gw, "/capabilities").await;
+    gw.token = None;
+    let build = caps["profiles"]
+        .as_array()
+        .and_then(|p| p.iter().find(|p| p["name"] == "build"))
+        .unwrap_or_else(|| panic!("{caps}"));
+    assert_eq!(
+        build["caches"],
+        json!([{"name": "data", "scope": "identity", "variables": ["C"]}])
+    );
 
     let a1 = run_as(&mut gw, ALICE, append("a1", "build")).await;
     assert_eq!(a1.code(), Some(0), "{a1:?}");

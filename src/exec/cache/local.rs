@@ -115,6 +115,14 @@ impl LocalCaches {
         Ok(Some(caches))
     }
 
+    /// What the capabilities document says about a profile's caches.
+    pub fn info(&self, profile: &str) -> Vec<crate::capabilities::CacheInfo> {
+        self.profiles
+            .get(profile)
+            .map(|c| super::info(c))
+            .unwrap_or_default()
+    }
+
     fn lock_of(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
         let mut locks = self.locks.lock().unwrap_or_else(|e| e.into_inner());
         locks.entry(id.to_string()).or_default().clone()
