@@ -380,7 +380,13 @@ async fn kube_runs_of_one_key_race_to_one_claim_and_take_turns() {
          profiles:\n  default:\n    caches:\n      - {{name: build, path: {}, env: {{C: .}}}}\n",
         mount.display()
     );
+    // The gateway checks the claims' verbs too: one missing makes it unready, named.
+    double.deny(NS, "persistentvolumeclaims", "", "patch");
     let gw = kube_gateway(&double, &dir, &yaml);
+    let ready = support::http().get(gw.url("/readyz")).send().await.unwrap();
+    assert_eq!(ready.status(), 503);
+    let why = ready.text().await.unwrap();
+    assert!(why.contains("patch persistentvolumeclaims"), "{why}");
     let mut gw2 = Gateway::external(&gw.raw_url(), "kubernetes");
     gw2.token = Some(ALICE.into());
     // Two first runs at once: one claim; the second waits for the first and sees its write.
