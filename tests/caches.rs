@@ -425,6 +425,32 @@ async fn kube_runs_of_one_key_race_to_one_claim_and_take_turns() {
             ("mcp-run.dev/held-until", Some("2099-01-01T00:00:00Z")),
         ],
     );
+    // With progress asked for, the wait is a `queued` phase, then the refusal an `error` event.
+    let text = support::http()
+        .post(gw.raw_url())
+        .bearer_auth(ALICE)
+        .header("mcp-run-progress", "1")
+        .json(&body("z"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let events: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(events[0]["type"], "phase", "{text}");
+    assert_eq!(events[0]["phase"], "queued", "{text}");
+    assert_eq!(
+        events[0]["message"],
+        "cache build is in use by the run in pod mcp-run-elsewhere; waiting up to 2s",
+        "{text}"
+    );
+    let last = events.last().unwrap();
+    assert_eq!(last["type"], "error", "{text}");
+    assert_eq!(last["code"], "too_many_requests", "{text}");
     let busy = raw(&gw2, body("z")).await;
     let rejection = busy.rejection.expect("refused");
     assert_eq!(busy.status, 429, "{rejection:?}");
