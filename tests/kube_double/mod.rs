@@ -58,6 +58,9 @@
 //!     finalizers, container images and `activeDeadlineSeconds` may change; other spec
 //!     changes are 422 as for a real pod. Status changes through the main resource are
 //!     ignored.
+//! - Namespaced PersistentVolumeClaims (`/api/v1/namespaces/{ns}/persistentvolumeclaims[/{name}]`):
+//!   create, get, list and watch with selectors, merge patch and delete with preconditions,
+//!   binding and pvc-protection; a pod's claims are mounted at its mount paths (`pvcs.rs`).
 //! - `POST /apis/authorization.k8s.io/v1/selfsubjectaccessreviews`: allowed unless
 //!   `KubeDouble::deny` named the (namespace, resource, subresource, verb).
 //! - `pods/exec` (`GET` upgraded to WebSocket): see below.
@@ -135,7 +138,8 @@
 //! (every successful DELETE), `requests` (`"METHOD path?query"`), `deny` (SSAR answers no),
 //! `running_execs`, `resource_version`, `peak_pods` (the most pods with containers at once),
 //! `exec_pings`, `delete_log` (each DELETE with its preconditions and answer), `set_labels`
-//! (another client's label patch).
+//! (another client's label patch); for claims `pvcs`, `pvc_mounts`, `pvc_deletions`,
+//! `insert_pvc`, `annotate_pvc` (`pvcs.rs`).
 #![allow(dead_code)]
 // ApiError carries a whole Status (message, details): test code favours plain `Result`s over
 // boxing it.
