@@ -20,13 +20,22 @@ const NS: &str = "default";
 
 /// A gateway with tokens for `alice` and `bob` and this configuration.
 fn gateway(dir: &tempfile::TempDir, yaml: &str, extra: &[&str]) -> Gateway {
+    gateway_env(dir, yaml, extra, &[])
+}
+
+fn gateway_env(
+    dir: &tempfile::TempDir,
+    yaml: &str,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> Gateway {
     let config = config_file(dir, yaml);
     let mut args = vec!["--config", config.to_str().unwrap()];
     args.extend_from_slice(extra);
-    Gateway::start_with_env(
-        &args,
-        &[("MCP_RUN_AUTH_TOKENS", &format!("alice:{ALICE},bob:{BOB}"))],
-    )
+    let tokens = format!("alice:{ALICE},bob:{BOB}");
+    let mut all = vec![("MCP_RUN_AUTH_TOKENS", tokens.as_str())];
+    all.extend_from_slice(env);
+    Gateway::start_with_env(&args, &all)
 }
 
 /// Appends a line to the cache's file and prints what the file held before.
@@ -221,8 +230,13 @@ fn restricted_double() -> KubeDouble {
 }
 
 fn kube_gateway(double: &KubeDouble, dir: &tempfile::TempDir, yaml: &str) -> Gateway {
+    kube_replica(double, dir, yaml, "gw-a")
+}
+
+/// One replica of a gateway installation: `name` is its pod name (its runner pods' label).
+fn kube_replica(double: &KubeDouble, dir: &tempfile::TempDir, yaml: &str, name: &str) -> Gateway {
     let kubeconfig = double.kubeconfig();
-    gateway(
+    gateway_env(
         dir,
         yaml,
         &[
@@ -231,6 +245,7 @@ fn kube_gateway(double: &KubeDouble, dir: &tempfile::TempDir, yaml: &str) -> Gat
             "--kubeconfig",
             kubeconfig.to_str().unwrap(),
         ],
+        &[("MCP_RUN_POD_NAME", name)],
     )
 }
 
@@ -376,8 +391,12 @@ async fn kube_runs_of_one_key_race_to_one_claim_and_take_turns() {
     let dir = tempfile::tempdir().unwrap();
     let mount = dir.path().join("cache");
     let yaml = format!(
-        "caches:\n  busy_wait_secs: 2\n\
-         profiles:\n  default:\n    caches:\n      - {{name: build, path: {}, env: {{C: .}}}}\n",
+        "caches:\n  busy_wait_secs: 2\n  max_per_identity: 2\n\
+         profiles:\n  default:\n    caches:\n      - {{name: build, path: {}, env: {{C: .}}}}\n  \
+         skipping:\n    caches:\n      - {{name: build2, path: {}2, env: {{C: .}}, when_busy: skip}}\n  \
+         third:\n    caches:\n      - {{name: build3, path: {}3, env: {{C: .}}}}\n",
+        mount.display(),
+        mount.display(),
         mount.display()
     );
     // The gateway checks the claims' verbs too: one missing makes it unready, named.
@@ -389,14 +408,19 @@ async fn kube_runs_of_one_key_race_to_one_claim_and_take_turns() {
     assert!(why.contains("patch persistentvolumeclaims"), "{why}");
     let mut gw2 = Gateway::external(&gw.raw_url(), "kubernetes");
     gw2.token = Some(ALICE.into());
-    // Two first runs at once: one claim; the second waits for the first and sees its write.
+    // Another replica of the same installation.
+    let replica = kube_replica(&double, &dir, &yaml, "gw-b");
+    let mut gw3 = Gateway::external(&replica.raw_url(), "kubernetes");
+    gw3.token = Some(ALICE.into());
+    // Two first runs at once, one on each replica: one claim; the second run waits for the
+    // first and sees its write.
     let body = |n: &str| {
         json!({
             "executable": "sh",
-            "args": ["-c", "cat \"$C/log\" 2>/dev/null; echo \"$1\" >> \"$C/log\"", "sh", n],
+            "args": ["-c", "mkdir -p \"$C\" && cat \"$C/log\" 2>/dev/null; echo \"$1\" >> \"$C/log\"", "sh", n],
         })
     };
-    let (x, y) = tokio::join!(raw(&gw2, body("x")), raw(&gw2, body("y")));
+    let (x, y) = tokio::join!(raw(&gw2, body("x")), raw(&gw3, body("y")));
     assert_eq!((x.code(), y.code()), (Some(0), Some(0)), "{x:?} {y:?}");
     let outs = [x.stdout_str(), y.stdout_str()];
     assert!(
@@ -465,5 +489,75 @@ async fn kube_runs_of_one_key_race_to_one_claim_and_take_turns() {
         double.created_pods().len(),
         2,
         "no pod for a run that never got its cache"
+    );
+
+    // when_busy: skip runs at once with an emptyDir there instead, and says so.
+    let on = |profile: &str, n: &str| {
+        let mut b = body(n);
+        b["profile"] = json!(profile);
+        b
+    };
+    let s1 = raw(&gw2, on("skipping", "s1")).await;
+    assert_eq!(state(&s1, "build2"), CacheState::Created, "{s1:?}");
+    let claim2 = double
+        .pvcs(NS)
+        .into_iter()
+        .find(|c| c.metadata.labels.as_ref().unwrap()["mcp-run.dev/cache"] == "build2")
+        .unwrap()
+        .metadata
+        .name
+        .unwrap();
+    assert!(wait_until(Duration::from_secs(10), || {
+        double.pvcs(NS).iter().all(|c| {
+            c.metadata.name.as_deref() != Some(&claim2)
+                || !c
+                    .metadata
+                    .annotations
+                    .as_ref()
+                    .unwrap()
+                    .contains_key("mcp-run.dev/held-by")
+        })
+    }));
+    let now = k8s_openapi::jiff::Timestamp::now().to_string();
+    double.annotate_pvc(
+        NS,
+        &claim2,
+        &[
+            ("mcp-run.dev/held-by", Some("mcp-run-elsewhere")),
+            ("mcp-run.dev/held-since", Some(&now)),
+            ("mcp-run.dev/held-until", Some("2099-01-01T00:00:00Z")),
+        ],
+    );
+    let s2 = raw(&gw2, on("skipping", "s2")).await;
+    assert_eq!(s2.code(), Some(0), "{s2:?}");
+    assert_eq!(state(&s2, "build2"), CacheState::Skipped);
+    let pod = s2.context.as_ref().unwrap().pod.clone().unwrap();
+    let spec = double
+        .created_pods()
+        .into_iter()
+        .find(|p| p.metadata.name.as_deref() == Some(&pod))
+        .unwrap()
+        .spec
+        .unwrap();
+    let v = spec
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == "mcp-run-cache-build2")
+        .unwrap();
+    assert!(
+        v.empty_dir.is_some() && v.persistent_volume_claim.is_none(),
+        "{v:?}"
+    );
+
+    // A third cache for alice is one more than caches.max_per_identity (2): run without it.
+    let t = raw(&gw2, on("third", "t")).await;
+    assert_eq!(t.code(), Some(0), "{t:?}");
+    assert_eq!(state(&t, "build3"), CacheState::Skipped);
+    assert_eq!(double.pvcs(NS).len(), 2);
+    assert!(
+        gw.log_text().contains("max_per_identity"),
+        "{}",
+        gw.log_text()
     );
 }
