@@ -66,7 +66,7 @@ async fn local_caches_are_kept_per_identity_bounded_and_swept() {
     let dir = tempfile::tempdir().unwrap();
     let caches = dir.path().join("caches");
     let yaml = format!(
-        "caches:\n  local_dir: {}\n  idle_ttl_secs: 2\n  sweep_interval_secs: 1\n\
+        "caches:\n  local_dir: {}\n  idle_ttl_secs: 4\n  sweep_interval_secs: 1\n\
          profiles:\n  default: {{}}\n  build:\n    caches:\n      - {{name: data, path: /cache, env: {{C: sub}}, size: 1Mi}}\n",
         caches.display()
     );
@@ -143,9 +143,9 @@ async fn local_caches_are_kept_per_identity_bounded_and_swept() {
     };
     assert_eq!(cold.stdout_str(), "");
     assert!(gw.log_text().contains("cache over its size bound"));
-    // Idle for the TTL (2 s): swept.
+    // Idle for the TTL (4 s): swept.
     assert!(
-        wait_until(Duration::from_secs(20), || {
+        wait_until(Duration::from_secs(40), || {
             std::fs::read_dir(&caches)
                 .map(|d| d.flatten().all(|e| e.file_name() == ".skipped"))
                 .unwrap_or(false)
@@ -263,7 +263,7 @@ async fn kube_claims_are_kept_per_identity_mounted_restricted_and_swept() {
     let dir = tempfile::tempdir().unwrap();
     let mount = dir.path().join("mnt/cache");
     let yaml = format!(
-        "caches:\n  idle_ttl_secs: 3\n  sweep_interval_secs: 1\n  storage_class: fast\n\
+        "caches:\n  idle_ttl_secs: 5\n  sweep_interval_secs: 1\n  storage_class: fast\n\
          profiles:\n  default:\n    caches:\n      - {{name: build, path: {}, env: {{C: data}}, size: 2Gi}}\n",
         mount.display()
     );
@@ -369,7 +369,7 @@ async fn kube_claims_are_kept_per_identity_mounted_restricted_and_swept() {
 
     // Idle for the TTL: the sweeper deletes both claims.
     assert!(
-        wait_until(Duration::from_secs(20), || double.pvcs(NS).is_empty()),
+        wait_until(Duration::from_secs(40), || double.pvcs(NS).is_empty()),
         "claims left: {:?}",
         double.pvcs(NS)
     );
