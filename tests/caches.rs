@@ -249,6 +249,16 @@ fn kube_replica(double: &KubeDouble, dir: &tempfile::TempDir, yaml: &str, name: 
     )
 }
 
+/// Whether no claim is held (every run released its caches).
+fn released(double: &KubeDouble) -> bool {
+    double.pvcs(NS).iter().all(|c| {
+        c.metadata
+            .annotations
+            .as_ref()
+            .is_some_and(|a| !a.contains_key("mcp-run.dev/held-by"))
+    })
+}
+
 fn creates(double: &KubeDouble) -> usize {
     double
         .requests()
@@ -273,9 +283,25 @@ async fn kube_claims_are_kept_per_identity_mounted_restricted_and_swept() {
     assert_eq!(a1.code(), Some(0), "{a1:?}");
     assert_eq!(a1.stdout_str(), "");
     assert_eq!(state(&a1, "build"), CacheState::Created);
+    assert!(wait_until(Duration::from_secs(10), || released(&double)));
+    let before = double.requests().len();
     let a2 = run_as(&mut gw, ALICE, append("a2", "default")).await;
     assert_eq!(a2.stdout_str(), "a1\n", "kept between runs: {a2:?}");
     assert_eq!(state(&a2, "build"), CacheState::Reused);
+    // What a warm run costs the API server for its cache: read and take the claim, then read
+    // and release it (the sweeper's lists aside).
+    assert!(wait_until(Duration::from_secs(10), || released(&double)));
+    let calls: Vec<String> = double.requests()[before..]
+        .iter()
+        .filter(|r| r.contains("persistentvolumeclaims") && !r.contains("labelSelector"))
+        .map(|r| r.split(' ').next().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        calls,
+        ["GET", "PATCH", "GET", "PATCH"],
+        "{:?}",
+        double.requests()
+    );
     let b1 = run_as(&mut gw, BOB, append("b1", "default")).await;
     assert_eq!(b1.stdout_str(), "", "bob never sees alice's cache: {b1:?}");
     assert_eq!(state(&b1, "build"), CacheState::Created);
