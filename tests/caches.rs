@@ -147,7 +147,10 @@ async fn local_caches_are_kept_per_identity_bounded_and_swept() {
     assert!(
         wait_until(Duration::from_secs(40), || {
             std::fs::read_dir(&caches)
-                .map(|d| d.flatten().all(|e| e.file_name() == ".skipped"))
+                .map(|d| {
+                    d.flatten()
+                        .all(|e| e.file_name() == ".skipped" || e.file_name() == ".lock")
+                })
                 .unwrap_or(false)
         }),
         "idle caches left: {:?}",
