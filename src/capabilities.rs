@@ -50,6 +50,21 @@ pub struct ProfileInfo {
     /// Warm pods kept for this profile by each gateway replica (0: none).
     #[serde(default)]
     pub warm_pool: usize,
+    /// Storage kept between this profile's runs of one caller (docs/caches.md).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub caches: Vec<CacheInfo>,
+}
+
+/// A profile's cache, as a caller needs to know it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct CacheInfo {
+    pub name: String,
+    /// `identity` (every run of the caller), or `workspace` (runs with the same
+    /// `cache_scope`, else the same workspace).
+    pub scope: String,
+    /// The variables that point tools at it (`CARGO_TARGET_DIR`, ...).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub variables: Vec<String>,
 }
 
 /// The limits a request meets.

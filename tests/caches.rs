@@ -20,13 +20,22 @@ const NS: &str = "default";
 
 /// A gateway with tokens for `alice` and `bob` and this configuration.
 fn gateway(dir: &tempfile::TempDir, yaml: &str, extra: &[&str]) -> Gateway {
+    gateway_env(dir, yaml, extra, &[])
+}
+
+fn gateway_env(
+    dir: &tempfile::TempDir,
+    yaml: &str,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> Gateway {
     let config = config_file(dir, yaml);
     let mut args = vec!["--config", config.to_str().unwrap()];
     args.extend_from_slice(extra);
-    Gateway::start_with_env(
-        &args,
-        &[("MCP_RUN_AUTH_TOKENS", &format!("alice:{ALICE},bob:{BOB}"))],
-    )
+    let tokens = format!("alice:{ALICE},bob:{BOB}");
+    let mut all = vec![("MCP_RUN_AUTH_TOKENS", tokens.as_str())];
+    all.extend_from_slice(env);
+    Gateway::start_with_env(&args, &all)
 }
 
 /// Appends a line to the cache's file and prints what the file held before.
@@ -57,11 +66,23 @@ async fn local_caches_are_kept_per_identity_bounded_and_swept() {
     let dir = tempfile::tempdir().unwrap();
     let caches = dir.path().join("caches");
     let yaml = format!(
-        "caches:\n  local_dir: {}\n  idle_ttl_secs: 2\n  sweep_interval_secs: 1\n\
+        "caches:\n  local_dir: {}\n  idle_ttl_secs: 4\n  sweep_interval_secs: 1\n\
          profiles:\n  default: {{}}\n  build:\n    caches:\n      - {{name: data, path: /cache, env: {{C: sub}}, size: 1Mi}}\n",
         caches.display()
     );
     let mut gw = gateway(&dir, &yaml, &[]);
+    // The capabilities tell a caller which profile keeps what.
+    gw.token = Some(ALICE.into());
+    let caps = support::get_json(&gw, "/capabilities").await;
+    gw.token = None;
+    let build = caps["profiles"]
+        .as_array()
+        .and_then(|p| p.iter().find(|p| p["name"] == "build"))
+        .unwrap_or_else(|| panic!("{caps}"));
+    assert_eq!(
+        build["caches"],
+        json!([{"name": "data", "scope": "identity", "variables": ["C"]}])
+    );
 
     let a1 = run_as(&mut gw, ALICE, append("a1", "build")).await;
     assert_eq!(a1.code(), Some(0), "{a1:?}");
@@ -122,11 +143,14 @@ async fn local_caches_are_kept_per_identity_bounded_and_swept() {
     };
     assert_eq!(cold.stdout_str(), "");
     assert!(gw.log_text().contains("cache over its size bound"));
-    // Idle for the TTL (2 s): swept.
+    // Idle for the TTL (4 s): swept.
     assert!(
-        wait_until(Duration::from_secs(20), || {
+        wait_until(Duration::from_secs(40), || {
             std::fs::read_dir(&caches)
-                .map(|d| d.flatten().all(|e| e.file_name() == ".skipped"))
+                .map(|d| {
+                    d.flatten()
+                        .all(|e| e.file_name() == ".skipped" || e.file_name() == ".lock")
+                })
                 .unwrap_or(false)
         }),
         "idle caches left: {:?}",
@@ -209,8 +233,13 @@ fn restricted_double() -> KubeDouble {
 }
 
 fn kube_gateway(double: &KubeDouble, dir: &tempfile::TempDir, yaml: &str) -> Gateway {
+    kube_replica(double, dir, yaml, "gw-a")
+}
+
+/// One replica of a gateway installation: `name` is its pod name (its runner pods' label).
+fn kube_replica(double: &KubeDouble, dir: &tempfile::TempDir, yaml: &str, name: &str) -> Gateway {
     let kubeconfig = double.kubeconfig();
-    gateway(
+    gateway_env(
         dir,
         yaml,
         &[
@@ -219,7 +248,18 @@ fn kube_gateway(double: &KubeDouble, dir: &tempfile::TempDir, yaml: &str) -> Gat
             "--kubeconfig",
             kubeconfig.to_str().unwrap(),
         ],
+        &[("MCP_RUN_POD_NAME", name)],
     )
+}
+
+/// Whether no claim is held (every run released its caches).
+fn released(double: &KubeDouble) -> bool {
+    double.pvcs(NS).iter().all(|c| {
+        c.metadata
+            .annotations
+            .as_ref()
+            .is_some_and(|a| !a.contains_key("mcp-run.dev/held-by"))
+    })
 }
 
 fn creates(double: &KubeDouble) -> usize {
@@ -236,7 +276,7 @@ async fn kube_claims_are_kept_per_identity_mounted_restricted_and_swept() {
     let dir = tempfile::tempdir().unwrap();
     let mount = dir.path().join("mnt/cache");
     let yaml = format!(
-        "caches:\n  idle_ttl_secs: 3\n  sweep_interval_secs: 1\n  storage_class: fast\n\
+        "caches:\n  idle_ttl_secs: 5\n  sweep_interval_secs: 1\n  storage_class: fast\n\
          profiles:\n  default:\n    caches:\n      - {{name: build, path: {}, env: {{C: data}}, size: 2Gi}}\n",
         mount.display()
     );
@@ -246,9 +286,25 @@ async fn kube_claims_are_kept_per_identity_mounted_restricted_and_swept() {
     assert_eq!(a1.code(), Some(0), "{a1:?}");
     assert_eq!(a1.stdout_str(), "");
     assert_eq!(state(&a1, "build"), CacheState::Created);
+    assert!(wait_until(Duration::from_secs(10), || released(&double)));
+    let before = double.requests().len();
     let a2 = run_as(&mut gw, ALICE, append("a2", "default")).await;
     assert_eq!(a2.stdout_str(), "a1\n", "kept between runs: {a2:?}");
     assert_eq!(state(&a2, "build"), CacheState::Reused);
+    // What a warm run costs the API server for its cache: read and take the claim, then read
+    // and release it (the sweeper's lists aside).
+    assert!(wait_until(Duration::from_secs(10), || released(&double)));
+    let calls: Vec<String> = double.requests()[before..]
+        .iter()
+        .filter(|r| r.contains("persistentvolumeclaims") && !r.contains("labelSelector"))
+        .map(|r| r.split(' ').next().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        calls,
+        ["GET", "PATCH", "GET", "PATCH"],
+        "{:?}",
+        double.requests()
+    );
     let b1 = run_as(&mut gw, BOB, append("b1", "default")).await;
     assert_eq!(b1.stdout_str(), "", "bob never sees alice's cache: {b1:?}");
     assert_eq!(state(&b1, "build"), CacheState::Created);
@@ -342,7 +398,7 @@ async fn kube_claims_are_kept_per_identity_mounted_restricted_and_swept() {
 
     // Idle for the TTL: the sweeper deletes both claims.
     assert!(
-        wait_until(Duration::from_secs(20), || double.pvcs(NS).is_empty()),
+        wait_until(Duration::from_secs(40), || double.pvcs(NS).is_empty()),
         "claims left: {:?}",
         double.pvcs(NS)
     );
@@ -364,21 +420,36 @@ async fn kube_runs_of_one_key_race_to_one_claim_and_take_turns() {
     let dir = tempfile::tempdir().unwrap();
     let mount = dir.path().join("cache");
     let yaml = format!(
-        "caches:\n  busy_wait_secs: 2\n\
-         profiles:\n  default:\n    caches:\n      - {{name: build, path: {}, env: {{C: .}}}}\n",
+        "caches:\n  busy_wait_secs: 2\n  max_per_identity: 2\n\
+         profiles:\n  default:\n    caches:\n      - {{name: build, path: {}, env: {{C: .}}}}\n  \
+         skipping:\n    caches:\n      - {{name: build2, path: {}2, env: {{C: .}}, when_busy: skip}}\n  \
+         third:\n    caches:\n      - {{name: build3, path: {}3, env: {{C: .}}}}\n",
+        mount.display(),
+        mount.display(),
         mount.display()
     );
+    // The gateway checks the claims' verbs too: one missing makes it unready, named.
+    double.deny(NS, "persistentvolumeclaims", "", "patch");
     let gw = kube_gateway(&double, &dir, &yaml);
+    let ready = support::http().get(gw.url("/readyz")).send().await.unwrap();
+    assert_eq!(ready.status(), 503);
+    let why = ready.text().await.unwrap();
+    assert!(why.contains("patch persistentvolumeclaims"), "{why}");
     let mut gw2 = Gateway::external(&gw.raw_url(), "kubernetes");
     gw2.token = Some(ALICE.into());
-    // Two first runs at once: one claim; the second waits for the first and sees its write.
+    // Another replica of the same installation.
+    let replica = kube_replica(&double, &dir, &yaml, "gw-b");
+    let mut gw3 = Gateway::external(&replica.raw_url(), "kubernetes");
+    gw3.token = Some(ALICE.into());
+    // Two first runs at once, one on each replica: one claim; the second run waits for the
+    // first and sees its write.
     let body = |n: &str| {
         json!({
             "executable": "sh",
-            "args": ["-c", "cat \"$C/log\" 2>/dev/null; echo \"$1\" >> \"$C/log\"", "sh", n],
+            "args": ["-c", "mkdir -p \"$C\" && cat \"$C/log\" 2>/dev/null; echo \"$1\" >> \"$C/log\"", "sh", n],
         })
     };
-    let (x, y) = tokio::join!(raw(&gw2, body("x")), raw(&gw2, body("y")));
+    let (x, y) = tokio::join!(raw(&gw2, body("x")), raw(&gw3, body("y")));
     assert_eq!((x.code(), y.code()), (Some(0), Some(0)), "{x:?} {y:?}");
     let outs = [x.stdout_str(), y.stdout_str()];
     assert!(
@@ -407,6 +478,32 @@ async fn kube_runs_of_one_key_race_to_one_claim_and_take_turns() {
             ("mcp-run.dev/held-until", Some("2099-01-01T00:00:00Z")),
         ],
     );
+    // With progress asked for, the wait is a `queued` phase, then the refusal an `error` event.
+    let text = support::http()
+        .post(gw.raw_url())
+        .bearer_auth(ALICE)
+        .header("mcp-run-progress", "1")
+        .json(&body("z"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let events: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(events[0]["type"], "phase", "{text}");
+    assert_eq!(events[0]["phase"], "queued", "{text}");
+    assert_eq!(
+        events[0]["message"],
+        "cache build is in use by the run in pod mcp-run-elsewhere; waiting up to 2s",
+        "{text}"
+    );
+    let last = events.last().unwrap();
+    assert_eq!(last["type"], "error", "{text}");
+    assert_eq!(last["code"], "too_many_requests", "{text}");
     let busy = raw(&gw2, body("z")).await;
     let rejection = busy.rejection.expect("refused");
     assert_eq!(busy.status, 429, "{rejection:?}");
@@ -421,5 +518,75 @@ async fn kube_runs_of_one_key_race_to_one_claim_and_take_turns() {
         double.created_pods().len(),
         2,
         "no pod for a run that never got its cache"
+    );
+
+    // when_busy: skip runs at once with an emptyDir there instead, and says so.
+    let on = |profile: &str, n: &str| {
+        let mut b = body(n);
+        b["profile"] = json!(profile);
+        b
+    };
+    let s1 = raw(&gw2, on("skipping", "s1")).await;
+    assert_eq!(state(&s1, "build2"), CacheState::Created, "{s1:?}");
+    let claim2 = double
+        .pvcs(NS)
+        .into_iter()
+        .find(|c| c.metadata.labels.as_ref().unwrap()["mcp-run.dev/cache"] == "build2")
+        .unwrap()
+        .metadata
+        .name
+        .unwrap();
+    assert!(wait_until(Duration::from_secs(10), || {
+        double.pvcs(NS).iter().all(|c| {
+            c.metadata.name.as_deref() != Some(&claim2)
+                || !c
+                    .metadata
+                    .annotations
+                    .as_ref()
+                    .unwrap()
+                    .contains_key("mcp-run.dev/held-by")
+        })
+    }));
+    let now = k8s_openapi::jiff::Timestamp::now().to_string();
+    double.annotate_pvc(
+        NS,
+        &claim2,
+        &[
+            ("mcp-run.dev/held-by", Some("mcp-run-elsewhere")),
+            ("mcp-run.dev/held-since", Some(&now)),
+            ("mcp-run.dev/held-until", Some("2099-01-01T00:00:00Z")),
+        ],
+    );
+    let s2 = raw(&gw2, on("skipping", "s2")).await;
+    assert_eq!(s2.code(), Some(0), "{s2:?}");
+    assert_eq!(state(&s2, "build2"), CacheState::Skipped);
+    let pod = s2.context.as_ref().unwrap().pod.clone().unwrap();
+    let spec = double
+        .created_pods()
+        .into_iter()
+        .find(|p| p.metadata.name.as_deref() == Some(&pod))
+        .unwrap()
+        .spec
+        .unwrap();
+    let v = spec
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == "mcp-run-cache-build2")
+        .unwrap();
+    assert!(
+        v.empty_dir.is_some() && v.persistent_volume_claim.is_none(),
+        "{v:?}"
+    );
+
+    // A third cache for alice is one more than caches.max_per_identity (2): run without it.
+    let t = raw(&gw2, on("third", "t")).await;
+    assert_eq!(t.code(), Some(0), "{t:?}");
+    assert_eq!(state(&t, "build3"), CacheState::Skipped);
+    assert_eq!(double.pvcs(NS).len(), 2);
+    assert!(
+        gw.log_text().contains("max_per_identity"),
+        "{}",
+        gw.log_text()
     );
 }

@@ -283,7 +283,7 @@ pub async fn build_executor(
                     )
                     .with_context(|| {
                         format!(
-                            "cannot create the cache directory {} (caches.local_dir)",
+                            "cannot use the cache directory {} (caches.local_dir)",
                             config.caches.local_dir().display()
                         )
                     })?,

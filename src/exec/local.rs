@@ -504,6 +504,11 @@ impl Executor for LocalExecutor {
                     .iter()
                     .map(|name| crate::capabilities::ProfileInfo {
                         name: name.clone(),
+                        caches: self
+                            .caches
+                            .as_ref()
+                            .map(|c| c.info(name))
+                            .unwrap_or_default(),
                         ..Default::default()
                     })
                     .collect(),

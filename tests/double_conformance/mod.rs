@@ -1,7 +1,8 @@
 //! Conformance of the Kubernetes API-server test double (tests/kube_double) with the
 //! documented API behaviour, driven with kube-rs and with a raw WebSocket client. Split along
 //! the double's seams: REST (`rest`), watch (`watch`), the simulated kubelet (`lifecycle`),
-//! exec over WebSocket (`exec`, `exec_errors`, with the raw client in `ws`).
+//! exec over WebSocket (`exec`, `exec_errors`, with the raw client in `ws`), and the
+//! PersistentVolumeClaims of cache volumes (`pvcs`).
 
 use crate::kube_double;
 
@@ -9,6 +10,7 @@ mod exec;
 mod exec_errors;
 mod faults;
 mod lifecycle;
+mod pvcs;
 mod rest;
 mod watch;
 mod ws;

@@ -58,6 +58,9 @@
 //!     finalizers, container images and `activeDeadlineSeconds` may change; other spec
 //!     changes are 422 as for a real pod. Status changes through the main resource are
 //!     ignored.
+//! - Namespaced PersistentVolumeClaims (`/api/v1/namespaces/{ns}/persistentvolumeclaims[/{name}]`):
+//!   create, get, list and watch with selectors, merge patch and delete with preconditions,
+//!   binding and pvc-protection; a pod's claims are mounted at its mount paths (`pvcs.rs`).
 //! - `POST /apis/authorization.k8s.io/v1/selfsubjectaccessreviews`: allowed unless
 //!   `KubeDouble::deny` named the (namespace, resource, subresource, verb).
 //! - `pods/exec` (`GET` upgraded to WebSocket): see below.
@@ -144,7 +147,8 @@
 //! (another client's label patch), `kill_container_later` (OOM or eviction whose status the
 //! kubelet writes `lag` after the exec processes died), `too_many_sent` (the 429s of
 //! `Faults::too_many`, API Priority and Fairness's plain-text answers with `Retry-After`,
-//! per verb), `DoubleOptions::min_deletion` (a kubelet slow to remove a deleted pod).
+//! per verb), `DoubleOptions::min_deletion` (a kubelet slow to remove a deleted pod); for claims `pvcs`, `pvc_mounts`, `pvc_deletions`,
+//! `insert_pvc`, `annotate_pvc` (`pvcs.rs`).
 #![allow(dead_code)]
 // ApiError carries a whole Status (message, details): test code favours plain `Result`s over
 // boxing it.

@@ -45,6 +45,9 @@ pub struct LocalCaches {
     profiles: BTreeMap<String, Vec<CacheSpec>>,
     /// One lock per key: held by the run using it.
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// This process's exclusive lock on the directory: the locks above are in memory, so two
+    /// gateways must not share one `local_dir`.
+    _owner: nix::fcntl::Flock<std::fs::File>,
 }
 
 /// A run's caches, released (measured, last use recorded) when dropped.
@@ -89,14 +92,27 @@ impl LocalCaches {
             .recursive(true)
             .mode(0o700)
             .create(&root)?;
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(root.join(".lock"))?;
+        let owner = nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock)
+            .map_err(|(_, e)| {
+                std::io::Error::other(format!(
+                    "another gateway uses this directory ({e}); give each gateway its own caches.local_dir"
+                ))
+            })?;
         let _ = std::fs::remove_dir_all(root.join(SKIPPED_DIR));
         let caches = Arc::new(Self {
             root,
             cfg: cfg.clone(),
             profiles,
             locks: Mutex::new(HashMap::new()),
+            _owner: owner,
         });
-        let sweeper = caches.clone();
+        // Weak: the sweeper ends with the caches (and releases the directory's lock with them).
+        let sweeper = Arc::downgrade(&caches);
         let every = Duration::from_secs(cfg.sweep_interval_secs);
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(every);
@@ -105,7 +121,7 @@ impl LocalCaches {
                     _ = stop.cancelled() => return,
                     _ = tick.tick() => {}
                 }
-                let s = sweeper.clone();
+                let Some(s) = sweeper.upgrade() else { return };
                 match tokio::task::spawn_blocking(move || s.sweep(now_secs())).await {
                     Ok(n) if n > 0 => tracing::info!(deleted = n, "idle local caches deleted"),
                     _ => {}
@@ -113,6 +129,14 @@ impl LocalCaches {
             }
         });
         Ok(Some(caches))
+    }
+
+    /// What the capabilities document says about a profile's caches.
+    pub fn info(&self, profile: &str) -> Vec<crate::capabilities::CacheInfo> {
+        self.profiles
+            .get(profile)
+            .map(|c| super::info(c))
+            .unwrap_or_default()
     }
 
     fn lock_of(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
@@ -321,6 +345,8 @@ impl LocalCaches {
     }
 
     /// Deletes the caches idle for longer than the TTL that no run holds. Returns how many.
+    /// Also removes a directory whose record is missing (a gateway killed between making one
+    /// and recording it, or while emptying one): nothing would find it again.
     pub fn sweep(&self, now: u64) -> usize {
         let Ok(dir) = std::fs::read_dir(&self.root) else {
             return 0;
@@ -329,6 +355,15 @@ impl LocalCaches {
         for e in dir.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
             let Some(id) = name.strip_suffix(".json") else {
+                let key_like = name.len() == 40 && name.bytes().all(|b| b.is_ascii_hexdigit());
+                if key_like && !self.record_path(&name).exists() {
+                    let lock = self.lock_of(&name);
+                    if let Ok(_held) = lock.try_lock()
+                        && !self.record_path(&name).exists()
+                    {
+                        let _ = std::fs::remove_dir_all(e.path());
+                    }
+                }
                 continue;
             };
             if id.starts_with('.') {
@@ -535,6 +570,45 @@ mod tests {
         }
         assert_eq!(swept, 2);
         assert!(!Path::new(&dir).exists());
+        // A directory without its record (a gateway killed in between) goes too.
+        let orphan = tmp.path().join("a".repeat(40));
+        std::fs::create_dir(&orphan).unwrap();
+        c.sweep(now_secs());
+        assert!(!orphan.exists());
+    }
+
+    #[tokio::test]
+    async fn one_gateway_per_directory() {
+        let tmp = tempfile::tempdir().unwrap();
+        let first = setup(tmp.path(), "[{name: c, path: /c}]", 60);
+        let cfg = CachesConfig {
+            local_dir: Some(tmp.path().to_path_buf()),
+            ..CachesConfig::default()
+        };
+        let specs: Vec<CacheSpec> = yaml_serde::from_str("[{name: c, path: /c}]").unwrap();
+        let second = LocalCaches::start(
+            &cfg,
+            [("default".to_string(), specs.clone())].into(),
+            CancellationToken::new(),
+        );
+        let e = second.err().expect("refused");
+        assert!(
+            e.to_string()
+                .contains("another gateway uses this directory"),
+            "{e}"
+        );
+        drop(first);
+        // Free once the caches are gone (a sweep running now holds them a moment longer).
+        let mut again = None;
+        for _ in 0..200 {
+            let map = [("default".to_string(), specs.clone())].into();
+            if let Ok(c) = LocalCaches::start(&cfg, map, CancellationToken::new()) {
+                again = c;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(again.is_some(), "the directory is free again");
     }
 
     #[tokio::test]
@@ -550,7 +624,8 @@ mod tests {
         let id = h.held[0].id.clone();
         drop(h);
         for _ in 0..200 {
-            if !Path::new(&dir).exists() {
+            // The record goes last.
+            if !c.record_path(&id).exists() {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(10)).await;

@@ -368,6 +368,22 @@ impl CacheKey {
     }
 }
 
+/// How the capabilities document describes a profile's caches.
+pub fn info(specs: &[CacheSpec]) -> Vec<crate::capabilities::CacheInfo> {
+    specs
+        .iter()
+        .map(|c| crate::capabilities::CacheInfo {
+            name: c.name.clone(),
+            scope: match c.scope {
+                CacheScope::Identity => "identity",
+                CacheScope::Workspace => "workspace",
+            }
+            .into(),
+            variables: c.env.keys().cloned().collect(),
+        })
+        .collect()
+}
+
 /// The variables of a run's caches under the request's own: a request that sets one of them
 /// keeps its value.
 pub fn merge_env(

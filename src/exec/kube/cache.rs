@@ -59,6 +59,10 @@ pub const ANNOTATION_LAST_USED: &str = "mcp-run.dev/last-used";
 /// (its holder's pod may be gone without its gateway saying so).
 const RECHECK: Duration = Duration::from_secs(5);
 
+/// How many times in a row a claim may change under a run taking it before the run gives up
+/// (each is another run winning a race, which then holds it: a busy wait follows).
+const MAX_CONFLICTS: u32 = 16;
+
 /// How long a released claim waits for its pod to be gone before it is handed on.
 const RELEASE_WAIT: Duration = Duration::from_secs(60);
 
@@ -218,7 +222,17 @@ impl KubeCaches {
         let wait = Duration::from_secs(self.cfg.busy_wait_secs);
         let wait_end = Instant::now() + wait;
         let mut told = false;
+        let mut conflicts = 0u32;
         loop {
+            if conflicts > MAX_CONFLICTS {
+                return Err(ErrorBody::new(
+                    ErrorCode::BackendUnavailable,
+                    format!(
+                        "cache {}: its claim {name} changed under every attempt to take it ({MAX_CONFLICTS} times); retry later",
+                        c.name
+                    ),
+                ));
+            }
             self.shared.throttle.acquire().await;
             let found = match self.pvcs.get_opt(&name).await {
                 Ok(f) => f,
@@ -252,7 +266,10 @@ impl KubeCaches {
                             return Ok(Some(CacheState::Created));
                         }
                         // Another run or replica created it first: take it as found.
-                        Err(kube::Error::Api(s)) if s.code == 409 => continue,
+                        Err(kube::Error::Api(s)) if s.code == 409 => {
+                            conflicts += 1;
+                            continue;
+                        }
                         Err(e) => return Err(api_error("cannot create the cache's claim", &e)),
                     }
                 }
@@ -262,9 +279,12 @@ impl KubeCaches {
                 Found::Free => {
                     match self.hold(&current, pod, lifetime).await {
                         Ok(()) => return Ok(Some(CacheState::Reused)),
-                        // Changed since it was read (another run took it): look again.
-                        Err(kube::Error::Api(s)) if s.code == 409 => continue,
-                        Err(kube::Error::Api(s)) if s.code == 404 => continue,
+                        // Changed since it was read (another run took it), or deleted since:
+                        // look again.
+                        Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => {
+                            conflicts += 1;
+                            continue;
+                        }
                         Err(e) => return Err(api_error("cannot take the cache's claim", &e)),
                     }
                 }

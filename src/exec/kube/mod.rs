@@ -181,6 +181,7 @@ impl Executor for KubeExecutor {
                         .as_ref()
                         .and_then(|r| serde_json::to_value(r).ok()),
                     warm_pool: p.warm_pool.size,
+                    caches: crate::exec::cache::info(&p.caches),
                 })
                 .collect();
             crate::capabilities::BackendCapabilities {
