@@ -62,9 +62,10 @@ async fn sessions(gw: &Gateway) -> Value {
 #[tokio::test]
 async fn state_stays_in_the_session_and_nowhere_else() {
     let dir = tempfile::tempdir().unwrap();
+    // Two identities on one local backend (they trust each other here: docs/policy.md).
     let mut gw = gateway(
         &dir,
-        "",
+        "local:\n  allow_multiple_identities: true\n",
         &[(
             "MCP_RUN_AUTH_TOKENS",
             &format!("alice:{TOKEN_A},bob:{TOKEN_B}"),
