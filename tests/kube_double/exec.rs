@@ -588,6 +588,8 @@ impl Session {
     async fn run(self, socket: WebSocket) {
         let proto = self.proto;
         let (mut sink, stream) = socket.split();
+        // Read by the running process's stdin pump; otherwise drained at the end.
+        let mut stream = Some(stream);
         let idle = Arc::new(Idle {
             start: std::time::Instant::now(),
             last_ms: 0.into(),
@@ -723,7 +725,7 @@ impl Session {
                 });
                 let exited = Arc::new(std::sync::atomic::AtomicBool::new(false));
                 let reader = tokio::spawn(read_client(
-                    stream,
+                    stream.take().expect("the client's frames"),
                     proto,
                     stdin_tx,
                     pgid,
@@ -771,6 +773,20 @@ impl Session {
             .await;
         drop(tx);
         let _ = writer.await;
+        if let Some(mut unread) = stream {
+            // A server that closes waits for the client's Close (RFC 6455 7.1.1) instead of
+            // dropping a socket with unread input (a failed start never reads the stdin the
+            // client sends): that would answer with a reset, which can discard the status
+            // frame still in the client's receive buffer.
+            let _ = tokio::time::timeout(std::time::Duration::from_secs(2), async {
+                while let Some(Ok(m)) = unread.next().await {
+                    if matches!(m, Message::Close(_)) {
+                        break;
+                    }
+                }
+            })
+            .await;
+        }
     }
 }
 
