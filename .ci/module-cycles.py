@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Fails when the crate's modules import each other in a cycle (docs/architecture.md).
+"""Fails when the crate's modules import each other in a cycle, or when a top-level module
+uses one of a higher layer than its own (docs/architecture.md, "Layers"; LAYERS below).
 
 A reference from module A to module B (`use crate::b::...`, `crate::b::x(...)`, `super::...`)
 is an edge between the two children of their lowest common ancestor that contain A and B:
@@ -7,6 +8,10 @@ is an edge between the two children of their lowest common ancestor that contain
 module and its own ancestors or descendants (a parent re-exporting its children, a child using
 its parent's trait) are containment, not layering, and are ignored. Test modules
 (`#[cfg(test)]`) are ignored: tests may reach anywhere.
+
+Every top-level module must have a layer in LAYERS (a new module fails the check until it is
+placed there and in docs/architecture.md's diagram). Edges within one layer are allowed (the
+cycle check still holds them).
 
 Usage: module-cycles.py [--graph] [SRC_DIR]   (default: src). Exit 1 and the cycles on
 stderr, if any. --graph also prints the edges between the crate's top-level modules (the
@@ -17,6 +22,20 @@ import os
 import re
 import sys
 from collections import defaultdict
+
+# The layers of docs/architecture.md, top (binaries' logic) to bottom; a module may use its
+# own layer and those below.
+LAYERS = [
+    ("binaries' logic", ["cli"]),
+    ("fronts", ["server", "mcp", "guard", "connections", "mcp_http", "config"]),
+    ("the one entry point", ["runner"]),
+    ("services", ["auth", "audit", "redact", "result", "rate_limit", "session"]),
+    ("execution", ["exec"]),
+    ("domain", ["policy", "metrics", "capabilities", "templates", "workspace", "exit"]),
+    ("bottom", ["contract", "limits", "caller", "leftovers"]),
+]
+RANK = {m: len(LAYERS) - i for i, (_, ms) in enumerate(LAYERS) for m in ms}
+LAYER_OF = {m: name for name, ms in LAYERS for m in ms}
 
 ARGS = [a for a in sys.argv[1:] if a != "--graph"]
 GRAPH = "--graph" in sys.argv[1:]
@@ -172,7 +191,24 @@ if GRAPH:
         if parent == ():
             print(f"{a} -> {' '.join(sorted(bs))}")
 
+top = sorted({m[0] for m in modules if m})
+for m in top:
+    if m not in RANK:
+        cycles.append(
+            f"top-level module {m} has no layer: add it to LAYERS in .ci/module-cycles.py "
+            "and to the diagram of docs/architecture.md"
+        )
+for (parent, a), bs in sorted(edges.items()):
+    if parent != () or a not in RANK:
+        continue
+    for b in sorted(bs):
+        if b in RANK and RANK[b] > RANK[a]:
+            cycles.append(
+                f"upward edge: {a} ({LAYER_OF[a]}) uses {b} ({LAYER_OF[b]}), "
+                f"in {where[(parent, a, b)]}"
+            )
+
 if cycles:
     print("\n".join(cycles), file=sys.stderr)
     sys.exit(1)
-print(f"no import cycles among {len(modules)} modules")
+print(f"no import cycles among {len(modules)} modules, no upward edge between {len(top)} top-level modules")
