@@ -88,17 +88,14 @@ fn by_command_depth(argv: &[String], depth: usize) -> Option<&'static str> {
             // `sh -c 'cd x && cargo test 2>&1'`: the last command of the script that names a
             // tool (`cd`, `export` and the like do not).
             let script = rest.iter().skip_while(|a| *a != "-c").nth(1)?;
-            return script
-                .split(['&', ';', '|', '\n'])
-                .filter_map(|part| {
-                    let words: Vec<String> = part
-                        .split_whitespace()
-                        .filter(|w| !w.contains('>') && !w.contains('<'))
-                        .map(str::to_owned)
-                        .collect();
-                    by_command_depth(&words, depth + 1)
-                })
-                .last();
+            return script.split(['&', ';', '|', '\n']).rev().find_map(|part| {
+                let words: Vec<String> = part
+                    .split_whitespace()
+                    .filter(|w| !w.contains('>') && !w.contains('<'))
+                    .map(str::to_owned)
+                    .collect();
+                by_command_depth(&words, depth + 1)
+            });
         }
         "cargo" => match sub? {
             "test" | "nextest" | "t" => "cargo-test",

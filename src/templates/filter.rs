@@ -34,8 +34,8 @@ const ERROR_SHAPED: &str = concat!(
     r"|^Traceback \(most recent call last\)",
     r"|(?-u:\b)panicked at(?-u:\b)",
     r"|^E {2,}[^\s]",
-    r"|●[ \t]",
-    r"|^\s*[✖✗✘×] ",
+    r"|(?u:●)[ \t]",
+    r"|^\s*(?u:[✖✗✘×]) ",
     r"|^\s*not ok \d+",
     r"|^\s*\d+\) \S",
     r"|\*\*\*(?:Not Run|Exception|Timeout)",
@@ -74,13 +74,13 @@ const SUMMARY: &str = concat!(
     r"|^Ran \d+ tests? in ",
     r"|^(?:OK|FAILED)(?: \([^)]*\))?\s*$",
     r"|^\s*\d+ (?:passing|failing|pending)(?: \(|\s*$)",
-    r"|^ℹ (?:tests|suites|pass|fail|cancelled|skipped|todo) \d+$",
+    r"|^(?u:ℹ) (?:tests|suites|pass|fail|cancelled|skipped|todo) \d+$",
     r"|^# (?:tests|suites|pass|fail|cancelled|skipped|todo) \d+$",
     r"|\d+% tests passed, \d+ tests? failed out of \d+",
     r"|^The following tests FAILED:",
     r"|^\s+\d+ - \S+ \((?:Failed|Not Run|Timeout|SEGFAULT|Subprocess aborted|Exception|Child aborted)\)",
     r"|^Your code has been rated at ",
-    r"|^✖ \d+ problems? \(",
+    r"|^(?u:✖) \d+ problems? \(",
     r"|^\d+ (?:errors?|warnings?)(?: and \d+ (?:errors?|warnings?))? generated\.$",
     r"|^\d+ (?:errors?|warnings?)$",
     r"|^\s*(?:Test Suites|Tests|Test Files):?\s+\d",
@@ -112,7 +112,10 @@ static CARET_RE: LazyLock<Regex> = LazyLock::new(|| compile(CARET));
 /// Everything a line can match to be looked at more closely, with a template's own pattern
 /// in front: most lines of a log match none, and one pass over them decides that.
 pub(super) fn any_pattern(include: &str) -> String {
-    format!("(?:{include})|{ERROR_SHAPED}|{DIAGNOSTIC}|{SUMMARY}|{CARET}")
+    // The generic rules in ASCII mode here (`\s`, `\d`, `\w` of ASCII; `\S` any other byte):
+    // a much smaller automaton than their Unicode classes, and a superset of what they match
+    // on the text of logs (non-ASCII literals such as `✖` still match their UTF-8 bytes).
+    format!("(?:{include})|(?-u:{ERROR_SHAPED}|{DIAGNOSTIC}|{SUMMARY}|{CARET})")
 }
 
 /// Lines that say where a failure is: a path with a line number in the usual notations.

@@ -515,6 +515,11 @@ mod tests {
         for (t, o) in c.entries() {
             assert_eq!(*o, Origin::BuiltIn);
             assert!(!t.description.is_empty(), "{}", t.name);
+            // The one-pass pattern compiles (its fallback would only be slower).
+            regex::bytes::RegexBuilder::new(&filter::any_pattern(&t.include_regex))
+                .size_limit(1 << 24)
+                .build()
+                .unwrap_or_else(|e| panic!("{}: {e}", t.name));
         }
     }
 
