@@ -367,6 +367,17 @@ fn run_remote_template_end_to_end() {
         note.starts_with("run-remote: template cargo-test: "),
         "{stderr}"
     );
+    // The note counts stdout's lines as stdout's own note does.
+    let inline = stdout.lines().next().unwrap();
+    let counted = inline
+        .trim_start_matches("[template cargo-test: ")
+        .split(" lines left out")
+        .next()
+        .unwrap();
+    assert!(
+        note.contains(&format!("{counted} stdout lines")),
+        "{inline} / {note}"
+    );
     let path = note.rsplit(" is in ").next().unwrap();
     assert!(
         path.starts_with(&tmp.path().display().to_string()),

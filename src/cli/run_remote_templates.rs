@@ -96,16 +96,27 @@ impl TemplateSink {
             let _ = std::fs::remove_file(&self.raw_path);
             return Ok(());
         }
+        // Per stream, as each stream's own note counts its lines (a sum over both read as a
+        // contradiction of the stdout note).
+        let mut counts = Vec::new();
+        for (name, f) in [("stdout", &o), ("stderr", &e)] {
+            if f.omitted_lines() > 0 {
+                counts.push(format!(
+                    "{} of {} {name} lines",
+                    f.omitted_lines(),
+                    f.total_lines
+                ));
+            }
+        }
         writeln!(
             err,
-            "run-remote: template {}: {} of {} lines left out; the full output is in {}",
+            "run-remote: template {}: {} left out; the full output is in {}",
             if o.omitted_lines() > 0 {
                 &o.template
             } else {
                 &e.template
             },
-            o.omitted_lines() + e.omitted_lines(),
-            o.total_lines + e.total_lines,
+            counts.join(" and "),
             self.raw_path.display()
         )
     }
