@@ -104,6 +104,42 @@ async fn policy_example_starts_as_written() {
     );
 }
 
+/// docs/protocol.md's curl example of a refused request: the same body gets the answer the
+/// doc shows, word for word (it names every field a request may have).
+#[tokio::test]
+async fn protocol_refusal_example_is_what_the_gateway_answers() {
+    let text = doc("docs/protocol.md");
+    let section = text
+        .split("## Examples with curl")
+        .nth(1)
+        .expect("the curl examples");
+    let request = blocks(section, "sh")
+        .into_iter()
+        .find(|b| b.contains(r#""shell":true"#))
+        .expect("the refused example");
+    let answer = section
+        .lines()
+        .find(|l| l.starts_with(r#"{"error":"#))
+        .expect("its answer");
+    let body = request
+        .split("-d '")
+        .nth(1)
+        .and_then(|b| b.split('\'').next())
+        .expect("the body after -d");
+    let gw = Gateway::start(&[]);
+    let got = http()
+        .post(gw.raw_url())
+        .header("Content-Type", "application/json")
+        .body(body.to_owned())
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(got.trim(), answer, "docs/protocol.md shows another answer");
+}
+
 /// docs/mcp.md names the versions `initialize` negotiates and the one it answers otherwise.
 #[tokio::test]
 async fn mcp_protocol_versions_match_initialize() {

@@ -218,7 +218,7 @@ mod tests {
         assert!(out.ends_with("test result: FAILED. 50 passed; 1 failed\n"));
         assert!(err.starts_with("error: test failed\n"), "{err}");
         assert!(
-            err.contains(&path.display().to_string()) && err.contains("51 of 57"),
+            err.contains(&path.display().to_string()) && err.contains("51 of 56 stdout lines"),
             "{err}"
         );
         let raw = std::fs::read_to_string(&path).unwrap();
