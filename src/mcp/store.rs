@@ -150,6 +150,9 @@ struct Inner {
 pub struct OutputStore {
     dir: tempfile::TempDir,
     limits: StoreLimits,
+    /// This replica's tag, the first characters of every run id when the gateway has peers
+    /// (`crate::peers`): a read on another replica is forwarded here.
+    tag: Option<String>,
     inner: Mutex<Inner>,
 }
 
@@ -173,8 +176,14 @@ impl OutputStore {
         Ok(Self {
             dir,
             limits,
+            tag: None,
             inner: Mutex::new(Inner::default()),
         })
+    }
+
+    /// Starts every run id with `tag` (this replica's, [`crate::peers::Peers::tag`]).
+    pub fn set_tag(&mut self, tag: &str) {
+        self.tag = Some(tag.to_owned());
     }
 
     pub fn limits(&self) -> &StoreLimits {
@@ -185,7 +194,7 @@ impl OutputStore {
     /// then says that the full output is not kept).
     pub fn begin(&self, caller: &Caller) -> Option<Arc<Recording>> {
         self.evict();
-        let id = random_id();
+        let id = format!("{}{}", self.tag.as_deref().unwrap_or_default(), random_id());
         let paths = [
             self.dir.path().join(format!("{id}.stdout")),
             self.dir.path().join(format!("{id}.stderr")),
@@ -296,6 +305,12 @@ impl OutputStore {
             }
         }
     }
+}
+
+/// The tag of the replica that keeps run `id`, when the id carries one (ids of a gateway
+/// with peers: the tag, then 32 hex digits).
+pub fn replica_of(id: &str) -> Option<&str> {
+    (id.len() == crate::peers::TAG_LEN + 32).then(|| &id[..crate::peers::TAG_LEN])
 }
 
 /// 128 random bits in hex: run ids cannot be guessed.
