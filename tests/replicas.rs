@@ -278,6 +278,8 @@ async fn three_replicas_behind_a_round_robin_proxy_serve_mcp_and_kept_outputs() 
     let hits: Vec<usize> = p.hits.iter().map(|h| h.load(Ordering::SeqCst)).collect();
     assert!(hits.iter().all(|&h| h > 5), "{hits:?}");
 
+    python_sdk(&format!("{base}/mcp")).await;
+
     // The peer channel takes the secret only; no log line carries it.
     let http = support::http();
     for auth in [None, Some("Bearer wrong-secret-wrong-secret-wrong-secret")] {
@@ -347,6 +349,40 @@ async fn three_replicas_behind_a_round_robin_proxy_serve_mcp_and_kept_outputs() 
     }
     let _ = c.cancel().await;
     let _ = direct.cancel().await;
+}
+
+/// The official Python SDK through the proxy (.ci/mcp-sdks/replicas.py), from the project's
+/// virtualenv that .ci/install.d/mcp-sdks.sh makes; skipped, saying so, without it (failed
+/// under CI=true).
+async fn python_sdk(url: &str) {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let python = root.join(".venv/bin/python");
+    let has_sdk = std::process::Command::new(&python)
+        .args(["-c", "import mcp"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_sdk {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "the Python MCP SDK is missing from .venv: run .ci/install.d/mcp-sdks.sh"
+        );
+        eprintln!(
+            "replicas: Python SDK check skipped (no .venv with mcp; .ci/install.d/mcp-sdks.sh)"
+        );
+        return;
+    }
+    let out = tokio::process::Command::new(&python)
+        .arg(root.join(".ci/mcp-sdks/replicas.py"))
+        .arg(url)
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 fn tags_of(uri: &str) -> String {
