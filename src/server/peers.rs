@@ -27,7 +27,7 @@ pub fn routes<S: Clone + Send + Sync + 'static>(
         .route(
             crate::peers::REPLICA_PATH,
             get(move |headers: HeaderMap| async move {
-                if let Err(refused) = check(&p, &headers) {
+                if let Some(refused) = refused(&p, &headers) {
                     return refused;
                 }
                 axum::Json(serde_json::json!({"replica": p.tag()})).into_response()
@@ -36,7 +36,7 @@ pub fn routes<S: Clone + Send + Sync + 'static>(
         .route(
             crate::mcp::READ_OUTPUT_PATH,
             post(move |headers: HeaderMap, body: Bytes| async move {
-                if let Err(refused) = check(&peers, &headers) {
+                if let Some(refused) = refused(&peers, &headers) {
                     return refused;
                 }
                 let req = match serde_json::from_slice(&body) {
@@ -58,14 +58,16 @@ pub fn routes<S: Clone + Send + Sync + 'static>(
 }
 
 /// Refuses a request without the peer secret (the same answer whatever was wrong with it).
-fn check(peers: &Peers, headers: &HeaderMap) -> Result<(), Response> {
+fn refused(peers: &Peers, headers: &HeaderMap) -> Option<Response> {
     if peers.authorized(headers) {
-        return Ok(());
+        return None;
     }
     crate::audit::unauthorized("/peer/v1/", "a peer request", "without the peer secret");
-    Err(ErrorBody::new(
-        ErrorCode::Unauthorized,
-        "peer requests need the replicas' shared peer secret (MCP_RUN_PEER_SECRET)",
+    Some(
+        ErrorBody::new(
+            ErrorCode::Unauthorized,
+            "peer requests need the replicas' shared peer secret (MCP_RUN_PEER_SECRET)",
+        )
+        .into_response(),
     )
-    .into_response())
 }
