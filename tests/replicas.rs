@@ -69,6 +69,7 @@ async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
 
 /// Starts the proxy in front of `backends`; its base URL.
 async fn proxy(backends: Vec<String>) -> (String, Arc<Proxy>) {
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let p = Arc::new(Proxy {
         hits: backends.iter().map(|_| AtomicUsize::new(0)).collect(),
         backends,
@@ -448,4 +449,79 @@ fn peers_need_the_secret() {
         !out.status.success() && err.contains("too short") && !err.contains("short\""),
         "{err}"
     );
+}
+
+/// The JSON-RPC answer in a streamable-HTTP response (JSON, or the SSE event carrying it).
+fn answer_of(body: &str) -> Value {
+    if let Ok(v) = serde_json::from_str::<Value>(body) {
+        return v;
+    }
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data:"))
+        .filter_map(|d| serde_json::from_str::<Value>(d.trim()).ok())
+        .find(|v| v.get("id").is_some())
+        .unwrap_or_else(|| panic!("no answer in {body}"))
+}
+
+/// Every protocol version that opens with `initialize` works through the round-robin proxy:
+/// no session id is handed out, and each later request (a version header, or none for
+/// 2024-11-05) is answered by whichever replica gets it.
+#[tokio::test(flavor = "multi_thread")]
+async fn every_initialize_protocol_version_works_through_any_replica() {
+    let (_gws, urls) = replicas(&[]);
+    let (base, p) = proxy(urls).await;
+    let http = support::http();
+    let post = |body: Value, version: Option<&str>| {
+        let mut req = http
+            .post(format!("{base}/mcp"))
+            .header("content-type", "application/json")
+            .header("accept", "application/json, text/event-stream")
+            .body(body.to_string());
+        if let Some(v) = version {
+            req = req.header("mcp-protocol-version", v);
+        }
+        req.send()
+    };
+    for version in ["2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25"] {
+        let resp = post(
+            json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+                "protocolVersion": version, "capabilities": {},
+                "clientInfo": {"name": "replicas-test", "version": "1"}}}),
+            None,
+        )
+        .await
+        .unwrap();
+        assert_eq!(resp.status(), 200, "{version}");
+        assert!(resp.headers().get("mcp-session-id").is_none(), "{version}");
+        let init = answer_of(&resp.text().await.unwrap());
+        assert_eq!(init["result"]["protocolVersion"], version, "{init}");
+        // 2024-11-05 clients send no version header.
+        let header = (version != "2024-11-05").then_some(version);
+        let resp = post(
+            json!({"jsonrpc": "2.0", "method": "notifications/initialized"}),
+            header,
+        )
+        .await
+        .unwrap();
+        assert_eq!(resp.status(), 202, "{version}");
+        for id in 2..5 {
+            let resp = post(
+                json!({"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": {
+                    "name": "run_network_tool",
+                    "arguments": {"executable": "echo", "args": [format!("{version} {id}")]}}}),
+                header,
+            )
+            .await
+            .unwrap();
+            assert_eq!(resp.status(), 200, "{version}");
+            let r = answer_of(&resp.text().await.unwrap());
+            assert_eq!(
+                r["result"]["structuredContent"]["outputs"][0]["stdout"],
+                format!("{version} {id}\n"),
+                "{r}"
+            );
+        }
+    }
+    let hits: Vec<usize> = p.hits.iter().map(|h| h.load(Ordering::SeqCst)).collect();
+    assert!(hits.iter().all(|&h| h >= 5), "{hits:?}");
 }
