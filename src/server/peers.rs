@@ -26,8 +26,8 @@ pub fn routes<S: Clone + Send + Sync + 'static>(
     Router::new()
         .route(
             crate::peers::REPLICA_PATH,
-            get(move |headers: HeaderMap| async move {
-                if let Some(refused) = refused(&p, &headers) {
+            get(move |conn: Conn, headers: HeaderMap| async move {
+                if let Some(refused) = refused(&p, conn, &headers) {
                     return refused;
                 }
                 axum::Json(serde_json::json!({"replica": p.tag()})).into_response()
@@ -35,31 +35,40 @@ pub fn routes<S: Clone + Send + Sync + 'static>(
         )
         .route(
             crate::mcp::READ_OUTPUT_PATH,
-            post(move |headers: HeaderMap, body: Bytes| async move {
-                if let Some(refused) = refused(&peers, &headers) {
-                    return refused;
-                }
-                let req = match serde_json::from_slice(&body) {
-                    Ok(r) => r,
-                    Err(e) => {
-                        return ErrorBody::new(
-                            ErrorCode::InvalidRequest,
-                            format!("invalid peer read request: {e}"),
-                        )
-                        .into_response();
+            post(
+                move |conn: Conn, headers: HeaderMap, body: Bytes| async move {
+                    if let Some(refused) = refused(&peers, conn, &headers) {
+                        return refused;
                     }
-                };
-                let (status, json) = crate::mcp::answer_peer_read(&service, peers.tag(), req);
-                let status = axum::http::StatusCode::from_u16(status)
-                    .unwrap_or(axum::http::StatusCode::INTERNAL_SERVER_ERROR);
-                (status, axum::Json(json)).into_response()
-            }),
+                    let req = match serde_json::from_slice(&body) {
+                        Ok(r) => r,
+                        Err(e) => {
+                            return ErrorBody::new(
+                                ErrorCode::InvalidRequest,
+                                format!("invalid peer read request: {e}"),
+                            )
+                            .into_response();
+                        }
+                    };
+                    let (status, json) = crate::mcp::answer_peer_read(&service, peers.tag(), req);
+                    let status = axum::http::StatusCode::from_u16(status)
+                        .unwrap_or(axum::http::StatusCode::INTERNAL_SERVER_ERROR);
+                    (status, axum::Json(json)).into_response()
+                },
+            ),
         )
 }
 
-/// Refuses a request without the peer secret (the same answer whatever was wrong with it).
-fn refused(peers: &Peers, headers: &HeaderMap) -> Option<Response> {
+/// The connection's hold on the unauthenticated-connections cap.
+type Conn = Option<axum::Extension<crate::connections::Unauthenticated>>;
+
+/// Refuses a request without the peer secret (the same answer whatever was wrong with it);
+/// a peer that proved it frees its connection from the cap on unauthenticated ones.
+fn refused(peers: &Peers, conn: Conn, headers: &HeaderMap) -> Option<Response> {
     if peers.authorized(headers) {
+        if let Some(axum::Extension(c)) = conn {
+            c.release();
+        }
         return None;
     }
     crate::audit::unauthorized("/peer/v1/", "a peer request", "without the peer secret");
