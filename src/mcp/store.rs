@@ -362,6 +362,19 @@ mod tests {
     }
 
     #[test]
+    fn run_ids_name_their_replica_when_tagged() {
+        let mut s = store(1 << 20, Duration::from_secs(60));
+        let me = Caller::default();
+        let plain = s.begin(&me).unwrap();
+        assert_eq!((plain.id.len(), replica_of(&plain.id)), (32, None));
+        s.set_tag("0badcafe");
+        let tagged = s.begin(&me).unwrap();
+        assert_eq!(tagged.id.len(), 40);
+        assert_eq!(replica_of(&tagged.id), Some("0badcafe"));
+        assert!(s.get(&tagged.id, &me).is_ok());
+    }
+
+    #[test]
     fn size_and_age_bounds_expire_the_oldest() {
         let s = store(150, Duration::from_secs(60));
         let me = Caller::default();
