@@ -345,6 +345,22 @@ async fn three_replicas_behind_a_round_robin_proxy_serve_mcp_and_kept_outputs() 
             .expect("a live replica's run still reads");
         assert!(text_of(&r).starts_with("compiling step"));
     }
+    // New calls go on at the live replicas.
+    let r = direct
+        .call_tool(
+            CallToolRequestParams::new("run_network_tool").with_arguments(
+                json!({"executable": "echo", "args": ["still here"]})
+                    .as_object()
+                    .cloned()
+                    .unwrap(),
+            ),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        r.structured_content.as_ref().unwrap()["outputs"][0]["stdout"],
+        "still here\n"
+    );
     for gw in gws.iter().chain([&dead]) {
         assert!(!gw.log_text().contains(SECRET), "the secret is in a log");
     }
