@@ -100,6 +100,12 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         // With replicas, any of them may get any request: no MCP session lives in one
         // process's memory (docs/deployment.md "Scaling" says why not rmcp's session store).
         config.legacy_session_mode = state.peers.is_none();
+        if state.peers.is_some() {
+            // Without sessions a closed stream is how a client cancels a call; the replica
+            // learns of it when a write fails, so write a keep-alive more often than the 15 s
+            // default (the first write after a close may still succeed).
+            config.sse_keep_alive = Some(Duration::from_secs(5));
+        }
         let mut sessions = LocalSessionManager::default();
         sessions.session_config.keep_alive =
             Some(Duration::from_secs(state.mcp.config.session_idle_secs));

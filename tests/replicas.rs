@@ -10,6 +10,7 @@ use crate::support;
 use std::net::TcpListener;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -540,4 +541,55 @@ async fn every_initialize_protocol_version_works_through_any_replica() {
     }
     let hits: Vec<usize> = p.hits.iter().map(|h| h.load(Ordering::SeqCst)).collect();
     assert!(hits.iter().all(|&h| h >= 5), "{hits:?}");
+}
+
+/// Without sessions there is nothing to route `notifications/cancelled` to: a client that
+/// closes its call's HTTP stream is what stops the command. The replica notices when a write
+/// fails: with peers an SSE keep-alive comes every 5 s, and the first write after the close
+/// may still succeed, hence the bound of 20 s.
+#[tokio::test(flavor = "multi_thread")]
+async fn closing_a_calls_stream_stops_its_command() {
+    let (_gws, urls) = replicas(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let http = support::http();
+    let pidfile = dir.path().join("pid");
+    let script = format!(
+        "echo $$ > {}.tmp; mv {0}.tmp {0}; exec sleep 300",
+        pidfile.display()
+    );
+    let resp = http
+        .post(format!("{}/mcp", urls[1]))
+        .header("content-type", "application/json")
+        .header("accept", "application/json, text/event-stream")
+        .header("mcp-protocol-version", "2025-11-25")
+        .body(
+            json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+                "name": "run_network_tool",
+                "arguments": {"executable": "sh", "args": ["-c", script]}}})
+            .to_string(),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let pid: i32 = tokio::task::spawn_blocking(move || {
+        assert!(support::wait_until(Duration::from_secs(30), || pidfile.exists()));
+        std::fs::read_to_string(&pidfile)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(support::pid_alive(pid));
+    let closed = std::time::Instant::now();
+    drop(resp);
+    let gone = tokio::task::spawn_blocking(move || {
+        support::wait_until(Duration::from_secs(20), || !support::pid_alive(pid))
+    })
+    .await
+    .unwrap();
+    assert!(gone, "the command outlived its closed stream");
+    eprintln!("stopped {:?} after the close", closed.elapsed());
 }
