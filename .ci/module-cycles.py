@@ -29,7 +29,7 @@ LAYERS = [
     ("binaries' logic", ["cli"]),
     ("fronts", ["server", "mcp", "guard", "connections", "mcp_http", "config"]),
     ("the one entry point", ["runner"]),
-    ("services", ["auth", "audit", "redact", "result", "rate_limit", "session"]),
+    ("services", ["auth", "audit", "redact", "result", "rate_limit", "session", "peers"]),
     ("execution", ["exec"]),
     ("domain", ["policy", "metrics", "capabilities", "templates", "workspace", "exit"]),
     ("bottom", ["contract", "limits", "caller", "leftovers"]),

@@ -349,6 +349,8 @@ pub async fn middleware(
     };
     if let Some(auth) = &auth
         && !OPEN_PATHS.contains(&req.uri().path())
+        // Replicas authenticate each other with the peer secret (`server::peers`).
+        && !req.uri().path().starts_with(crate::peers::PATH_PREFIX)
     {
         match auth.check(req.headers()) {
             Ok(name) => caller.identity = Some(name),

@@ -109,6 +109,12 @@ pub struct ServerConfig {
     /// Connections at once that have not made an authenticated request yet (any request
     /// when auth is off).
     pub max_unauthenticated_connections: usize,
+    /// The base URLs of the other replicas of this gateway (`--peer URL`, repeatable): kept
+    /// MCP outputs are read through any of them (docs/deployment.md "Scaling").
+    pub peers: Vec<String>,
+    /// A file holding the secret replicas authenticate each other with; the environment
+    /// variable `MCP_RUN_PEER_SECRET` wins. Required with `peers`.
+    pub peer_secret_file: Option<PathBuf>,
 }
 
 impl Default for ServerConfig {
@@ -125,6 +131,8 @@ impl Default for ServerConfig {
             body_timeout_secs: 30,
             max_connections: 512,
             max_unauthenticated_connections: 128,
+            peers: Vec::new(),
+            peer_secret_file: None,
         }
     }
 }
@@ -171,6 +179,9 @@ impl Config {
                 "server.keepalive_secs",
                 "must be at least 1".into(),
             ));
+        }
+        for (i, peer) in self.server.peers.iter().enumerate() {
+            crate::peers::parse_url(peer).map_err(|m| invalid(&format!("server.peers[{i}]"), m))?;
         }
         if self.server.max_body_bytes < 1024 {
             return Err(invalid(

@@ -151,7 +151,9 @@ fn normalize_host(h: &str) -> String {
 
 /// The middleware (outermost layer): host check, then the declared length.
 pub async fn middleware(State(guard): State<Arc<Guard>>, req: Request, next: Next) -> Response {
-    let exempt = HOST_EXEMPT.contains(&req.uri().path());
+    // Replicas call each other by address, with the peer secret (no browser sends it).
+    let exempt = HOST_EXEMPT.contains(&req.uri().path())
+        || req.uri().path().starts_with(crate::peers::PATH_PREFIX);
     // A `/raw` stdin body is a stream as long as the command's input: its size and pauses are
     // the command's (limits.max_stdin_bytes, the run's timeout), not a request's.
     let stdin = is_stdin(req.headers());

@@ -33,6 +33,7 @@ pub mod limits;
 pub mod mcp;
 pub mod mcp_http;
 pub mod metrics;
+pub mod peers;
 pub mod policy;
 pub mod rate_limit;
 pub mod redact;

@@ -18,6 +18,7 @@ use tokio::net::TcpListener;
 use crate::contract::{ErrorBody, ErrorCode, ErrorResponse, RunRequest};
 use crate::runner::Runner;
 
+mod peers;
 mod raw;
 mod sessions;
 mod workspace;
@@ -34,6 +35,8 @@ pub struct AppState {
     pub auth: Option<Arc<crate::auth::Auth>>,
     /// Host/Origin and declared-length checks in front of everything.
     pub guard: Arc<crate::guard::Guard>,
+    /// The other replicas of this gateway (`server.peers`); `None`: a gateway alone.
+    pub peers: Option<Arc<crate::peers::Peers>>,
 }
 
 /// How `/mcp` is served.
@@ -76,6 +79,7 @@ impl IntoResponse for ErrorBody {
 
 /// The router with every endpoint; `max_body_bytes` bounds request bodies.
 pub fn router(state: AppState, max_body_bytes: usize) -> Router {
+    let peer_routes;
     let mcp = {
         use rmcp::transport::streamable_http_server::{
             StreamableHttpServerConfig, StreamableHttpService, session::local::LocalSessionManager,
@@ -86,11 +90,22 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
             &state.mcp.config,
         )
         .with_tools(state.mcp.tools.clone())
-        .with_templates(state.mcp.templates.clone(), "/".into());
+        .with_templates(state.mcp.templates.clone(), "/".into())
+        .with_peers(state.peers.clone());
+        peer_routes = peers::routes(state.peers.clone(), service.clone());
         // Host and Origin are checked for every endpoint by `guard`, with JSON errors.
         let mut config = StreamableHttpServerConfig::default().disable_allowed_hosts();
         config.cancellation_token = state.mcp.stop.clone();
         config.max_request_body_bytes = max_body_bytes;
+        // With replicas, any of them may get any request: no MCP session lives in one
+        // process's memory (docs/deployment.md "Scaling" says why not rmcp's session store).
+        config.legacy_session_mode = state.peers.is_none();
+        if state.peers.is_some() {
+            // Without sessions a closed stream is how a client cancels a call; the replica
+            // learns of it when a write fails, so write a keep-alive more often than the 15 s
+            // default (the first write after a close may still succeed).
+            config.sse_keep_alive = Some(Duration::from_secs(5));
+        }
         let mut sessions = LocalSessionManager::default();
         sessions.session_config.keep_alive =
             Some(Duration::from_secs(state.mcp.config.session_idle_secs));
@@ -118,6 +133,7 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
     };
     let app = Router::new()
         .merge(workspaces)
+        .merge(peer_routes)
         .route("/raw", post(raw::raw))
         .route("/sessions", get(sessions::list))
         .route("/sessions/{name}", axum::routing::delete(sessions::end))

@@ -30,6 +30,7 @@ mod metrics;
 mod policy;
 mod progress;
 mod redaction;
+mod replicas;
 mod sessions;
 mod stdin;
 mod templates;

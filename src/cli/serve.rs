@@ -70,6 +70,11 @@ pub struct ServeArgs {
     /// anyone who can reach the port can then run commands.
     #[arg(long)]
     pub insecure_no_auth: bool,
+    /// Another replica of this gateway, by base URL (repeatable; added to `server.peers`):
+    /// kept MCP outputs are read through any replica. Needs MCP_RUN_PEER_SECRET (or
+    /// `server.peer_secret_file`), the same on every replica.
+    #[arg(long = "peer", value_name = "URL")]
+    pub peers: Vec<String>,
     /// Log format on stderr.
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
@@ -343,6 +348,10 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         config.server.listen = listen;
     }
     config.server.insecure_no_auth |= args.insecure_no_auth;
+    for peer in &args.peers {
+        crate::peers::parse_url(peer).map_err(|e| anyhow::anyhow!("--peer: {e}"))?;
+    }
+    config.server.peers.extend(args.peers);
     block_on(serve(config))
 }
 
@@ -393,6 +402,7 @@ pub async fn app(config: &Config) -> anyhow::Result<App> {
                 .with_body_timeout(Duration::from_secs(config.server.body_timeout_secs))
                 .with_metrics(runner.metrics().clone()),
         ),
+        peers: peers(config)?,
     };
     check_exposure(config, state.auth.is_some())?;
     if let Some(auth) = &state.auth {
@@ -411,6 +421,31 @@ pub async fn app(config: &Config) -> anyhow::Result<App> {
         runner,
         drained,
     })
+}
+
+/// The other replicas (`server.peers`) with the peer secret, or `None` without peers.
+fn peers(config: &Config) -> anyhow::Result<Option<Arc<crate::peers::Peers>>> {
+    if config.server.peers.is_empty() {
+        return Ok(None);
+    }
+    let secret = crate::peers::load_secret(config.server.peer_secret_file.as_deref(), |k| {
+        std::env::var(k).ok()
+    })
+    .map_err(anyhow::Error::msg)?
+    .with_context(|| {
+        format!(
+            "server.peers (--peer) needs the replicas' shared secret: set {} or server.peer_secret_file",
+            crate::peers::SECRET_ENV
+        )
+    })?;
+    let peers =
+        crate::peers::Peers::new(&config.server.peers, secret).map_err(anyhow::Error::msg)?;
+    tracing::info!(
+        replica = peers.tag(),
+        peers = peers.len(),
+        "replica of a gateway with peers: MCP is stateless, kept outputs are read through any replica"
+    );
+    Ok(Some(Arc::new(peers)))
 }
 
 /// Runs the gateway until SIGTERM or SIGINT.

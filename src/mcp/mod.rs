@@ -9,6 +9,7 @@
 
 pub mod config;
 pub mod execute;
+mod forward;
 pub mod reply;
 pub mod resources;
 pub mod schema;
@@ -37,6 +38,9 @@ use crate::templates::{AUTO, RAW};
 
 pub use config::McpConfig;
 use execute::{Call, Stopped, execute};
+pub use forward::{
+    READ_PATH as READ_OUTPUT_PATH, ReadRequest as PeerReadRequest, answer as answer_peer_read,
+};
 use reply::error_result;
 use store::{Missing, OutputStore, StoreLimits};
 
@@ -72,6 +76,8 @@ pub struct McpService {
     template_dir: std::path::PathBuf,
     /// The session of calls that name none (`mcp-run stdio --session NAME`).
     default_session: Option<String>,
+    /// The other replicas of this gateway: kept outputs of theirs are read through them.
+    peers: Option<Arc<crate::peers::Peers>>,
 }
 
 impl McpService {
@@ -97,7 +103,20 @@ impl McpService {
             templates: Arc::new(crate::templates::TemplateStore::default()),
             template_dir: std::env::current_dir().unwrap_or_else(|_| "/".into()),
             default_session: None,
+            peers: None,
         }
+    }
+
+    /// Tags this replica's run ids and forwards reads of other replicas' runs to them
+    /// (`forward`). Call it right after [`McpService::new`].
+    pub fn with_peers(mut self, peers: Option<Arc<crate::peers::Peers>>) -> Self {
+        if let Some(p) = &peers
+            && let Some(store) = self.store.as_mut().and_then(Arc::get_mut)
+        {
+            store.set_tag(p.tag());
+        }
+        self.peers = peers;
+        self
     }
 
     /// Runs every call that names no session in the session `name` (`mcp-run stdio
@@ -462,8 +481,8 @@ impl McpService {
         e
     }
 
-    /// `resources/read` of a kept output.
-    fn read_output(
+    /// `resources/read` of a kept output: here, or on the replica that keeps it.
+    async fn read_output(
         &self,
         uri: &str,
         context: &RequestContext<RoleServer>,
@@ -472,13 +491,31 @@ impl McpService {
             resources::OutputUri::parse(uri).map_err(|m| McpError::invalid_params(m, None))?;
         let caller = crate::auth::mcp_caller(&context.extensions)
             .unwrap_or_else(|| crate::auth::Caller::local("stdio"));
+        if let Some(peers) = &self.peers
+            && let Some(replica) = store::replica_of(&parsed.id)
+            && replica != peers.tag()
+        {
+            return forward::read_output(peers, replica, &parsed.id, uri, &caller).await;
+        }
+        self.read_output_as(uri, &caller)
+    }
+
+    /// `resources/read` of a kept output of this replica, as `caller` (also what a peer asks
+    /// for its caller).
+    pub fn read_output_as(
+        &self,
+        uri: &str,
+        caller: &crate::auth::Caller,
+    ) -> Result<ReadResourceResult, McpError> {
+        let parsed =
+            resources::OutputUri::parse(uri).map_err(|m| McpError::invalid_params(m, None))?;
         let Some(store) = &self.store else {
             return Err(McpError::resource_not_found(
                 "this server keeps no outputs (its output directory could not be made)",
                 None,
             ));
         };
-        let run = store.get(&parsed.id, &caller).map_err(|m| {
+        let run = store.get(&parsed.id, caller).map_err(|m| {
             let limits = store.limits();
             let message = match m {
                 Missing::Expired => format!(
@@ -666,6 +703,7 @@ impl ServerHandler for McpService {
         if resources::is_output_uri(&request.uri) {
             return self
                 .read_output(&request.uri, &context)
+                .await
                 .map(Into::into)
                 .map_err(|e| self.redact_mcp_error(e));
         }

@@ -150,6 +150,9 @@ struct Inner {
 pub struct OutputStore {
     dir: tempfile::TempDir,
     limits: StoreLimits,
+    /// This replica's tag, the first characters of every run id when the gateway has peers
+    /// (`crate::peers`): a read on another replica is forwarded here.
+    tag: Option<String>,
     inner: Mutex<Inner>,
 }
 
@@ -173,8 +176,14 @@ impl OutputStore {
         Ok(Self {
             dir,
             limits,
+            tag: None,
             inner: Mutex::new(Inner::default()),
         })
+    }
+
+    /// Starts every run id with `tag` (this replica's, [`crate::peers::Peers::tag`]).
+    pub fn set_tag(&mut self, tag: &str) {
+        self.tag = Some(tag.to_owned());
     }
 
     pub fn limits(&self) -> &StoreLimits {
@@ -185,7 +194,7 @@ impl OutputStore {
     /// then says that the full output is not kept).
     pub fn begin(&self, caller: &Caller) -> Option<Arc<Recording>> {
         self.evict();
-        let id = random_id();
+        let id = format!("{}{}", self.tag.as_deref().unwrap_or_default(), random_id());
         let paths = [
             self.dir.path().join(format!("{id}.stdout")),
             self.dir.path().join(format!("{id}.stderr")),
@@ -298,6 +307,12 @@ impl OutputStore {
     }
 }
 
+/// The tag of the replica that keeps run `id`, when the id carries one (ids of a gateway
+/// with peers: the tag, then 32 hex digits).
+pub fn replica_of(id: &str) -> Option<&str> {
+    (id.len() == crate::peers::TAG_LEN + 32).then(|| &id[..crate::peers::TAG_LEN])
+}
+
 /// 128 random bits in hex: run ids cannot be guessed.
 fn random_id() -> String {
     let bits: u128 = rand::random();
@@ -344,6 +359,19 @@ mod tests {
         };
         assert_eq!(s.get(&r.id, &other).err(), Some(Missing::Unknown));
         assert_eq!(s.list(&me, 10).len(), 1);
+    }
+
+    #[test]
+    fn run_ids_name_their_replica_when_tagged() {
+        let mut s = store(1 << 20, Duration::from_secs(60));
+        let me = Caller::default();
+        let plain = s.begin(&me).unwrap();
+        assert_eq!((plain.id.len(), replica_of(&plain.id)), (32, None));
+        s.set_tag("0badcafe");
+        let tagged = s.begin(&me).unwrap();
+        assert_eq!(tagged.id.len(), 40);
+        assert_eq!(replica_of(&tagged.id), Some("0badcafe"));
+        assert!(s.get(&tagged.id, &me).is_ok());
     }
 
     #[test]

@@ -75,10 +75,12 @@ impl Gateway {
         if let Some(dir) = dir {
             cmd.current_dir(dir);
         }
-        cmd.arg("serve")
-            .arg("--listen")
-            .arg("127.0.0.1:0")
-            .args(args);
+        cmd.arg("serve");
+        // A test that needs the address before the start (replicas naming each other) gives it.
+        if !args.contains(&"--listen") {
+            cmd.arg("--listen").arg("127.0.0.1:0");
+        }
+        cmd.args(args);
         cmd.env(
             "RUST_LOG",
             std::env::var("MCP_RUN_TEST_LOG").unwrap_or_else(|_| "info".into()),

@@ -1,0 +1,88 @@
+"""The official MCP Python SDK against replicas of one gateway behind a round-robin proxy
+(tests/replicas.rs starts them and the proxy, then runs this).
+
+Usage: replicas.py URL
+Over streamable HTTP at URL: initialize, tools/list, three calls with 2 MB of output and
+progress notifications, every page of one kept output (read through whichever replica the
+proxy picks), a search; the SDK must not warn. Exits 1 with the reason on the first failure.
+"""
+
+import logging
+import sys
+
+import anyio
+from mcp import ClientSession
+from mcp.client.streamable_http import streamable_http_client
+
+
+class Warnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.seen = []
+
+    def emit(self, record):
+        self.seen.append(record.getMessage())
+
+
+SDK_WARNINGS = Warnings()
+logging.getLogger("mcp").addHandler(SDK_WARNINGS)
+
+MARK = "\n[mcp-run: page ends here; next page: "
+
+
+def check(cond, what):
+    if not cond:
+        raise SystemExit(f"replicas (python sdk): {what}")
+
+
+async def main(url):
+    async with streamable_http_client(url) as (read, write, *_):
+        async with ClientSession(read, write) as session:
+            init = await session.initialize()
+            check(init.server_info.name, "no server name")
+            tools = (await session.list_tools()).tools
+            check(any(t.name == "run_network_tool" for t in tools), "no run_network_tool")
+            uris = []
+            for i in range(3):
+                seen = []
+
+                async def progress(progress, total, message):
+                    seen.append(message or "")
+
+                r = await session.call_tool(
+                    "run_network_tool",
+                    {"executable": "sh",
+                     "args": ["-c", f"echo compiling step{i}; sleep 2.5; seq 1 300000"]},
+                    progress_callback=progress,
+                )
+                check(not r.is_error, f"call {i} failed: {r}")
+                o = r.structured_content["outputs"][0]
+                full = o["full_output"]
+                check(full["stdout_bytes"] == 1988895 + 16, f"call {i}: {full}")
+                check(any(f"compiling step{i}" in m for m in seen), f"call {i}: progress {seen}")
+                uris.append(full["stdout_uri"])
+            check(len({u.split("/")[3][:8] for u in uris}) == 3,
+                  f"three calls did not land on three replicas: {uris}")
+            uri, whole, pages = uris[0], [], 0
+            while True:
+                r = await session.read_resource(uri)
+                text = r.contents[0].text
+                pages += 1
+                if MARK in text:
+                    body, rest = text.rsplit(MARK, 1)
+                    whole.append(body)
+                    uri = rest.strip().rstrip("]")
+                else:
+                    whole.append(text)
+                    break
+                check(pages < 200, "too many pages")
+            expected = "compiling step0\n" + "".join(f"{n}\n" for n in range(1, 300001))
+            check("".join(whole) == expected, f"the {pages} pages differ from the output")
+            r = await session.read_resource(uris[2] + "?grep=%5E29999%24")
+            check(r.contents[0].text == "30000:29999\n", f"grep: {r.contents[0].text!r}")
+    check(not SDK_WARNINGS.seen, f"the SDK warned: {SDK_WARNINGS.seen}")
+    print(f"replicas (python sdk): ok ({pages} pages)")
+
+
+if __name__ == "__main__":
+    anyio.run(main, sys.argv[1])

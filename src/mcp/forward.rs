@@ -1,0 +1,119 @@
+//! Kept outputs across replicas: a `resources/read` of a run kept by another replica of the
+//! gateway is forwarded to it over the peer channel (`crate::peers`), with the caller's
+//! identity, and its answer (the page, or why there is none) returned as is. Both ends of
+//! that request are here: [`read_output`] asks, [`answer`] answers.
+//!
+//! The owner applies today's bounds and expiry and the owner check; the forwarding replica
+//! only says so when the owner is gone (its outputs went with it).
+
+use rmcp::ErrorData as McpError;
+use rmcp::model::{ErrorCode, ReadResourceResult};
+use serde::{Deserialize, Serialize};
+
+use super::McpService;
+use crate::auth::Caller;
+use crate::peers::{PeerError, Peers};
+
+/// The peer path of a kept-output read.
+pub const READ_PATH: &str = "/peer/v1/outputs/read";
+
+/// What a replica asks the owner.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReadRequest {
+    /// The tag of the replica meant: a replica restarted at the same address is another.
+    pub replica: String,
+    /// The `mcp-run://runs/...` URI, with its page parameters.
+    pub uri: String,
+    /// The caller's identity (its token's name; none when auth is off).
+    pub identity: Option<String>,
+}
+
+/// Why there is no page (an MCP error's code and message).
+#[derive(Debug, Serialize, Deserialize)]
+struct Refusal {
+    code: i32,
+    message: String,
+}
+
+/// Reads `uri` (run `id`) on the replica tagged `replica`, as `caller`.
+pub async fn read_output(
+    peers: &Peers,
+    replica: &str,
+    id: &str,
+    uri: &str,
+    caller: &Caller,
+) -> Result<ReadResourceResult, McpError> {
+    let req = ReadRequest {
+        replica: replica.to_owned(),
+        uri: uri.to_owned(),
+        identity: caller.identity.clone(),
+    };
+    let body = serde_json::to_value(&req).unwrap_or_default();
+    let gone = |why: &str| {
+        McpError::resource_not_found(
+            format!(
+                "run {id} was kept by replica {replica} of this gateway, which {why}: its outputs went with it; run the command again"
+            ),
+            None,
+        )
+    };
+    match peers.post(replica, READ_PATH, &body).await {
+        Ok((200, page)) => serde_json::from_value(page).map_err(|e| {
+            McpError::internal_error(
+                format!("replica {replica} answered a page that does not parse: {e}"),
+                None,
+            )
+        }),
+        Ok((_, refusal)) => match serde_json::from_value::<Refusal>(refusal) {
+            Ok(r) => Err(McpError::new(ErrorCode(r.code), r.message, None)),
+            Err(_) => Err(McpError::internal_error(
+                format!("replica {replica} refused the read without saying why"),
+                None,
+            )),
+        },
+        Err(PeerError::Unknown(_)) => Err(gone(
+            "no longer answers (it restarted, stopped or was scaled away)",
+        )),
+        Err(e @ PeerError::Failed { .. }) => {
+            tracing::warn!(error = %e, "a kept output could not be read from its replica");
+            Err(gone("did not answer"))
+        }
+    }
+}
+
+/// Answers a peer's [`ReadRequest`] on the replica tagged `tag`: the status and JSON body.
+pub fn answer(service: &McpService, tag: &str, req: ReadRequest) -> (u16, serde_json::Value) {
+    let refusal = |status: u16, code: ErrorCode, message: String| {
+        let r = Refusal {
+            code: code.0,
+            message,
+        };
+        (status, serde_json::to_value(r).unwrap_or_default())
+    };
+    if req.replica != tag {
+        return refusal(
+            404,
+            ErrorCode::RESOURCE_NOT_FOUND,
+            format!(
+                "replica {} of this gateway restarted since it kept this run: its outputs went with it; run the command again",
+                req.replica
+            ),
+        );
+    }
+    let caller = Caller {
+        identity: req.identity,
+        ..Caller::default()
+    };
+    match service.read_output_as(&req.uri, &caller) {
+        Ok(page) => (200, serde_json::to_value(page).unwrap_or_default()),
+        Err(e) => {
+            let status = if e.code == ErrorCode::RESOURCE_NOT_FOUND {
+                404
+            } else {
+                400
+            };
+            refusal(status, e.code, e.message.into_owned())
+        }
+    }
+}
