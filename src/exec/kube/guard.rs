@@ -144,6 +144,13 @@ impl PodGuard {
         }
     }
 
+    /// Hands the pod over to a kept runner (which deletes it when it closes): the drop no
+    /// longer deletes it; the slot goes along.
+    pub(super) fn into_kept(mut self) -> Option<OwnedSemaphorePermit> {
+        self.call = Some((String::new(), String::new()));
+        self.permit.take()
+    }
+
     /// The guard of one call in a kept runner's pod: it neither holds a slot (the runner
     /// does) nor deletes the pod.
     pub(super) fn call(shared: Arc<Shared>, name: String, id: String, shell: String) -> Self {

@@ -139,7 +139,7 @@ impl KubeExecutor {
     /// A pod slot (`max_concurrent_pods`): at once when one is free, else after the runs
     /// queued before this one (tokio's semaphore is fair: first come, first served), within
     /// the start budget. Refused with 429 only when `max_queued_runs` runs wait already.
-    async fn slot(
+    pub(super) async fn slot(
         &self,
         budget_end: Instant,
         opts: &StartOptions,
@@ -195,7 +195,7 @@ impl KubeExecutor {
     /// connections retried (backoff.rs: Retry-After honoured, bounded by the budget), and a
     /// 409 AlreadyExists after a retry recognised as our own earlier attempt having
     /// succeeded.
-    async fn create(&self, manifest: &Pod, budget_end: Instant) -> Result<Pod, ErrorBody> {
+    pub(super) async fn create(&self, manifest: &Pod, budget_end: Instant) -> Result<Pod, ErrorBody> {
         let name = manifest.name_any();
         let mut attempts = 0u32;
         let budget = Budget {
@@ -335,7 +335,7 @@ impl KubeExecutor {
     /// the last resourceVersion after a transport error, relisted after 410 Gone) until its
     /// runner container runs or the start budget ends; reports phases on the way. Returns
     /// the node.
-    async fn wait_running(
+    pub(super) async fn wait_running(
         &self,
         created: Pod,
         budget_end: Instant,
