@@ -84,7 +84,6 @@ impl Shared {
     pub(super) async fn kill_call(&self, pod: &str, id: &str, shell: &str) {
         let params = kube::api::AttachParams::default()
             .container(super::pod::CONTAINER)
-            .stdout(false)
             .stderr(false);
         let argv = [shell, "-c", super::pod::argv::KILL_CALL, "mcp-run-kill", id];
         let killed = async {
@@ -94,7 +93,11 @@ impl Shared {
         };
         match tokio::time::timeout(KILL_WAIT, killed).await {
             Ok(Some(s)) if s.status.as_deref() == Some("Success") => {}
-            other => tracing::warn!(pod, call = id, "killing a session call's processes failed: {other:?}"),
+            other => tracing::warn!(
+                pod,
+                call = id,
+                "killing a session call's processes failed: {other:?}"
+            ),
         }
     }
 

@@ -145,7 +145,12 @@ impl KubeExecutor {
         };
         let name = guard.name.clone();
         let permit = guard.into_kept();
-        tracing::info!(pod = name, profile = profile_name, session = keep.name, "session pod running");
+        tracing::info!(
+            pod = name,
+            profile = profile_name,
+            session = keep.name,
+            "session pod running"
+        );
         let watch = CancellationToken::new();
         let lost = Arc::new(Mutex::new(None));
         tokio::spawn(watch_fate(
@@ -251,8 +256,12 @@ impl KeptRunner for KubeKept {
                 &spec.env,
                 opts.stdin.is_some(),
             );
-            let mut guard =
-                PodGuard::call(self.shared.clone(), self.name.clone(), call, self.shell.clone());
+            let mut guard = PodGuard::call(
+                self.shared.clone(),
+                self.name.clone(),
+                call,
+                self.shell.clone(),
+            );
             guard.timings = Some(Timings::new());
             opts.progress.report(
                 Phase::Starting,
@@ -359,7 +368,10 @@ mod tests {
         assert!(status.success());
         let s = victim.wait().unwrap();
         assert!(!s.success(), "{s:?}");
-        assert!(other.try_wait().unwrap().is_none(), "the other call runs on");
+        assert!(
+            other.try_wait().unwrap().is_none(),
+            "the other call runs on"
+        );
         std::process::Command::new("sh")
             .args(["-c", KILL_CALL, "mcp-run-kill", "00000000000000bb"])
             .status()

@@ -195,7 +195,11 @@ impl KubeExecutor {
     /// connections retried (backoff.rs: Retry-After honoured, bounded by the budget), and a
     /// 409 AlreadyExists after a retry recognised as our own earlier attempt having
     /// succeeded.
-    pub(super) async fn create(&self, manifest: &Pod, budget_end: Instant) -> Result<Pod, ErrorBody> {
+    pub(super) async fn create(
+        &self,
+        manifest: &Pod,
+        budget_end: Instant,
+    ) -> Result<Pod, ErrorBody> {
         let name = manifest.name_any();
         let mut attempts = 0u32;
         let budget = Budget {
@@ -397,7 +401,9 @@ impl KubeExecutor {
 /// What runs before a successful `exit` is reported (workspace sync-back), given the
 /// call's cancellation token.
 pub(super) type SyncBack = Box<
-    dyn FnOnce(CancellationToken) -> futures_util::future::BoxFuture<'static, Vec<crate::contract::Event>>
+    dyn FnOnce(
+            CancellationToken,
+        ) -> futures_util::future::BoxFuture<'static, Vec<crate::contract::Event>>
         + Send,
 >;
 
