@@ -309,25 +309,44 @@ impl KeptRunner for KubeKept {
 
 #[cfg(test)]
 mod tests {
-    use super::pod::argv::{KILL_CALL, call_tag, kept_exec_command};
+    use super::pod::argv::{KILL_CALL, kept_exec_command};
     use std::collections::BTreeMap;
 
     /// The wrapper stays the command's parent and passes its status on; the kill finds the
     /// call by its tag and kills its whole tree, not another call's.
+    /// With dash, bash and busybox's ash (the shells of runner images), when present.
     #[test]
     fn a_call_is_killed_with_its_children_and_another_call_stays() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut shells = vec!["/bin/sh".to_string()];
+        for (name, path) in [("bash", "/bin/bash"), ("busybox", "/bin/busybox")] {
+            if std::path::Path::new(path).exists() {
+                // busybox runs its applet by the name it is called by.
+                let link = dir.path().join(name).join("sh");
+                std::fs::create_dir_all(link.parent().unwrap()).unwrap();
+                std::os::unix::fs::symlink(path, &link).unwrap();
+                shells.push(link.to_str().unwrap().to_owned());
+            } else {
+                eprintln!("skipped: {path} is not installed");
+            }
+        }
+        for shell in shells {
+            kill_one_of_two(&shell);
+        }
+    }
+
+    fn kill_one_of_two(shell: &str) {
         let mut env = BTreeMap::new();
         env.insert("X".into(), "1".into());
+        let dir = tempfile::tempdir().unwrap();
+        // Each call starts a background child and names it in a file, then waits.
         let spawn = |id: &str| {
-            let c = kept_exec_command(
-                "sh",
-                id,
-                "sh",
-                &["-c".into(), "sleep 300 & sleep 301; exit 3".into()],
-                None,
-                &env,
-                false,
+            let bg = dir.path().join(id);
+            let script = format!(
+                "sleep 300 & echo $! > {}.t; mv {0}.t {0}; sleep 301; exit 3",
+                bg.display()
             );
+            let c = kept_exec_command(shell, id, "sh", &["-c".into(), script], None, &env, false);
             let mut child = std::process::Command::new(&c.argv[0])
                 .args(&c.argv[1..])
                 .stdin(std::process::Stdio::piped())
@@ -342,40 +361,62 @@ mod tests {
                 .unwrap();
             child
         };
-        let mut victim = spawn("00000000000000aa");
-        let mut other = spawn("00000000000000bb");
-        // Both wrappers and their sleeps are up once their tags are visible with children.
-        let tagged = |id: &str| {
-            std::fs::read_dir("/proc")
-                .unwrap()
-                .flatten()
-                .filter(|d| {
-                    std::fs::read(d.path().join("cmdline"))
-                        .map(|c| String::from_utf8_lossy(&c).contains(&call_tag(id)))
-                        .unwrap_or(false)
-                })
-                .count()
+        let bg_pid = |id: &str| -> Option<i32> {
+            std::fs::read_to_string(dir.path().join(id))
+                .ok()?
+                .trim()
+                .parse()
+                .ok()
         };
+        let (a, b) = ("00000000000000aa", "00000000000000bb");
+        let mut victim = spawn(a);
+        let mut other = spawn(b);
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while tagged("00000000000000aa") == 0 || tagged("00000000000000bb") == 0 {
-            assert!(std::time::Instant::now() < deadline);
+        while bg_pid(a).is_none() || bg_pid(b).is_none() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{shell}: calls did not start"
+            );
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
-        let status = std::process::Command::new("sh")
-            .args(["-c", KILL_CALL, "mcp-run-kill", "00000000000000aa"])
+        let status = std::process::Command::new(shell)
+            .args(["-c", KILL_CALL, "mcp-run-kill", a])
             .status()
             .unwrap();
         assert!(status.success());
         let s = victim.wait().unwrap();
-        assert!(!s.success(), "{s:?}");
+        assert!(!s.success(), "{shell}: {s:?}");
+        // Alive: present and not a zombie (a killed orphan waits for init to reap it).
+        let alive = |pid: i32| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .is_ok_and(|st| !st.contains(") Z ") && !st.contains(") X "))
+        };
+        let gone_by = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while alive(bg_pid(a).unwrap()) {
+            assert!(
+                std::time::Instant::now() < gone_by,
+                "{shell}: the call's child lives on"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
         assert!(
             other.try_wait().unwrap().is_none(),
-            "the other call runs on"
+            "{shell}: the other call runs on"
         );
-        std::process::Command::new("sh")
-            .args(["-c", KILL_CALL, "mcp-run-kill", "00000000000000bb"])
+        assert!(
+            alive(bg_pid(b).unwrap()),
+            "{shell}: the other call's child runs on"
+        );
+        std::process::Command::new(shell)
+            .args(["-c", KILL_CALL, "mcp-run-kill", b])
             .status()
             .unwrap();
         other.wait().unwrap();
+        assert!(
+            !alive(bg_pid(b).unwrap()) || {
+                std::thread::sleep(std::time::Duration::from_millis(500));
+                !alive(bg_pid(b).unwrap())
+            }
+        );
     }
 }
