@@ -1041,6 +1041,10 @@ async fn a_lost_session_pod_is_reported_not_replaced() {
         assert_eq!(e.code, mcp_run::contract::ErrorCode::SessionLost);
         assert!(e.message.contains(reason), "{how}: {}", e.message);
         assert_eq!(double.created_pods().len(), created, "no fresh pod");
+        assert!(
+            wait_until(Duration::from_secs(10), || double.pod(NS, &pod).is_none()),
+            "{how}: the lost session's pod is deleted"
+        );
         let again = in_session(&gw, how, "true").await;
         assert_eq!(again.context.unwrap().session_call, Some(1));
     }
