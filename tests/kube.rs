@@ -873,7 +873,7 @@ fn api_calls(double: &KubeDouble, from: usize) -> (usize, usize, usize, usize) {
     let r = &r[from..];
     let count = |f: &dyn Fn(&str) -> bool| r.iter().filter(|l| f(l)).count();
     (
-        count(&|l| l.starts_with("POST ") && l.ends_with("/pods")),
+        count(&|l| l.starts_with("POST ") && (l.ends_with("/pods") || l.contains("/pods?"))),
         count(&|l| l.contains("/exec?")),
         count(&|l| l.contains("/pods") && l.contains("watch=")),
         count(&|l| l.starts_with("DELETE ") && l.contains("/pods/")),
@@ -910,6 +910,7 @@ async fn a_session_is_one_pod_and_each_later_call_one_exec() {
     let expires = &p.metadata.annotations.clone().unwrap()["mcp-run.dev/expires-at"];
     assert!(!expires.is_empty());
 
+    assert_eq!(api_calls(&double, 0).0, 1, "the first call created the pod");
     let from = double.requests().len();
     for n in 2..=5u64 {
         let r = in_session(&gw, "build", &format!("cat {}", state.display())).await;
