@@ -857,22 +857,219 @@ async fn warm_pool_replaces_stuck_pods_and_never_claims_them() {
     );
 }
 
-/// This backend keeps no runners across calls yet (docs/sessions.md#kubernetes): a session or
-/// a multi-step run is refused with a clear 400 before any pod is made.
+/// A session's call on the kube backend: `sh -c SCRIPT` in session `name`.
+async fn in_session(gw: &Gateway, name: &str, script: &str) -> support::RawRun {
+    raw(
+        gw,
+        json!({"executable": "sh", "args": ["-c", script], "session": name}),
+    )
+    .await
+}
+
+/// The API calls the gateway made since `from` (the double's request log), by kind: pod
+/// creations, exec upgrades, pod watches, pod deletions (the warm pool is off).
+fn api_calls(double: &KubeDouble, from: usize) -> (usize, usize, usize, usize) {
+    let r = double.requests();
+    let r = &r[from..];
+    let count = |f: &dyn Fn(&str) -> bool| r.iter().filter(|l| f(l)).count();
+    (
+        count(&|l| l.starts_with("POST ") && (l.ends_with("/pods") || l.contains("/pods?"))),
+        count(&|l| l.contains("/exec?")),
+        count(&|l| l.contains("/pods") && l.contains("watch=")),
+        count(&|l| l.starts_with("DELETE ") && l.contains("/pods/")),
+    )
+}
+
+/// N calls of one session make exactly one pod, labelled with hashes (never the name) and
+/// annotated with its expiry; every call after the first is exactly one exec (no create,
+/// watch or delete); what a call leaves stays for the next; a timed-out call's processes are
+/// killed (the wrapper and what it started) while the pod stays; the owner's end deletes it.
 #[tokio::test(flavor = "multi_thread")]
-async fn sessions_and_steps_are_refused_clearly() {
+async fn a_session_is_one_pod_and_each_later_call_one_exec() {
+    // As a real kubelet: a closed exec stream kills nothing, only the kill exec does.
+    let double = KubeDouble::start_with(DoubleOptions {
+        exec_survives_disconnect: true,
+        ..Default::default()
+    });
+    let gw = gateway(&double, &[]);
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let first = in_session(&gw, "build", &format!("echo kept > {}", state.display())).await;
+    assert_eq!(first.exit.map(|e| e.code), Some(Some(0)), "{first:?}");
+    let ctx = first.context.clone().unwrap();
+    assert_eq!(ctx.session_call, Some(1));
+    let pod = ctx.pod.clone().unwrap();
+    assert_eq!(double.created_pods().len(), 1);
+    let p = double.pod(NS, &pod).unwrap();
+    let labels = p.metadata.labels.clone().unwrap();
+    let owner = labels
+        .get("mcp-run.dev/session-owner")
+        .expect("owner label");
+    let name = labels.get("mcp-run.dev/session").expect("session label");
+    assert!(owner.len() == 16 && name.len() == 16 && !name.contains("build"));
+    let expires = &p.metadata.annotations.clone().unwrap()["mcp-run.dev/expires-at"];
+    assert!(!expires.is_empty());
+
+    assert_eq!(api_calls(&double, 0).0, 1, "the first call created the pod");
+    let from = double.requests().len();
+    for n in 2..=5u64 {
+        let r = in_session(&gw, "build", &format!("cat {}", state.display())).await;
+        assert_eq!(r.stdout, b"kept\n", "{r:?}");
+        let c = r.context.unwrap();
+        assert_eq!(
+            (c.pod.as_deref(), c.session_call),
+            (Some(pod.as_str()), Some(n))
+        );
+    }
+    assert_eq!(
+        api_calls(&double, from),
+        (0, 4, 0, 0),
+        "(creates, execs, watches, deletes) of four later calls: {:?}",
+        &double.requests()[from..]
+    );
+
+    // A timed-out call: its processes die, the pod stays, the next call runs in it.
+    let pids = dir.path().join("pids");
+    let r = raw(
+        &gw,
+        json!({"executable": "sh", "args": ["-c", format!("sleep 300 & echo $$ $! > {}; wait", pids.display())],
+               "session": "build", "timeout_secs": 1}),
+    )
+    .await;
+    assert!(r.exit.unwrap().timed_out, "{r:?}");
+    let pids: Vec<i32> = std::fs::read_to_string(&pids)
+        .unwrap()
+        .split_whitespace()
+        .map(|p| p.parse().unwrap())
+        .collect();
+    assert_eq!(pids.len(), 2);
+    assert!(
+        wait_until(Duration::from_secs(10), || pids
+            .iter()
+            .all(|p| !support::pid_alive(*p))),
+        "the call's shell and its child are killed"
+    );
+    assert_eq!(double.pod_names(NS), vec![pod.clone()], "the pod stays");
+    assert!(
+        double
+            .requests()
+            .iter()
+            .any(|l| l.contains("/exec?") && l.contains("mcp-run-kill")),
+        "the kill is an exec in the pod"
+    );
+    let r = in_session(&gw, "build", &format!("cat {}", state.display())).await;
+    assert_eq!(r.stdout, b"kept\n", "{r:?}");
+    assert_eq!(double.created_pods().len(), 1);
+
+    let ended = gw
+        .authorized(http().delete(gw.url("/sessions/build")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ended.status(), 204);
+    no_pods_left(&double, Duration::from_secs(10));
+}
+
+/// A session pod goes on idle TTL and at shutdown; after a gateway SIGKILL it is left, and
+/// the restarted gateway deletes it (sessions are not adopted: docs/sessions.md).
+#[tokio::test(flavor = "multi_thread")]
+async fn session_pods_go_on_ttl_shutdown_and_after_a_crash() {
+    let double = KubeDouble::start();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config_file(&dir, "sessions:\n  idle_ttl_secs: 1\n");
+    let gw = gateway(&double, &["--config", cfg.to_str().unwrap()]);
+    let r = in_session(&gw, "t", "true").await;
+    assert_eq!(r.exit.map(|e| e.code), Some(Some(0)), "{r:?}");
+    assert_eq!(double.pod_names(NS).len(), 1);
+    no_pods_left(&double, Duration::from_secs(10));
+    let r = in_session(&gw, "t", "true").await;
+    assert_eq!(r.status, 410, "{r:?}");
+    drop(gw);
+
+    // Shutdown.
+    let gw = gateway(&double, &[]);
+    let r = in_session(&gw, "s", "true").await;
+    assert_eq!(r.exit.map(|e| e.code), Some(Some(0)), "{r:?}");
+    assert_eq!(double.pod_names(NS).len(), 1);
+    let (status, _gw) = support::terminate(gw).await;
+    assert!(status.is_some());
+    assert!(
+        double.pod_names(NS).is_empty(),
+        "deleted before the gateway exits"
+    );
+
+    // SIGKILL, then a restart.
+    let gw = gateway(&double, &[]);
+    let r = in_session(&gw, "k", "true").await;
+    assert_eq!(r.exit.map(|e| e.code), Some(Some(0)), "{r:?}");
+    let pid = gw.pid().unwrap() as i32;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL).unwrap();
+    drop(gw);
+    assert_eq!(double.pod_names(NS).len(), 1, "the crash left the pod");
+    let _restarted = gateway(&double, &[]);
+    no_pods_left(&double, Duration::from_secs(10));
+}
+
+/// A session whose pod was deleted or evicted answers its next call with `session_lost` and
+/// the reason, never with a fresh pod; the call after that opens a new session.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lost_session_pod_is_reported_not_replaced() {
     let double = KubeDouble::start();
     let gw = gateway(&double, &[]);
-    let r = raw(&gw, json!({"executable": "true", "session": "build"})).await;
-    assert_eq!(r.status, 400, "{r:?}");
-    let m = r.rejection.unwrap().error.message;
-    assert!(
-        m.contains("kubernetes backend does not keep runners"),
-        "{m}"
-    );
-    let r = raw(&gw, json!({"steps": [{"executable": "true"}]})).await;
-    assert_eq!(r.status, 400, "{r:?}");
-    let m = r.rejection.unwrap().error.message;
-    assert!(m.contains("does not keep runners"), "{m}");
-    assert!(double.pod_names(NS).is_empty());
+    for (how, reason) in [("deleted", "was deleted"), ("evicted", "evicted")] {
+        let r = in_session(&gw, how, "true").await;
+        let pod = r.context.unwrap().pod.unwrap();
+        if how == "deleted" {
+            double.delete_pod(NS, &pod);
+        } else {
+            double.kill_container(NS, &pod, true);
+        }
+        let created = double.created_pods().len();
+        // The gateway's watch sees the loss; until then a call may still run in the pod.
+        let lost = {
+            let mut lost = None;
+            for _ in 0..100 {
+                let r = in_session(&gw, how, "true").await;
+                if r.status == 410 {
+                    lost = Some(r);
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            lost.expect("session_lost")
+        };
+        let e = lost.rejection.unwrap().error;
+        assert_eq!(e.code, mcp_run::contract::ErrorCode::SessionLost);
+        assert!(e.message.contains(reason), "{how}: {}", e.message);
+        assert_eq!(double.created_pods().len(), created, "no fresh pod");
+        assert!(
+            wait_until(Duration::from_secs(10), || double.pod(NS, &pod).is_none()),
+            "{how}: the lost session's pod is deleted"
+        );
+        let again = in_session(&gw, how, "true").await;
+        assert_eq!(again.context.unwrap().session_call, Some(1));
+    }
+    drop(gw);
+}
+
+/// A multi-step run's steps run in one pod, deleted afterwards.
+#[tokio::test(flavor = "multi_thread")]
+async fn steps_run_in_one_pod() {
+    let double = KubeDouble::start();
+    let gw = gateway(&double, &[]);
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("f");
+    let r = raw(
+        &gw,
+        json!({"steps": [
+            {"executable": "sh", "args": ["-c", format!("echo one > {}", f.display())]},
+            {"executable": "sh", "args": ["-c", format!("cat {}; exit 4", f.display())]},
+            {"executable": "echo", "args": ["never"]},
+        ]}),
+    )
+    .await;
+    assert_eq!(r.stdout, b"one\n", "{r:?}");
+    assert_eq!(r.exit.unwrap().code, Some(4));
+    assert_eq!(double.created_pods().len(), 1);
+    no_pods_left(&double, Duration::from_secs(10));
 }

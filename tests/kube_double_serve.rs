@@ -2,6 +2,8 @@
 //! (bench/kube_double_bench.py): `cargo test --test integration -- --ignored --exact kube_double_serve::serve
 //! --nocapture`. Prints `KUBECONFIG=<path>` (and `TOKEN`, `URL`, `CA`) and serves until its
 //! stdin closes.
+//! A line `stats` on its stdin prints `STATS {json}`: the API calls so far, by kind
+//! (bench/kube_session_bench.py counts a session's calls with it).
 //! `KUBE_DOUBLE_STEP_MS` sets the delay of each simulated lifecycle step (default 20 ms);
 //! `KUBE_DOUBLE_DENY=NS/RESOURCE/SUBRESOURCE/VERB,...` makes SelfSubjectAccessReview answer
 //! "no" for those (`KubeDouble::deny`), for `kubectl auth can-i`.
@@ -41,9 +43,24 @@ fn serve() {
     println!("CA={}", ca.display());
     let _ = std::io::stdout().flush();
     // Serve until whoever started us closes our stdin.
+    // A line `stats` answers `STATS <json>`: the API calls received so far, by kind.
     for line in std::io::stdin().lock().lines() {
-        if line.is_err() {
-            break;
+        let Ok(line) = line else { break };
+        if line.trim() == "stats" {
+            let r = double.requests();
+            let count = |f: &dyn Fn(&str) -> bool| r.iter().filter(|l| f(l)).count();
+            println!(
+                "STATS {}",
+                serde_json::json!({
+                    "requests": r.len(),
+                    "creates": count(&|l| l.starts_with("POST ") && (l.ends_with("/pods") || l.contains("/pods?"))),
+                    "execs": count(&|l| l.contains("/exec?")),
+                    "watches": count(&|l| l.contains("/pods") && l.contains("watch=")),
+                    "deletes": count(&|l| l.starts_with("DELETE ") && l.contains("/pods/")),
+                    "pods_created": double.created_pods().len(),
+                })
+            );
+            let _ = std::io::stdout().flush();
         }
     }
     drop(double);

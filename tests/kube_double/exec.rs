@@ -867,7 +867,9 @@ async fn read_client(
                 }
             }
             Some(Ok(Message::Close(_))) | None | Some(Err(_)) => {
-                if !exited.load(std::sync::atomic::Ordering::SeqCst) {
+                if !exited.load(std::sync::atomic::Ordering::SeqCst)
+                    && !shared.opts.exec_survives_disconnect
+                {
                     killpg(pgid);
                 }
                 return;

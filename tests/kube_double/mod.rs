@@ -229,6 +229,10 @@ pub struct DoubleOptions {
     /// created 0777 on first use (see `exec::pod_user`). Off by default: most tests run
     /// commands in directories only root can enter.
     pub run_as_pod_user: bool,
+    /// Like a real kubelet (CRI streaming): an exec's processes keep running when its client
+    /// goes away; only the container's end kills them. Off by default: the double then
+    /// kills the exec's process group on disconnect.
+    pub exec_survives_disconnect: bool,
 }
 
 /// The container runtime whose wording an exec of a missing program comes back in.
@@ -270,6 +274,7 @@ impl Default for DoubleOptions {
             containers: false,
             runtime: Runtime::Runc,
             run_as_pod_user: false,
+            exec_survives_disconnect: false,
         }
     }
 }

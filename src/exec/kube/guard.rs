@@ -14,6 +14,9 @@ use super::{DELETE_BUDGET, Shared};
 /// How long a released slot waits for its pod to be gone.
 const GONE_WAIT: Duration = Duration::from_secs(30);
 
+/// How long killing a call in a kept runner's pod may take.
+const KILL_WAIT: Duration = Duration::from_secs(10);
+
 /// The grace period of a runner pod's deletion: the shortest graceful one, as `kubectl delete
 /// --now`. Grace 0 would be a force deletion: the API server removes the object at once and
 /// the kubelet kills the containers later, so the object's disappearance would say nothing
@@ -75,6 +78,29 @@ impl Shared {
         }
     }
 
+    /// Kills one call in a kept runner's pod and everything it started (an exec of
+    /// [`super::pod::argv::KILL_CALL`]); the pod stays. Bounded: a pod that does not answer
+    /// leaves the call to the pod's deadline, the session's end or its loss.
+    pub(super) async fn kill_call(&self, pod: &str, id: &str, shell: &str) {
+        let params = kube::api::AttachParams::default()
+            .container(super::pod::CONTAINER)
+            .stderr(false);
+        let argv = [shell, "-c", super::pod::argv::KILL_CALL, "mcp-run-kill", id];
+        let killed = async {
+            self.throttle.acquire().await;
+            let mut attached = self.pods.exec(pod, argv, &params).await.ok()?;
+            attached.take_status()?.await
+        };
+        match tokio::time::timeout(KILL_WAIT, killed).await {
+            Ok(Some(s)) if s.status.as_deref() == Some("Success") => {}
+            other => tracing::warn!(
+                pod,
+                call = id,
+                "killing a session call's processes failed: {other:?}"
+            ),
+        }
+    }
+
     /// Waits until a deleted pod is gone: the kubelet removes the object once it has stopped
     /// the containers. Bounded, so that a lost node does not hold a slot (or the shutdown)
     /// forever; a watch that fails (429, a cut connection) is resumed, not taken for the
@@ -106,11 +132,39 @@ pub(super) struct PodGuard {
     pub(super) timings: Option<Timings>,
     /// Deleted already (when killed): the drop only releases.
     deleted: bool,
+    /// A call in a kept runner's pod (its id): killing it kills the call's processes, not
+    /// the pod, and the drop leaves the pod (its runner deletes it).
+    call: Option<(String, String)>,
 }
 
 impl PodGuard {
+    /// Kills the command: deletes the pod, or in a kept runner's pod only the call's
+    /// processes.
     pub(super) async fn delete_now(&mut self) {
-        self.deleted = self.shared.delete(&self.name).await;
+        match &self.call {
+            Some((id, shell)) => self.shared.kill_call(&self.name, id, shell).await,
+            None => self.deleted = self.shared.delete(&self.name).await,
+        }
+    }
+
+    /// Hands the pod over to a kept runner (which deletes it when it closes): the drop no
+    /// longer deletes it; the slot goes along.
+    pub(super) fn into_kept(mut self) -> Option<OwnedSemaphorePermit> {
+        self.call = Some((String::new(), String::new()));
+        self.permit.take()
+    }
+
+    /// The guard of one call in a kept runner's pod: it neither holds a slot (the runner
+    /// does) nor deletes the pod.
+    pub(super) fn call(shared: Arc<Shared>, name: String, id: String, shell: String) -> Self {
+        Self {
+            shared,
+            name,
+            permit: None,
+            timings: None,
+            deleted: true,
+            call: Some((id, shell)),
+        }
     }
 
     pub(super) fn arm(shared: Arc<Shared>, name: String, permit: OwnedSemaphorePermit) -> Self {
@@ -121,12 +175,19 @@ impl PodGuard {
             permit: Some(permit),
             timings: None,
             deleted: false,
+            call: None,
         }
     }
 }
 
 impl Drop for PodGuard {
     fn drop(&mut self) {
+        if self.call.is_some() {
+            if let Some(t) = &self.timings {
+                tracing::debug!(pod = self.name, phases = %t, "session call phases");
+            }
+            return;
+        }
         let shared = self.shared.clone();
         let name = std::mem::take(&mut self.name);
         let permit = self.permit.take();

@@ -17,6 +17,7 @@ mod backoff;
 mod cache;
 pub mod config;
 mod guard;
+mod kept;
 pub mod pod;
 mod pool;
 mod reaper;
@@ -111,6 +112,24 @@ impl Executor for KubeExecutor {
             workspace::workspace_path(name, profile)?;
         }
         Ok(())
+    }
+
+    /// One pod across calls ([`kept`]).
+    fn keeps_runners(&self) -> bool {
+        true
+    }
+
+    fn keep(
+        &self,
+        spec: &ExecSpec,
+        keep: super::KeepFor,
+        opts: StartOptions,
+    ) -> BoxFuture<'_, Result<Arc<dyn super::KeptRunner>, ErrorBody>> {
+        let spec = spec.clone();
+        Box::pin(async move {
+            let kept = self.keep_pod(&spec, keep, opts).await?;
+            Ok(Arc::new(kept) as Arc<dyn super::KeptRunner>)
+        })
     }
 
     /// Into the profile's `workspace_path` (see [`workspace`]).

@@ -127,6 +127,18 @@ impl WarmPool {
     /// Claims a Running idle pod whose deadline leaves room for `timeout`; `None` is a miss.
     /// On success the pod's name is in the live set and its node is returned.
     pub async fn claim(&self, timeout: Duration) -> Option<(String, String)> {
+        self.claim_with(timeout, serde_json::json!({}), serde_json::json!({}))
+            .await
+    }
+
+    /// [`Self::claim`], adding `labels` and `annotations` to the claimed pod in the same
+    /// patch (a session's owner, name and expiry).
+    pub async fn claim_with(
+        &self,
+        timeout: Duration,
+        labels: serde_json::Value,
+        annotations: serde_json::Value,
+    ) -> Option<(String, String)> {
         let now = Timestamp::now();
         let me = self.shared.identity.gateway.clone();
         let mut candidates: Vec<Arc<Pod>> = self
@@ -154,10 +166,14 @@ impl WarmPool {
                 continue;
             };
             self.shared.track(&name);
+            let mut l = labels.clone();
+            l[LABEL_STATE] = "claimed".into();
+            l[LABEL_GATEWAY] = me.clone().into();
             let patch = serde_json::json!({
                 "metadata": {
                     "resourceVersion": rv,
-                    "labels": {LABEL_STATE: "claimed", LABEL_GATEWAY: me},
+                    "labels": l,
+                    "annotations": annotations,
                 }
             });
             match self

@@ -11,6 +11,7 @@ use kube::ResourceExt as _;
 use kube::api::{AttachParams, PostParams};
 use tokio::sync::{OwnedSemaphorePermit, mpsc};
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 use super::backoff::{self, Budget, EXEC_UPGRADE_TIMEOUT, Failure, WatchEnd};
 use super::config::Profile;
@@ -138,7 +139,7 @@ impl KubeExecutor {
     /// A pod slot (`max_concurrent_pods`): at once when one is free, else after the runs
     /// queued before this one (tokio's semaphore is fair: first come, first served), within
     /// the start budget. Refused with 429 only when `max_queued_runs` runs wait already.
-    async fn slot(
+    pub(super) async fn slot(
         &self,
         budget_end: Instant,
         opts: &StartOptions,
@@ -194,7 +195,11 @@ impl KubeExecutor {
     /// connections retried (backoff.rs: Retry-After honoured, bounded by the budget), and a
     /// 409 AlreadyExists after a retry recognised as our own earlier attempt having
     /// succeeded.
-    async fn create(&self, manifest: &Pod, budget_end: Instant) -> Result<Pod, ErrorBody> {
+    pub(super) async fn create(
+        &self,
+        manifest: &Pod,
+        budget_end: Instant,
+    ) -> Result<Pod, ErrorBody> {
         let name = manifest.name_any();
         let mut attempts = 0u32;
         let budget = Budget {
@@ -229,28 +234,12 @@ impl KubeExecutor {
         .map_err(|f| self.start_error("cannot create the runner pod", f))
     }
 
-    /// The error of a call of the start path that failed for good.
     fn start_error(&self, what: &str, f: Failure) -> ErrorBody {
-        match f {
-            Failure::Api(e) => api_error(what, &e),
-            Failure::OutOfTime { attempts, last } => ErrorBody::new(
-                ErrorCode::BackendUnavailable,
-                format!(
-                    "{what} within kubernetes.pod_start_timeout_secs ({attempts} attempts): {last}"
-                ),
-            ),
-            Failure::Unreachable(why) => self.unreachable(what, &why),
-        }
+        self.shared.start_error(what, f)
     }
 
     fn unreachable(&self, what: &str, why: &str) -> ErrorBody {
-        ErrorBody::new(
-            ErrorCode::BackendUnavailable,
-            format!(
-                "{what}: the Kubernetes API server at {} is not reachable: {why}",
-                self.shared.server
-            ),
-        )
+        self.shared.unreachable(what, why)
     }
 
     /// Whether a pod found under our chosen name was created by this gateway.
@@ -293,55 +282,6 @@ impl KubeExecutor {
             &spec.env,
             opts.stdin.is_some(),
         );
-        let wants_stdin = command.wants_stdin(opts.stdin.is_some());
-        let wrapped = command.header.is_some();
-        let params = AttachParams {
-            container: Some(CONTAINER.into()),
-            stdin: wants_stdin,
-            stdout: true,
-            stderr: true,
-            tty: false,
-            ..Default::default()
-        };
-        let build = || {
-            kube::core::Request::new(<Pod as kube::Resource>::url_path(
-                &(),
-                Some(&self.shared.namespace),
-            ))
-            .exec(&name, command.argv.clone(), &params)
-        };
-        build().map_err(|e| {
-            ErrorBody::new(
-                ErrorCode::StartFailed,
-                format!("cannot build the exec request: {e}"),
-            )
-        })?;
-        // The upgrade gets at least one full attempt, even when the pod took most of the
-        // start budget; 429/503/504 are retried within it (a 500 is the kubelet's answer).
-        let budget = Budget {
-            end: budget_end.max(Instant::now() + EXEC_UPGRADE_TIMEOUT),
-            attempt: EXEC_UPGRADE_TIMEOUT,
-            retry_internal: false,
-        };
-        let connect = backoff::call("opening the exec stream", budget, || {
-            let request = build();
-            async move {
-                self.shared.throttle.acquire().await;
-                self.shared
-                    .client
-                    .connect(request.map_err(kube::Error::BuildRequest)?)
-                    .await
-            }
-        });
-        let connection = tokio::select! {
-            r = connect => r.map_err(|f| self.start_error("cannot exec in the runner pod", f))?,
-            _ = opts.cancel.cancelled() => return Err(shutting_down()),
-        };
-        let can_close = connection.supports_stream_close();
-        timings.mark("exec started");
-        guard.timings = Some(timings);
-        opts.progress.report(Phase::Running, None);
-
         let context = RunContext {
             backend: "kubernetes".into(),
             namespace: Some(self.shared.namespace.clone()),
@@ -355,25 +295,11 @@ impl KubeExecutor {
             workspace_version: spec.workspace.as_ref().map(|w| w.workspace.digest.clone()),
             ..Default::default()
         };
-        let token = opts.cancel.child_token();
-        let (tx, rx) = mpsc::channel(EVENT_BUFFER);
-        let input = Input {
-            open: wants_stdin,
-            header: command.header,
-            user: opts.stdin,
-            can_close,
-            ping: self.shared.ping_interval,
-        };
         let before_exit = match (&spec.workspace, profile.workspace_path.clone()) {
             (Some(run), Some(path)) if !run.sync_back.is_empty() => {
-                let (pods, pod, run, cancel) = (
-                    self.shared.pods.clone(),
-                    guard.name.clone(),
-                    run.clone(),
-                    token.clone(),
-                );
+                let (pods, pod, run) = (self.shared.pods.clone(), guard.name.clone(), run.clone());
                 let shell = profile.shell().to_owned();
-                let hook: super::stream::BeforeExit = Box::new(move || {
+                let hook: SyncBack = Box::new(move |cancel: CancellationToken| {
                     Box::pin(async move {
                         super::workspace::sync_back(&pods, &pod, &path, &shell, &run, &cancel).await
                     })
@@ -382,20 +308,19 @@ impl KubeExecutor {
             }
             _ => None,
         };
-        tokio::spawn(supervise(
-            connection.into_stream(),
-            input,
-            tx,
-            token.clone(),
+        guard.timings = Some(timings);
+        exec_command(
+            &self.shared,
+            command,
+            spec.executable,
+            profile.shell(),
+            opts,
             guard,
-            super::stream::Ending {
-                executable: spec.executable,
-                shell: profile.shell().to_string(),
-                wrapped,
-                before_exit,
-            },
-        ));
-        Ok(Execution::new(context, rx, token))
+            context,
+            budget_end,
+            before_exit,
+        )
+        .await
     }
 
     pub(super) fn profile(&self, name: &str) -> Result<&Profile, ErrorBody> {
@@ -414,7 +339,7 @@ impl KubeExecutor {
     /// the last resourceVersion after a transport error, relisted after 410 Gone) until its
     /// runner container runs or the start budget ends; reports phases on the way. Returns
     /// the node.
-    async fn wait_running(
+    pub(super) async fn wait_running(
         &self,
         created: Pod,
         budget_end: Instant,
@@ -471,6 +396,111 @@ impl KubeExecutor {
             }
         }
     }
+}
+
+/// What runs before a successful `exit` is reported (workspace sync-back), given the
+/// call's cancellation token.
+pub(super) type SyncBack = Box<
+    dyn FnOnce(
+            CancellationToken,
+        ) -> futures_util::future::BoxFuture<'static, Vec<crate::contract::Event>>
+        + Send,
+>;
+
+/// Opens the exec of `command` in the running pod `guard` names and supervises it: the part
+/// of a start shared by one-shot runs and the calls of a kept runner (whose guard kills the
+/// call instead of deleting the pod).
+#[allow(clippy::too_many_arguments)]
+pub(super) async fn exec_command(
+    shared: &std::sync::Arc<super::Shared>,
+    command: pod::argv::ExecCommand,
+    executable: String,
+    shell: &str,
+    opts: StartOptions,
+    guard: PodGuard,
+    context: RunContext,
+    budget_end: Instant,
+    before_exit: Option<SyncBack>,
+) -> Result<Execution, ErrorBody> {
+    let name = guard.name.clone();
+    let wants_stdin = command.wants_stdin(opts.stdin.is_some());
+    let wrapped = command.header.is_some();
+    let params = AttachParams {
+        container: Some(CONTAINER.into()),
+        stdin: wants_stdin,
+        stdout: true,
+        stderr: true,
+        tty: false,
+        ..Default::default()
+    };
+    let build = || {
+        kube::core::Request::new(<Pod as kube::Resource>::url_path(
+            &(),
+            Some(&shared.namespace),
+        ))
+        .exec(&name, command.argv.clone(), &params)
+    };
+    build().map_err(|e| {
+        ErrorBody::new(
+            ErrorCode::StartFailed,
+            format!("cannot build the exec request: {e}"),
+        )
+    })?;
+    // The upgrade gets at least one full attempt, even when the pod took most of the
+    // start budget; 429/503/504 are retried within it (a 500 is the kubelet's answer).
+    let budget = Budget {
+        end: budget_end.max(Instant::now() + EXEC_UPGRADE_TIMEOUT),
+        attempt: EXEC_UPGRADE_TIMEOUT,
+        retry_internal: false,
+    };
+    let connect = backoff::call("opening the exec stream", budget, || {
+        let request = build();
+        async move {
+            shared.throttle.acquire().await;
+            shared
+                .client
+                .connect(request.map_err(kube::Error::BuildRequest)?)
+                .await
+        }
+    });
+    let connection = tokio::select! {
+        r = connect => r.map_err(|f| shared.start_error("cannot exec in the runner pod", f))?,
+        _ = opts.cancel.cancelled() => return Err(shutting_down()),
+    };
+    let can_close = connection.supports_stream_close();
+    let mut guard = guard;
+    if let Some(t) = guard.timings.as_mut() {
+        t.mark("exec started");
+    }
+    opts.progress.report(Phase::Running, None);
+    let token = opts.cancel.child_token();
+    let (tx, rx) = mpsc::channel(EVENT_BUFFER);
+    let input = Input {
+        open: wants_stdin,
+        header: command.header,
+        user: opts.stdin,
+        can_close,
+        ping: shared.ping_interval,
+    };
+    let before_exit = before_exit.map(|hook| {
+        let cancel = token.clone();
+        let hook: super::stream::BeforeExit = Box::new(move || hook(cancel));
+        hook
+    });
+    tokio::spawn(supervise(
+        connection.into_stream(),
+        input,
+        tx,
+        token.clone(),
+        guard,
+        super::stream::Ending {
+            executable,
+            shell: shell.to_string(),
+            wrapped,
+            before_exit,
+        },
+    ));
+    Ok(Execution::new(context, rx, token))
 }
 
 /// What `wait_running` has seen so far.
@@ -542,5 +572,31 @@ pub(super) fn api_error(what: &str, e: &kube::Error) -> ErrorBody {
             ErrorCode::BackendUnavailable,
             format!("{what}: {}", backoff::describe(other)),
         ),
+    }
+}
+
+impl super::Shared {
+    /// The error of a call of the start path that failed for good.
+    pub(super) fn start_error(&self, what: &str, f: Failure) -> ErrorBody {
+        match f {
+            Failure::Api(e) => api_error(what, &e),
+            Failure::OutOfTime { attempts, last } => ErrorBody::new(
+                ErrorCode::BackendUnavailable,
+                format!(
+                    "{what} within kubernetes.pod_start_timeout_secs ({attempts} attempts): {last}"
+                ),
+            ),
+            Failure::Unreachable(why) => self.unreachable(what, &why),
+        }
+    }
+
+    pub(super) fn unreachable(&self, what: &str, why: &str) -> ErrorBody {
+        ErrorBody::new(
+            ErrorCode::BackendUnavailable,
+            format!(
+                "{what}: the Kubernetes API server at {} is not reachable: {why}",
+                self.server
+            ),
+        )
     }
 }

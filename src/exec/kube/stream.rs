@@ -326,7 +326,7 @@ async fn pod_fate(guard: &PodGuard, wait: Duration) -> Option<String> {
 
 /// What a pod's state says happened to it under a command: deleted, evicted, OOM-killed,
 /// its container stopped, or failed.
-fn fate(p: &k8s_openapi::api::core::v1::Pod) -> Option<String> {
+pub(super) fn fate(p: &k8s_openapi::api::core::v1::Pod) -> Option<String> {
     let name = p.metadata.name.as_deref().unwrap_or("?");
     let limit = p
         .spec

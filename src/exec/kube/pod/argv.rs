@@ -106,6 +106,71 @@ pub fn exec_command(
     }
 }
 
+/// The first argument of a kept runner's call (its `$0`): `mcp-run-call=ID`, by which the
+/// kill of that call finds the call's wrapper among the pod's processes (see [`KILL_CALL`]).
+pub fn call_tag(id: &str) -> String {
+    format!("mcp-run-call={id}")
+}
+
+/// The command of one call in a kept runner (a session's pod): always the wrapper, with the
+/// call's tag as `$0`, and the wrapper stays the command's parent (it runs the command
+/// instead of `exec`ing it, then exits with its status: a command killed by signal N ends
+/// with 128+N, as the runtime reports it). So [`KILL_CALL`] can find the call's processes
+/// and kill them without touching the pod or the session's other state.
+pub fn kept_exec_command(
+    shell: &str,
+    call: &str,
+    executable: &str,
+    args: &[String],
+    cwd: Option<&str>,
+    env: &BTreeMap<String, String>,
+    user_stdin: bool,
+) -> ExecCommand {
+    let script = WRAPPER
+        .strip_suffix("exec \"$@\"\n")
+        .expect("the wrapper ends with exec");
+    let mut argv = vec![
+        shell.to_string(),
+        "-c".into(),
+        // The last command a builtin: shells that exec a `-c` string's last simple command
+        // (bash 5.1+) must not replace the wrapper.
+        format!("{script}\"$@\"\n__mr_x=$?\nexit $__mr_x\n"),
+        call_tag(call),
+        executable.to_string(),
+    ];
+    argv.extend(args.iter().cloned());
+    ExecCommand {
+        argv,
+        header: Some(header(cwd, env, user_stdin)),
+    }
+}
+
+/// Kills one call of a kept runner and everything it started (`sh -c KILL_CALL mcp-run-kill
+/// ID`): finds the wrapper whose argv carries `mcp-run-call=ID`, then, generation by
+/// generation, stops the processes (so they cannot fork meanwhile), collects their children
+/// (by the parent pid in `/proc/PID/stat`) and kills them. Needs only a POSIX shell, `cat`
+/// and `/proc`: no pid file, so it works with a read-only root filesystem. The pod, and
+/// whatever else runs in it, stays.
+pub const KILL_CALL: &str = r#"id=$1; me=$$; pids=
+for d in /proc/[0-9]*; do
+  p=${d#/proc/}; [ "$p" = "$me" ] && continue
+  { c=$(cat "$d/cmdline"); } 2>/dev/null || continue
+  case $c in *"mcp-run-call=$id"*) pids="$pids $p" ;; esac
+done
+while [ -n "$pids" ]; do
+  kill -STOP $pids 2>/dev/null
+  next=
+  for d in /proc/[0-9]*; do
+    { read -r l < "$d/stat"; } 2>/dev/null || continue
+    l=${l##*) }; set -- $l
+    for q in $pids; do [ "$2" = "$q" ] && next="$next ${d#/proc/}"; done
+  done
+  kill -KILL $pids 2>/dev/null
+  pids=$next
+done
+exit 0
+"#;
+
 /// The header the wrapper reads (see the module docs).
 pub fn header(cwd: Option<&str>, env: &BTreeMap<String, String>, user_stdin: bool) -> Vec<u8> {
     let mut h = Vec::with_capacity(64);

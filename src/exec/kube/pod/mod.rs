@@ -31,6 +31,10 @@ pub const LABEL_PROFILE: &str = "mcp-run.dev/profile";
 pub const LABEL_POOL: &str = "mcp-run.dev/pool";
 /// Warm pool pods: `idle` until a request claims it, then `claimed`.
 pub const LABEL_STATE: &str = "mcp-run.dev/state";
+/// A kept runner's (a session's) pod: a hash of its owner's identity (never the identity).
+pub const LABEL_SESSION_OWNER: &str = "mcp-run.dev/session-owner";
+/// A kept runner's pod: a hash of the session's owner and name (never the name).
+pub const LABEL_SESSION: &str = "mcp-run.dev/session";
 /// When the pod is past any use (creation + its active deadline), RFC 3339.
 pub const ANNOTATION_EXPIRES: &str = "mcp-run.dev/expires-at";
 

@@ -1,0 +1,422 @@
+//! The Kubernetes backend's kept runner (a session's, or a multi-step run's): one pod that
+//! lives across calls ("one pod, many execs").
+//!
+//! The pod is made like a one-shot run's, from the call's profile (claimed from the
+//! profile's warm pool when it has one), and is labelled with a hash of its owner's identity
+//! and of the session's name ([`LABEL_SESSION_OWNER`], [`LABEL_SESSION`]; never the raw
+//! identity, name or token) and annotated with its expiry (`mcp-run.dev/expires-at`, the
+//! session's maximum lifetime; `activeDeadlineSeconds` a little later as the backstop).
+//!
+//! Each later call is one exec, nothing else: no create, no watch, no delete. The call runs
+//! under the wrapper with a tag in its argv ([`pod::argv::kept_exec_command`]); killing the
+//! call (timeout, client gone, owner's end) is a second exec that kills the call's process
+//! tree ([`pod::argv::KILL_CALL`]) and leaves the pod, with what earlier calls wrote.
+//!
+//! Loss: one watch per kept pod, opened when it runs, records what happened to it (deleted,
+//! evicted, OOM-killed, its node gone); the next call then gets `session_lost` with that
+//! reason (see [`crate::session`]), never a fresh pod.
+//!
+//! Cleanup: `close` (session end, idle TTL, max lifetime, gateway shutdown) deletes the pod;
+//! the pod is in the gateway's live set until then, so the executor's shutdown deletes what
+//! is left. After a gateway SIGKILL a restarted gateway (same gateway label) deletes its
+//! session pods at start-up like every other leftover: sessions are in the gateway's memory,
+//! so a restarted gateway does not adopt them (the next call with the name opens a new
+//! session). Other replicas' reapers delete the pod once its expiry passed.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use futures_util::future::BoxFuture;
+use tokio::sync::OwnedSemaphorePermit;
+use tokio::time::Instant;
+use tokio_util::sync::{CancellationToken, DropGuard};
+
+use super::guard::{PodGuard, Timings};
+use super::pod::{self, ANNOTATION_EXPIRES, CONTAINER, LABEL_SESSION, LABEL_SESSION_OWNER};
+use super::{DEADLINE_MARGIN_SECS, KubeExecutor, Shared};
+use crate::contract::{ErrorBody, ErrorCode, Phase, RunContext};
+use crate::exec::{ExecSpec, Execution, KeepFor, KeptRunner, StartOptions};
+
+/// A kept runner's pod and what its calls need.
+pub(super) struct KubeKept {
+    shared: Arc<Shared>,
+    name: String,
+    context: RunContext,
+    shell: String,
+    /// Each call's exec upgrade budget (`pod_start_timeout_secs`).
+    start_timeout: Duration,
+    /// The pod's concurrency slot (`max_concurrent_pods`): held while the pod exists.
+    permit: Mutex<Option<OwnedSemaphorePermit>>,
+    /// What happened to the pod, once something did (set by the fate watch).
+    lost: Arc<Mutex<Option<String>>>,
+    /// Stops the fate watch when the runner closes (or is dropped).
+    _watch: DropGuard,
+    watch: CancellationToken,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl KubeExecutor {
+    /// Makes a kept runner's pod from `spec`'s profile (warm pool first), labelled and
+    /// annotated for `keep`, and waits until it runs.
+    pub(super) async fn keep_pod(
+        &self,
+        spec: &ExecSpec,
+        keep: KeepFor,
+        opts: StartOptions,
+    ) -> Result<KubeKept, ErrorBody> {
+        if spec.workspace.is_some() {
+            return Err(ErrorBody::new(
+                ErrorCode::InvalidRequest,
+                "workspaces in sessions and multi-step runs are not supported on the kubernetes backend yet; run without --workspace, or use one-shot runs",
+            ));
+        }
+        let profile_name = spec.profile.clone().unwrap_or_else(|| "default".into());
+        let profile = self.profile(&profile_name)?.clone();
+        let start_timeout = Duration::from_secs(self.config.pod_start_timeout_secs);
+        let budget_end = Instant::now() + start_timeout;
+        let lifetime = keep
+            .expires_at
+            .duration_since(SystemTime::now())
+            .unwrap_or(Duration::ZERO)
+            .max(Duration::from_secs(1));
+        let expires = k8s_openapi::jiff::Timestamp::try_from(keep.expires_at)
+            .unwrap_or_else(|_| k8s_openapi::jiff::Timestamp::now())
+            .to_string();
+        let permit = self.slot(budget_end, &opts).await?;
+        let mut timings = Timings::new();
+        let pool = self.pools.get().and_then(|p| p.get(&profile_name)).cloned();
+        let claimed = match pool {
+            Some(pool) => {
+                pool.claim_with(
+                    lifetime,
+                    serde_json::json!({LABEL_SESSION_OWNER: keep.owner, LABEL_SESSION: keep.name}),
+                    serde_json::json!({ANNOTATION_EXPIRES: expires}),
+                )
+                .await
+            }
+            None => None,
+        };
+        let (guard, node) = match claimed {
+            Some((name, node)) => {
+                opts.progress
+                    .report(Phase::Scheduled, Some(format!("warm pod {name} on {node}")));
+                (PodGuard::arm(self.shared.clone(), name, permit), node)
+            }
+            None => {
+                let deadline =
+                    lifetime.as_secs() + self.config.pod_start_timeout_secs + DEADLINE_MARGIN_SECS;
+                let name = pod::pod_name();
+                let mut manifest = pod::build(
+                    &pod::PodRequest {
+                        name: &name,
+                        namespace: &self.shared.namespace,
+                        profile_name: &profile_name,
+                        profile: &profile,
+                        active_deadline_secs: deadline as i64,
+                        now: k8s_openapi::jiff::Timestamp::now(),
+                    },
+                    &self.shared.identity,
+                );
+                let meta = &mut manifest.metadata;
+                let labels = meta.labels.get_or_insert_default();
+                labels.insert(LABEL_SESSION_OWNER.into(), keep.owner.clone());
+                labels.insert(LABEL_SESSION.into(), keep.name.clone());
+                meta.annotations
+                    .get_or_insert_default()
+                    .insert(ANNOTATION_EXPIRES.into(), expires);
+                // Armed before the create call: a failed start deletes the pod.
+                let guard = PodGuard::arm(self.shared.clone(), name.clone(), permit);
+                let created = tokio::select! {
+                    r = self.create(&manifest, budget_end) => r?,
+                    _ = opts.cancel.cancelled() => return Err(shutting_down()),
+                };
+                opts.progress
+                    .report(Phase::Scheduling, Some(format!("pod {name} created")));
+                let node = tokio::select! {
+                    r = self.wait_running(created, budget_end, start_timeout, &mut timings, &opts.progress) => r?,
+                    _ = opts.cancel.cancelled() => return Err(shutting_down()),
+                };
+                self.shared.metrics.observe_pod_start(timings.since_start());
+                (guard, node)
+            }
+        };
+        let name = guard.name.clone();
+        let permit = guard.into_kept();
+        tracing::info!(
+            pod = name,
+            profile = profile_name,
+            session = keep.name,
+            "session pod running"
+        );
+        let watch = CancellationToken::new();
+        let lost = Arc::new(Mutex::new(None));
+        tokio::spawn(watch_fate(
+            self.shared.clone(),
+            name.clone(),
+            lost.clone(),
+            watch.clone(),
+        ));
+        let context = RunContext {
+            backend: "kubernetes".into(),
+            namespace: Some(self.shared.namespace.clone()),
+            pod: Some(name.clone()),
+            node: Some(node),
+            container: Some(CONTAINER.into()),
+            image: Some(profile.image().to_string()),
+            profile: Some(profile_name),
+            pod_start_ms: Some(timings.since_start().as_millis() as u64),
+            ..Default::default()
+        };
+        Ok(KubeKept {
+            shared: self.shared.clone(),
+            name,
+            context,
+            shell: profile.shell().to_owned(),
+            start_timeout,
+            permit: Mutex::new(permit),
+            lost,
+            _watch: watch.clone().drop_guard(),
+            watch,
+        })
+    }
+}
+
+fn shutting_down() -> ErrorBody {
+    ErrorBody::new(ErrorCode::ShuttingDown, "the gateway is shutting down")
+}
+
+/// Watches the kept pod until the runner closes; records the first thing that happened to
+/// it (deleted, evicted, OOM-killed, failed). A watch that breaks is reopened.
+async fn watch_fate(
+    shared: Arc<Shared>,
+    name: String,
+    lost: Arc<Mutex<Option<String>>>,
+    stop: CancellationToken,
+) {
+    loop {
+        // Far enough that the watch ends only by an event or a failure; the runner's close
+        // stops it.
+        let end = Instant::now() + Duration::from_secs(24 * 3600);
+        let seen = super::backoff::watch_pod(&shared.pods, &name, end, |pod| match pod {
+            None => Some(format!("its pod {name} was deleted")),
+            Some(p) => super::stream::fate(&p),
+        });
+        let r = tokio::select! {
+            r = seen => r,
+            _ = stop.cancelled() => return,
+        };
+        match r {
+            Ok(why) => {
+                tracing::warn!(pod = name, "session pod lost: {why}");
+                *lock(&lost) = Some(why);
+                return;
+            }
+            Err(e) => {
+                tracing::debug!(pod = name, "session pod watch ended ({e:?}); reopening");
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_secs(2)) => {}
+                    _ = stop.cancelled() => return,
+                }
+            }
+        }
+    }
+}
+
+impl KeptRunner for KubeKept {
+    fn context(&self) -> RunContext {
+        self.context.clone()
+    }
+
+    fn start(
+        &self,
+        spec: ExecSpec,
+        opts: StartOptions,
+        _sync_tree: bool,
+    ) -> BoxFuture<'_, Result<Execution, ErrorBody>> {
+        Box::pin(async move {
+            if spec.workspace.is_some() {
+                return Err(ErrorBody::new(
+                    ErrorCode::InvalidRequest,
+                    "workspaces in sessions are not supported on the kubernetes backend yet",
+                ));
+            }
+            if let Some(why) = lock(&self.lost).clone() {
+                return Err(ErrorBody::new(ErrorCode::SessionLost, why));
+            }
+            let call = format!("{:016x}", rand::random::<u64>());
+            let command = pod::argv::kept_exec_command(
+                &self.shell,
+                &call,
+                &spec.executable,
+                &spec.args,
+                spec.cwd.as_deref(),
+                &spec.env,
+                opts.stdin.is_some(),
+            );
+            let mut guard = PodGuard::call(
+                self.shared.clone(),
+                self.name.clone(),
+                call,
+                self.shell.clone(),
+            );
+            guard.timings = Some(Timings::new());
+            opts.progress.report(
+                Phase::Starting,
+                Some(format!("starting the command in session pod {}", self.name)),
+            );
+            let mut context = self.context.clone();
+            context.pod_start_ms = Some(0);
+            super::start::exec_command(
+                &self.shared,
+                command,
+                spec.executable,
+                &self.shell,
+                opts,
+                guard,
+                context,
+                Instant::now() + self.start_timeout,
+                None,
+            )
+            .await
+        })
+    }
+
+    /// No API call: the fate watch has recorded a loss already.
+    fn check(&self) -> BoxFuture<'_, Result<(), String>> {
+        Box::pin(async move {
+            match lock(&self.lost).clone() {
+                Some(why) => Err(why),
+                None => Ok(()),
+            }
+        })
+    }
+
+    /// Deletes the pod and waits until it is gone; then its slot is free.
+    fn close(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            self.watch.cancel();
+            if self.shared.delete(&self.name).await {
+                self.shared.untrack(&self.name);
+                self.shared.await_gone(&self.name).await;
+            }
+            drop(lock(&self.permit).take());
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pod::argv::{KILL_CALL, kept_exec_command};
+    use std::collections::BTreeMap;
+
+    /// The wrapper stays the command's parent and passes its status on; the kill finds the
+    /// call by its tag and kills its whole tree, not another call's.
+    /// With dash, bash and busybox's ash (the shells of runner images), when present.
+    #[test]
+    fn a_call_is_killed_with_its_children_and_another_call_stays() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut shells = vec!["/bin/sh".to_string()];
+        for (name, path) in [("bash", "/bin/bash"), ("busybox", "/bin/busybox")] {
+            if std::path::Path::new(path).exists() {
+                // busybox runs its applet by the name it is called by.
+                let link = dir.path().join(name).join("sh");
+                std::fs::create_dir_all(link.parent().unwrap()).unwrap();
+                std::os::unix::fs::symlink(path, &link).unwrap();
+                shells.push(link.to_str().unwrap().to_owned());
+            } else {
+                eprintln!("skipped: {path} is not installed");
+            }
+        }
+        for shell in shells {
+            kill_one_of_two(&shell);
+        }
+    }
+
+    fn kill_one_of_two(shell: &str) {
+        let mut env = BTreeMap::new();
+        env.insert("X".into(), "1".into());
+        let dir = tempfile::tempdir().unwrap();
+        // Each call starts a background child and names it in a file, then waits.
+        let spawn = |id: &str| {
+            let bg = dir.path().join(id);
+            let script = format!(
+                "sleep 300 & echo $! > {}.t; mv {0}.t {0}; sleep 301; exit 3",
+                bg.display()
+            );
+            let c = kept_exec_command(shell, id, "sh", &["-c".into(), script], None, &env, false);
+            let mut child = std::process::Command::new(&c.argv[0])
+                .args(&c.argv[1..])
+                .stdin(std::process::Stdio::piped())
+                .spawn()
+                .unwrap();
+            use std::io::Write as _;
+            child
+                .stdin
+                .take()
+                .unwrap()
+                .write_all(c.header.as_ref().unwrap())
+                .unwrap();
+            child
+        };
+        let bg_pid = |id: &str| -> Option<i32> {
+            std::fs::read_to_string(dir.path().join(id))
+                .ok()?
+                .trim()
+                .parse()
+                .ok()
+        };
+        let (a, b) = ("00000000000000aa", "00000000000000bb");
+        let mut victim = spawn(a);
+        let mut other = spawn(b);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while bg_pid(a).is_none() || bg_pid(b).is_none() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{shell}: calls did not start"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let status = std::process::Command::new(shell)
+            .args(["-c", KILL_CALL, "mcp-run-kill", a])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let s = victim.wait().unwrap();
+        assert!(!s.success(), "{shell}: {s:?}");
+        // Alive: present and not a zombie (a killed orphan waits for init to reap it).
+        let alive = |pid: i32| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .is_ok_and(|st| !st.contains(") Z ") && !st.contains(") X "))
+        };
+        let gone_by = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while alive(bg_pid(a).unwrap()) {
+            assert!(
+                std::time::Instant::now() < gone_by,
+                "{shell}: the call's child lives on"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        assert!(
+            other.try_wait().unwrap().is_none(),
+            "{shell}: the other call runs on"
+        );
+        assert!(
+            alive(bg_pid(b).unwrap()),
+            "{shell}: the other call's child runs on"
+        );
+        std::process::Command::new(shell)
+            .args(["-c", KILL_CALL, "mcp-run-kill", b])
+            .status()
+            .unwrap();
+        other.wait().unwrap();
+        assert!(
+            !alive(bg_pid(b).unwrap()) || {
+                std::thread::sleep(std::time::Duration::from_millis(500));
+                !alive(bg_pid(b).unwrap())
+            }
+        );
+    }
+}
