@@ -56,44 +56,26 @@ fn range(v: &str, what: &str, min: u64) -> Result<(u64, Option<u64>), String> {
     Ok((a, b))
 }
 
+/// A query value as sent: `+` is a space (form encoding), `%XX` a byte; the bytes must be
+/// UTF-8. A `%` not followed by two hex digits stays as it is.
 fn percent_decode(s: &str) -> Result<String, String> {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        match b[i] {
-            b'%' => {
-                let hex = s
-                    .get(i + 1..i + 3)
-                    .and_then(|h| u8::from_str_radix(h, 16).ok())
-                    .ok_or_else(|| format!("bad percent-escape in {s:?}"))?;
-                out.push(hex);
-                i += 3;
-            }
-            b'+' => {
-                out.push(b' ');
-                i += 1;
-            }
-            c => {
-                out.push(c);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8(out).map_err(|_| format!("{s:?} is not UTF-8 once decoded"))
+    let spaced = s.replace('+', " ");
+    percent_encoding::percent_decode_str(&spaced)
+        .decode_utf8()
+        .map(|d| d.into_owned())
+        .map_err(|_| format!("{s:?} is not UTF-8 once decoded"))
 }
 
-/// The characters a query value may hold as they are; others are percent-encoded.
+/// What a query value may hold as it is (RFC 3986's unreserved characters); the rest is
+/// percent-encoded.
+const QUERY_VALUE: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'_')
+    .remove(b'.')
+    .remove(b'~');
+
 fn encode(s: &str) -> String {
-    let mut out = String::new();
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
+    percent_encoding::utf8_percent_encode(s, QUERY_VALUE).to_string()
 }
 
 impl OutputUri {
