@@ -19,10 +19,9 @@
 use std::collections::HashMap;
 use std::os::unix::fs::{DirBuilderExt as _, MetadataExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use super::WorkspaceRun;
-use super::manifest::{EntryKind, ManifestEntry};
+use super::trees::{Stamp, Written, settle, write_entry};
 use crate::contract::{ErrorBody, ErrorCode};
 
 /// Mode of the directories the sync makes.
@@ -36,46 +35,11 @@ pub struct KeptSync {
     pub removed: usize,
 }
 
-/// One file or symlink as written: what it is and its `lstat` right after.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Record {
-    kind: EntryKind,
-    mode: u32,
-    /// Files: the content's hash; symlinks: the target.
-    what: String,
-    stamp: Stamp,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Stamp {
-    dev: u64,
-    ino: u64,
-    mode: u32,
-    nlink: u64,
-    size: u64,
-    mtime: (i64, i64),
-    ctime: (i64, i64),
-}
-
-impl Stamp {
-    fn of(m: &std::fs::Metadata) -> Self {
-        Self {
-            dev: m.dev(),
-            ino: m.ino(),
-            mode: m.mode(),
-            nlink: m.nlink(),
-            size: m.size(),
-            mtime: (m.mtime(), m.mtime_nsec()),
-            ctime: (m.ctime(), m.ctime_nsec()),
-        }
-    }
-}
-
 /// A session's tree below `root`, and what the gateway wrote into it.
 #[derive(Debug)]
 pub struct KeptTree {
     root: PathBuf,
-    written: HashMap<String, Record>,
+    written: HashMap<String, Written>,
 }
 
 fn failed(what: &str, e: std::io::Error) -> ErrorBody {
@@ -138,7 +102,7 @@ impl KeptTree {
             if now.is_some() {
                 remove_any(&dest).map_err(|err| failed(&e.path, err))?;
             }
-            let record = self.write(e, &dest, run, &pin)?;
+            let record = write_entry(e, &dest, run, &pin, failed)?;
             newest = newest.max(Some(record.stamp.ctime));
             self.written.insert(e.path.clone(), record);
             stats.written += 1;
@@ -148,7 +112,7 @@ impl KeptTree {
             self.make_parents(&format!("{}/.", run.cwd))?;
         }
         if let Some(newest) = newest
-            && !self.settle(newest)?
+            && !settle(&self.root, newest, failed)?
         {
             // The file system's clock did not move on: a later edit could keep the recorded
             // ctime, so nothing written is trusted (the next sync writes it again).
@@ -200,68 +164,6 @@ impl KeptTree {
             path.push(parts[parts.len() - 1]);
         }
         Ok(path)
-    }
-
-    /// Writes one file or symlink at `dest` (nothing is there) and records its `lstat`.
-    fn write(
-        &self,
-        e: &ManifestEntry,
-        dest: &Path,
-        run: &WorkspaceRun,
-        pin: &super::store::Pinned,
-    ) -> Result<Record, ErrorBody> {
-        let what = match e.kind {
-            EntryKind::File => {
-                let blob = run.store.path_of(pin, &e.hash);
-                // `copy` creates the file (nothing is there, and no other writer runs).
-                std::fs::copy(&blob, dest).map_err(|err| failed(&e.path, err))?;
-                std::fs::set_permissions(dest, std::fs::Permissions::from_mode(e.mode))
-                    .map_err(|err| failed(&e.path, err))?;
-                e.hash.clone()
-            }
-            EntryKind::Symlink => {
-                let target = e.target.clone().unwrap_or_default();
-                std::os::unix::fs::symlink(&target, dest).map_err(|err| failed(&e.path, err))?;
-                target
-            }
-        };
-        let meta = dest
-            .symlink_metadata()
-            .map_err(|err| failed(&e.path, err))?;
-        Ok(Record {
-            kind: e.kind,
-            mode: e.mode,
-            what,
-            stamp: Stamp::of(&meta),
-        })
-    }
-
-    /// Waits until the file system's clock (as it stamps a change of the root) is past
-    /// `newest`; false when it did not move on within 200 ms.
-    fn settle(&self, newest: (i64, i64)) -> Result<bool, ErrorBody> {
-        for _ in 0..200 {
-            std::fs::set_permissions(&self.root, std::fs::Permissions::from_mode(0o700))
-                .map_err(|e| failed("the tree's root", e))?;
-            let m = self
-                .root
-                .symlink_metadata()
-                .map_err(|e| failed("the tree's root", e))?;
-            if (m.ctime(), m.ctime_nsec()) > newest {
-                return Ok(true);
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        Ok(false)
-    }
-}
-
-impl Record {
-    fn is(&self, e: &ManifestEntry) -> bool {
-        self.kind == e.kind
-            && match e.kind {
-                EntryKind::File => self.mode == e.mode && self.what == e.hash,
-                EntryKind::Symlink => Some(self.what.as_str()) == e.target.as_deref(),
-            }
     }
 }
 

@@ -32,18 +32,18 @@ const DIR_MODE: u32 = 0o755;
 
 /// What `lstat` says about a file, as far as a change would alter it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Stamp {
+pub(super) struct Stamp {
     dev: u64,
     ino: u64,
     mode: u32,
     nlink: u64,
     size: u64,
     mtime: (i64, i64),
-    ctime: (i64, i64),
+    pub(super) ctime: (i64, i64),
 }
 
 impl Stamp {
-    fn of(m: &std::fs::Metadata) -> Self {
+    pub(super) fn of(m: &std::fs::Metadata) -> Self {
         Self {
             dev: m.dev(),
             ino: m.ino(),
@@ -56,18 +56,19 @@ impl Stamp {
     }
 }
 
-/// One file or symlink as written, and its `lstat` right after.
+/// One file or symlink as written, and its `lstat` right after (also a session's tree's
+/// record, `super::kept`).
 #[derive(Debug, Clone)]
-struct Written {
+pub(super) struct Written {
     kind: EntryKind,
     mode: u32,
     /// Files: the content's hash; symlinks: the target.
     what: String,
-    stamp: Stamp,
+    pub(super) stamp: Stamp,
 }
 
 impl Written {
-    fn is(&self, e: &ManifestEntry) -> bool {
+    pub(super) fn is(&self, e: &ManifestEntry) -> bool {
         self.kind == e.kind
             && match e.kind {
                 EntryKind::File => self.mode == e.mode && self.what == e.hash,
@@ -157,7 +158,7 @@ impl Tree {
         let newest = written.iter().map(|(_, w)| w.stamp.ctime).max();
         self.written.extend(written);
         if let Some(newest) = newest
-            && !self.settle(newest)?
+            && !settle(&self.root, newest, failed)?
         {
             // A file system whose clock did not move on (1-second timestamps: ext3, FAT,
             // some FUSE mounts): a later edit could keep the ctime just recorded, so nothing
@@ -290,51 +291,66 @@ impl Tree {
         run: &WorkspaceRun,
         pin: &Pinned,
     ) -> Result<Written, ErrorBody> {
-        let dest = self.root.join(&e.path);
-        let what = match e.kind {
-            EntryKind::File => {
-                let blob = run.store.path_of(pin, &e.hash);
-                std::fs::copy(&blob, &dest).map_err(|err| failed(&e.path, err))?;
-                std::fs::set_permissions(&dest, std::fs::Permissions::from_mode(e.mode))
-                    .map_err(|err| failed(&e.path, err))?;
-                e.hash.clone()
-            }
-            EntryKind::Symlink => {
-                let target = e.target.clone().unwrap_or_default();
-                std::os::unix::fs::symlink(&target, &dest).map_err(|err| failed(&e.path, err))?;
-                target
-            }
-        };
-        let meta = dest
-            .symlink_metadata()
-            .map_err(|err| failed(&e.path, err))?;
-        Ok(Written {
-            kind: e.kind,
-            mode: e.mode,
-            what,
-            stamp: Stamp::of(&meta),
-        })
+        write_entry(e, &self.root.join(&e.path), run, pin, failed)
     }
+}
 
-    /// Waits until the file system's clock (as it stamps a change of the root) is past
-    /// `newest`, so that any later change of a written file gets a later ctime than the
-    /// one recorded. At most a clock tick (1 to 10 ms) after copying, and only then; false
-    /// when the clock did not move on within 200 ms.
-    fn settle(&self, newest: (i64, i64)) -> Result<bool, ErrorBody> {
-        for _ in 0..200 {
-            std::fs::set_permissions(&self.root, std::fs::Permissions::from_mode(0o700))
-                .map_err(|e| failed("the tree's root", e))?;
-            let m = self
-                .root
-                .symlink_metadata()
-                .map_err(|e| failed("the tree's root", e))?;
-            if (m.ctime(), m.ctime_nsec()) > newest {
-                return Ok(true);
-            }
-            std::thread::sleep(Duration::from_millis(1));
+/// Writes one file or symlink at `dest` (nothing is there) and records its `lstat`; errors
+/// in the words of `failed`.
+pub(super) fn write_entry(
+    e: &ManifestEntry,
+    dest: &Path,
+    run: &WorkspaceRun,
+    pin: &Pinned,
+    failed: fn(&str, std::io::Error) -> ErrorBody,
+) -> Result<Written, ErrorBody> {
+    let what = match e.kind {
+        EntryKind::File => {
+            let blob = run.store.path_of(pin, &e.hash);
+            // `copy` creates the file (nothing is there, and no other writer runs).
+            std::fs::copy(&blob, dest).map_err(|err| failed(&e.path, err))?;
+            std::fs::set_permissions(dest, std::fs::Permissions::from_mode(e.mode))
+                .map_err(|err| failed(&e.path, err))?;
+            e.hash.clone()
         }
-        Ok(false)
+        EntryKind::Symlink => {
+            let target = e.target.clone().unwrap_or_default();
+            std::os::unix::fs::symlink(&target, dest).map_err(|err| failed(&e.path, err))?;
+            target
+        }
+    };
+    let meta = dest
+        .symlink_metadata()
+        .map_err(|err| failed(&e.path, err))?;
+    Ok(Written {
+        kind: e.kind,
+        mode: e.mode,
+        what,
+        stamp: Stamp::of(&meta),
+    })
+}
+
+/// Waits until the file system's clock (as it stamps a change of `root`) is past `newest`,
+/// so that any later change of a written file gets a later ctime than the one recorded. At
+/// most a clock tick (1 to 10 ms) after copying, and only then; false when the clock did
+/// not move on within 200 ms.
+pub(super) fn settle(
+    root: &Path,
+    newest: (i64, i64),
+    failed: fn(&str, std::io::Error) -> ErrorBody,
+) -> Result<bool, ErrorBody> {
+    for _ in 0..200 {
+        std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| failed("the tree's root", e))?;
+        let m = root
+            .symlink_metadata()
+            .map_err(|e| failed("the tree's root", e))?;
+        if (m.ctime(), m.ctime_nsec()) > newest {
+            return Ok(true);
+        }
+        std::thread::sleep(Duration::from_millis(1));
     }
+    Ok(false)
 }
 
 /// What one walk of a tree keeps.
