@@ -179,18 +179,27 @@ async fn local_runs_of_one_key_take_turns_or_skip() {
     let gw = gateway(&dir, &yaml, &[]);
     let mut gw2 = Gateway::external(&gw.raw_url(), "local");
     gw2.token = Some(ALICE.into());
-    let slow = |profile: &str| {
+    // The first run says it holds the cache (a marker file), then holds it for a second.
+    let slow = |profile: &str, started: &std::path::Path| {
         json!({
             "executable": "sh",
-            "args": ["-c", "cat \"$C/log\" 2>/dev/null; sleep 1; echo first > \"$C/log\""],
+            "args": ["-c", "cat \"$C/log\" 2>/dev/null; : > \"$1\"; sleep 1; echo first > \"$C/log\"", "sh", started],
             "profile": profile,
         })
     };
     for (profile, cache) in [("default", "wait"), ("skip", "skip")] {
-        let first = raw(&gw2, slow(profile));
+        let started = dir.path().join(format!("{profile}-started"));
+        let first = raw(&gw2, slow(profile, &started));
         let second = async {
-            // Starts while the first holds the cache (its sleep is a second long).
-            tokio::time::sleep(Duration::from_millis(300)).await;
+            // Starts while the first holds the cache.
+            let deadline = std::time::Instant::now() + Duration::from_secs(20);
+            while !started.exists() {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the first run started"
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
             raw(&gw2, append("second", profile)).await
         };
         let (first, second) = tokio::join!(first, second);
