@@ -127,17 +127,7 @@ impl Peers {
             .iter()
             .map(|u| parse_url(u))
             .collect::<Result<Vec<_>, _>>()?;
-        // reqwest is built without a default crypto provider; the first caller installs ring.
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        let mut builder = reqwest::Client::builder();
-        if urls.iter().all(|u| u.scheme() == "http") {
-            // Plain HTTP needs no trust store (loading it is most of the start-up time).
-            let config = rustls::ClientConfig::builder()
-                .with_root_certificates(rustls::RootCertStore::empty())
-                .with_no_client_auth();
-            builder = builder.tls_backend_preconfigured(config);
-        }
-        let client = builder
+        let client = crate::exec::remote::client_builder(urls.iter().all(|u| u.scheme() == "http"))
             .redirect(reqwest::redirect::Policy::none())
             .connect_timeout(Duration::from_secs(2))
             // A peer answers from its own memory and disk: anything longer is a broken peer.

@@ -63,22 +63,27 @@ pub fn parse_server_url(server: &str) -> Result<reqwest::Url, String> {
     Ok(url)
 }
 
+/// A reqwest client builder for the gateway's own HTTP clients (the remote backend, the
+/// peer channel). reqwest is built without a default crypto provider: the first caller
+/// installs ring. `plain_http`: every URL is `http`, so no trust store is loaded (loading
+/// the system's certificates is most of a client's start-up time).
+pub(crate) fn client_builder(plain_http: bool) -> reqwest::ClientBuilder {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let builder = reqwest::Client::builder();
+    if !plain_http {
+        return builder;
+    }
+    let config = rustls::ClientConfig::builder()
+        .with_root_certificates(rustls::RootCertStore::empty())
+        .with_no_client_auth();
+    builder.tls_backend_preconfigured(config)
+}
+
 impl RemoteExecutor {
     /// `url` is the gateway's `/raw` URL; `token`, when set, is sent as a bearer token.
     pub fn new(url: &str, token: Option<String>) -> Result<Self, String> {
         let url = parse_server_url(url)?;
-        // reqwest is built without a default crypto provider; the first caller installs ring.
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        let mut builder = reqwest::Client::builder();
-        if url.scheme() == "http" {
-            // Plain HTTP needs no trust store: skip loading the system's certificates, which
-            // is most of the client's start-up time.
-            let config = rustls::ClientConfig::builder()
-                .with_root_certificates(rustls::RootCertStore::empty())
-                .with_no_client_auth();
-            builder = builder.tls_backend_preconfigured(config);
-        }
-        let client = builder
+        let client = client_builder(url.scheme() == "http")
             // A POST with a body is not replayed elsewhere; a redirect is reported instead.
             .redirect(reqwest::redirect::Policy::none())
             .connect_timeout(Duration::from_secs(10))
