@@ -27,7 +27,7 @@ from collections import defaultdict
 # own layer and those below.
 LAYERS = [
     ("binaries' logic", ["cli"]),
-    ("fronts", ["server", "mcp", "guard", "connections", "mcp_http", "config"]),
+    ("fronts", ["server", "mcp", "config"]),
     ("the one entry point", ["runner"]),
     ("services", ["auth", "audit", "redact", "result", "rate_limit", "session", "peers"]),
     ("execution", ["exec"]),

@@ -18,6 +18,9 @@ use tokio::net::TcpListener;
 use crate::contract::{ErrorBody, ErrorCode, ErrorResponse, RunRequest};
 use crate::runner::Runner;
 
+pub mod connections;
+pub mod guard;
+pub mod mcp_http;
 mod peers;
 mod raw;
 mod sessions;
@@ -34,7 +37,7 @@ pub struct AppState {
     /// Bearer tokens for every path but the probes and metrics; `None`: auth off.
     pub auth: Option<Arc<crate::auth::Auth>>,
     /// Host/Origin and declared-length checks in front of everything.
-    pub guard: Arc<crate::guard::Guard>,
+    pub guard: Arc<crate::server::guard::Guard>,
     /// The other replicas of this gateway (`server.peers`); `None`: a gateway alone.
     pub peers: Option<Arc<crate::peers::Peers>>,
 }
@@ -110,7 +113,7 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         sessions.session_config.keep_alive =
             Some(Duration::from_secs(state.mcp.config.session_idle_secs));
         let sessions = Arc::new(sessions);
-        let guard = Arc::new(crate::mcp_http::McpGuard::new(
+        let guard = Arc::new(crate::server::mcp_http::McpGuard::new(
             sessions.clone(),
             state.mcp.config.max_sessions,
             state.mcp.config.max_sessions_per_client,
@@ -119,7 +122,7 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         tower::ServiceBuilder::new()
             .layer(axum::middleware::from_fn_with_state(
                 guard,
-                crate::mcp_http::middleware,
+                crate::server::mcp_http::middleware,
             ))
             .service(StreamableHttpService::new(
                 move || Ok(service.clone()),
@@ -154,7 +157,7 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         // Inside auth: a request that gets here frees its connection from the cap on
         // unauthenticated connections.
         .layer(axum::middleware::from_fn(
-            crate::connections::mark_authenticated,
+            crate::server::connections::mark_authenticated,
         ))
         .layer(axum::middleware::from_fn_with_state(
             crate::auth::Gate {
@@ -166,7 +169,7 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         // Outermost: a request for a foreign host or with an oversized body goes no further.
         .layer(axum::middleware::from_fn_with_state(
             state.guard.clone(),
-            crate::guard::middleware,
+            crate::server::guard::middleware,
         ))
         .with_state(state);
     // Around the whole router: a route's `Allow` header is set outside its own layers.
@@ -183,7 +186,7 @@ pub async fn serve(
     listener: TcpListener,
     router: Router,
     runner: Arc<Runner>,
-    limits: crate::connections::ConnectionLimits,
+    limits: crate::server::connections::ConnectionLimits,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     grace: Duration,
     drained: tokio_util::sync::CancellationToken,
@@ -196,7 +199,7 @@ pub async fn serve(
         // Long-lived connections (MCP sessions) end now, so that the server can stop.
         drained.cancel();
     };
-    crate::connections::run(listener, router, limits, metrics, drain).await
+    crate::server::connections::run(listener, router, limits, metrics, drain).await
 }
 
 /// A 405 names the methods the endpoint takes (axum puts them in `Allow`), so that e.g.

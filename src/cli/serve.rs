@@ -398,9 +398,12 @@ pub async fn app(config: &Config) -> anyhow::Result<App> {
             .map_err(anyhow::Error::msg)?
             .map(Arc::new),
         guard: Arc::new(
-            crate::guard::Guard::new(&config.server.allowed_hosts, config.server.max_body_bytes)
-                .with_body_timeout(Duration::from_secs(config.server.body_timeout_secs))
-                .with_metrics(runner.metrics().clone()),
+            crate::server::guard::Guard::new(
+                &config.server.allowed_hosts,
+                config.server.max_body_bytes,
+            )
+            .with_body_timeout(Duration::from_secs(config.server.body_timeout_secs))
+            .with_metrics(runner.metrics().clone()),
         ),
         peers: peers(config)?,
     };
@@ -471,7 +474,7 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
         listener,
         router,
         runner,
-        crate::connections::ConnectionLimits {
+        crate::server::connections::ConnectionLimits {
             max_connections: config.server.max_connections,
             max_unauthenticated: config.server.max_unauthenticated_connections,
             header_timeout: Duration::from_secs(config.server.header_timeout_secs),
@@ -492,7 +495,7 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
 /// process exits and what is left is removed by its reaper and by the next gateway
 /// (crate::leftovers).
 fn exit_bound(config: &Config) -> Duration {
-    config.shutdown_grace() + crate::connections::CLOSE_GRACE + CLEANUP_BOUND
+    config.shutdown_grace() + crate::server::connections::CLOSE_GRACE + CLEANUP_BOUND
 }
 
 /// The time given to removing the gateway's directories at shutdown.

@@ -60,7 +60,7 @@ pub fn routes<S: Clone + Send + Sync + 'static>(
 }
 
 /// The connection's hold on the unauthenticated-connections cap.
-type Conn = Option<axum::Extension<crate::connections::Unauthenticated>>;
+type Conn = Option<axum::Extension<crate::server::connections::Unauthenticated>>;
 
 /// Refuses a request without the peer secret (the same answer whatever was wrong with it);
 /// a peer that proved it frees its connection from the cap on unauthenticated ones.

@@ -48,7 +48,7 @@ pub struct HeadLimit(pub usize);
 pub(super) async fn raw(
     State(state): State<AppState>,
     caller: Option<axum::Extension<Caller>>,
-    peer_closed: Option<axum::Extension<crate::connections::PeerClosed>>,
+    peer_closed: Option<axum::Extension<crate::server::connections::PeerClosed>>,
     axum::Extension(HeadLimit(head_limit)): axum::Extension<HeadLimit>,
     request: Request,
 ) -> Response {

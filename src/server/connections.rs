@@ -10,7 +10,7 @@
 //! - `header_timeout`: the time a client has to send its first byte, then a request's headers,
 //!   which is also how long a keep-alive connection may stay idle between requests (hyper
 //!   starts the timer when it waits for the next request head).
-//! - (The request body timeout is [`crate::guard`]'s: it depends on the request.)
+//! - (The request body timeout is [`crate::server::guard`]'s: it depends on the request.)
 //! - Shutdown: the listener stays open while running commands drain, so that new requests
 //!   get `503 shutting_down` rather than a refused connection; then connections are asked to
 //!   close, and after [`CLOSE_GRACE`] whatever is left (a client that stopped reading) is
