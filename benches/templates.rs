@@ -7,7 +7,7 @@
 use std::hint::black_box;
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use mcp_run::templates::{Catalog, Filtered, StreamFilter, Template};
+use mcp_run::{Catalog, Filtered, StreamFilter, Template};
 
 /// 100,000 lines shaped like `cargo test` output with a few failures among the passes.
 fn cargo_test_log() -> Vec<u8> {

@@ -14,6 +14,9 @@
 //!   bearer token `MCP_RUN_E2E_TOKEN` when set.
 //! - It ends by checking that no runner pod of the gateway is left in the namespace.
 
+// A test crate has no outside: `pub` here only shares helpers between its modules.
+#![allow(unreachable_pub)]
+
 #[path = "../tests/support/mod.rs"]
 mod support;
 

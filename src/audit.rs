@@ -15,16 +15,16 @@ use crate::exec::{EventFilter, ExecSpec};
 use crate::redact::Redactor;
 
 /// The tracing target of audit lines (filter with `RUST_LOG=mcp_run::audit=info`).
-pub const TARGET: &str = "mcp_run::audit";
+pub(crate) const TARGET: &str = "mcp_run::audit";
 
 /// The most bytes of one argument an audit line keeps; the rest is replaced by a marker.
-pub const MAX_LOGGED_ARG: usize = 256;
+pub(crate) const MAX_LOGGED_ARG: usize = 256;
 /// The most arguments an audit line lists.
-pub const MAX_LOGGED_ARGS: usize = 64;
+pub(crate) const MAX_LOGGED_ARGS: usize = 64;
 
 /// `s` cut to at most `max` bytes (at a character boundary), with a marker saying how much
 /// was left out, so that a huge request cannot flood the log.
-pub fn truncate_for_log(s: &str, max: usize) -> std::borrow::Cow<'_, str> {
+pub(crate) fn truncate_for_log(s: &str, max: usize) -> std::borrow::Cow<'_, str> {
     if s.len() <= max {
         return s.into();
     }
@@ -37,7 +37,7 @@ pub fn truncate_for_log(s: &str, max: usize) -> std::borrow::Cow<'_, str> {
 
 /// The command line of an audit line: argv as a JSON array, secrets redacted, each argument
 /// and the number of arguments bounded ([`MAX_LOGGED_ARG`], [`MAX_LOGGED_ARGS`]).
-pub fn argv_json(executable: &str, args: &[String], redactor: Option<&Redactor>) -> String {
+pub(crate) fn argv_json(executable: &str, args: &[String], redactor: Option<&Redactor>) -> String {
     let mut argv: Vec<String> = std::iter::once(executable)
         .chain(args.iter().map(String::as_str))
         .take(MAX_LOGGED_ARGS)
@@ -65,7 +65,7 @@ const UNAUTHORIZED_PER_WINDOW: u32 = 20;
 const UNAUTHORIZED_WINDOW: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Logs a request refused for its token (rate-limited, see [`UNAUTHORIZED_PER_WINDOW`]).
-pub fn unauthorized(path: &str, client: &str, message: &str) {
+pub(crate) fn unauthorized(path: &str, client: &str, message: &str) {
     use std::sync::Mutex;
     static STATE: Mutex<Option<(Instant, u32, u64)>> = Mutex::new(None);
     let Ok(mut state) = STATE.lock() else { return };
@@ -88,7 +88,7 @@ pub fn unauthorized(path: &str, client: &str, message: &str) {
 }
 
 /// Logs a request refused before anything started.
-pub fn rejected(
+pub(crate) fn rejected(
     caller: &Caller,
     argv: &str,
     env_names: &str,
@@ -109,7 +109,7 @@ pub fn rejected(
 
 /// Logs what happened to a session: `opened`, `ended` (by its owner), `expired`, `lost`,
 /// `closed` (at shutdown), with who and why.
-pub fn session(
+pub(crate) fn session(
     caller: &str,
     name: &str,
     event: &str,
@@ -133,12 +133,12 @@ pub fn session(
 }
 
 /// The env names of a request as a JSON array (the values are never logged).
-pub fn env_names(spec_env: &std::collections::BTreeMap<String, String>) -> String {
+pub(crate) fn env_names(spec_env: &std::collections::BTreeMap<String, String>) -> String {
     serde_json::to_string(&spec_env.keys().collect::<Vec<_>>()).unwrap_or_default()
 }
 
 /// Watches an execution's events and writes its audit line at the end.
-pub struct AuditFilter {
+pub(crate) struct AuditFilter {
     identity: String,
     argv: String,
     env_names: String,
@@ -150,7 +150,7 @@ pub struct AuditFilter {
 }
 
 impl AuditFilter {
-    pub fn new(
+    pub(crate) fn new(
         caller: &Caller,
         spec: &ExecSpec,
         context: &RunContext,

@@ -14,16 +14,16 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
-pub use crate::caller::Caller;
+pub(crate) use crate::caller::Caller;
 use crate::contract::{ErrorBody, ErrorCode};
 
 /// The environment variable naming the tokens file (the Helm chart sets it).
-pub const TOKENS_FILE_ENV: &str = "MCP_RUN_AUTH_TOKENS_FILE";
+pub(crate) const TOKENS_FILE_ENV: &str = "MCP_RUN_AUTH_TOKENS_FILE";
 /// The environment variable holding tokens directly (comma- or whitespace-separated).
-pub const TOKENS_ENV: &str = "MCP_RUN_AUTH_TOKENS";
+pub(crate) const TOKENS_ENV: &str = "MCP_RUN_AUTH_TOKENS";
 
 /// Paths that stay open when auth is on: probes and metrics.
-pub const OPEN_PATHS: &[&str] = &["/healthz", "/readyz", "/metrics"];
+pub(crate) const OPEN_PATHS: &[&str] = &["/healthz", "/readyz", "/metrics"];
 
 /// The `auth:` section of the configuration.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -59,7 +59,7 @@ struct Token {
 }
 
 /// The bearer tokens the gateway accepts.
-pub struct Auth {
+pub(crate) struct Auth {
     /// What is checked: the file's tokens, then the environment's.
     tokens: std::sync::RwLock<Arc<Vec<Token>>>,
     /// The tokens file, re-read by [`Auth::reload`].
@@ -102,7 +102,7 @@ impl Auth {
     /// Parses token entries: `token` or `name:token`, one per line (or separated by commas
     /// and whitespace for the environment variable); `#` starts a comment line. An unnamed
     /// token is named `token-` and the first 8 hex digits of its SHA-256 (safe to log).
-    pub fn parse(
+    pub(crate) fn parse(
         text: &str,
         source: &str,
         split_words: bool,
@@ -156,7 +156,7 @@ impl Auth {
     /// Loads the tokens from `MCP_RUN_AUTH_TOKENS_FILE` (else `auth.tokens_file`) and
     /// `MCP_RUN_AUTH_TOKENS`. `None`: no token anywhere, auth is off (an error instead when
     /// `auth.required`).
-    pub fn load(
+    pub(crate) fn load(
         config: &AuthConfig,
         env: impl Fn(&str) -> Option<String>,
     ) -> Result<Option<Auth>, String> {
@@ -203,8 +203,9 @@ impl Auth {
         Ok((entries, digest(text.as_bytes())))
     }
 
-    /// Fixed tokens, no file (tests, embedding).
-    pub fn new(entries: Vec<(String, String)>) -> Self {
+    /// Fixed tokens, no file.
+    #[cfg(test)]
+    pub(crate) fn new(entries: Vec<(String, String)>) -> Self {
         let env_tokens = tokens_of(entries);
         Self {
             tokens: std::sync::RwLock::new(Arc::new(env_tokens.clone())),
@@ -216,13 +217,13 @@ impl Auth {
     }
 
     /// How many distinct identities (token names) are configured.
-    pub fn identities(&self) -> usize {
+    pub(crate) fn identities(&self) -> usize {
         distinct_names(&self.current())
     }
 
     /// From now on, a reloaded tokens file that brings more than `n` identities is refused
     /// (the previous tokens stay).
-    pub fn limit_identities(&self, n: usize) {
+    pub(crate) fn limit_identities(&self, n: usize) {
         let _ = self.identity_limit.set(n);
     }
 
@@ -233,18 +234,14 @@ impl Auth {
             .unwrap_or_else(|p| p.into_inner().clone())
     }
 
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.current().len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.current().is_empty()
     }
 
     /// Reads the tokens file again. `Ok(true)`: its content changed and its tokens replace
     /// the previous ones; `Err`: unreadable or invalid, the previous tokens stay. An emptied
     /// file leaves only the environment's tokens (none: every request is refused).
-    pub fn reload(&self) -> Result<bool, String> {
+    pub(crate) fn reload(&self) -> Result<bool, String> {
         let Some(path) = &self.file else {
             return Ok(false);
         };
@@ -269,7 +266,7 @@ impl Auth {
     }
 
     /// Re-reads the tokens file every `every` in a background task (nothing without a file).
-    pub fn watch(self: &Arc<Self>, every: std::time::Duration) {
+    pub(crate) fn watch(self: &Arc<Self>, every: std::time::Duration) {
         if self.file.is_none() || every.is_zero() {
             return;
         }
@@ -294,7 +291,7 @@ impl Auth {
 
     /// The name of the token presented, compared in constant time: digests of equal length
     /// are compared with `subtle`, and every configured token is compared, match or not.
-    pub fn verify(&self, presented: &str) -> Option<String> {
+    pub(crate) fn verify(&self, presented: &str) -> Option<String> {
         let d = digest(presented.as_bytes());
         let mut found = None;
         for t in self.current().iter() {
@@ -306,7 +303,7 @@ impl Auth {
     }
 
     /// Checks a request's `Authorization` header.
-    pub fn check(&self, headers: &HeaderMap) -> Result<String, ErrorBody> {
+    pub(crate) fn check(&self, headers: &HeaderMap) -> Result<String, ErrorBody> {
         let unauthorized = |m: &str| ErrorBody::new(ErrorCode::Unauthorized, m);
         let value = headers
             .get(header::AUTHORIZATION)
@@ -326,7 +323,7 @@ impl Auth {
 
 /// What the HTTP middleware needs: the tokens (`None`: auth off) and where to count refusals.
 #[derive(Clone)]
-pub struct Gate {
+pub(crate) struct Gate {
     pub auth: Option<Arc<Auth>>,
     pub metrics: crate::metrics::Metrics,
 }
@@ -334,7 +331,7 @@ pub struct Gate {
 /// The HTTP middleware: finds the caller's address and, when auth is on, checks the bearer
 /// token of every path but the open ones. The [`Caller`] goes into the request's extensions
 /// for the handlers (and, through rmcp, the MCP tools).
-pub async fn middleware(
+pub(crate) async fn middleware(
     State(Gate { auth, metrics }): State<Gate>,
     mut req: Request,
     next: Next,
@@ -366,7 +363,7 @@ pub async fn middleware(
 }
 
 /// The caller of an MCP request, from the HTTP request rmcp passes along (none over stdio).
-pub fn mcp_caller(extensions: &rmcp::model::Extensions) -> Option<Caller> {
+pub(crate) fn mcp_caller(extensions: &rmcp::model::Extensions) -> Option<Caller> {
     extensions
         .get::<axum::http::request::Parts>()
         .and_then(|p| p.extensions.get::<Caller>())

@@ -5,7 +5,7 @@ use std::net::IpAddr;
 
 /// Who asked: the token's name when auth is on, and the client address when known.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Caller {
+pub(crate) struct Caller {
     pub identity: Option<String>,
     pub addr: Option<IpAddr>,
     /// Set for callers that are not network clients (`mcp-run stdio`).
@@ -14,7 +14,7 @@ pub struct Caller {
 
 impl Caller {
     /// A caller that is not a network client, such as the stdio MCP server.
-    pub fn local(name: &'static str) -> Self {
+    pub(crate) fn local(name: &'static str) -> Self {
         Self {
             local: Some(name),
             ..Self::default()
@@ -22,7 +22,7 @@ impl Caller {
     }
 
     /// The rate-limit key: the identity, else the address, else the local name.
-    pub fn key(&self) -> String {
+    pub(crate) fn key(&self) -> String {
         match (&self.identity, &self.addr, self.local) {
             (Some(id), _, _) => format!("id:{id}"),
             (None, Some(addr), _) => format!("ip:{addr}"),
@@ -32,7 +32,7 @@ impl Caller {
     }
 
     /// How the audit log names the caller.
-    pub fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         match (&self.identity, &self.addr, self.local) {
             (Some(id), Some(a), _) => format!("{id}@{a}"),
             (Some(id), None, _) => id.clone(),

@@ -9,9 +9,9 @@ use serde::{Deserialize, Serialize};
 use crate::limits::Limits;
 
 /// The URI of the capabilities resource.
-pub const RESOURCE_URI: &str = "mcp-run://capabilities";
+pub(crate) const RESOURCE_URI: &str = "mcp-run://capabilities";
 /// The key of the experimental capability in the MCP `initialize` result.
-pub const EXPERIMENTAL_KEY: &str = "mcp-run/runtime";
+pub(crate) const EXPERIMENTAL_KEY: &str = "mcp-run/runtime";
 
 /// What a backend says about itself.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -69,7 +69,7 @@ pub struct CacheInfo {
 
 /// The limits a request meets.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
-pub struct LimitsInfo {
+pub(crate) struct LimitsInfo {
     pub default_timeout_secs: u64,
     pub max_timeout_secs: u64,
     /// Per stream, the output of an MCP run kept for `resources/read`; `/raw` is not capped.
@@ -80,7 +80,7 @@ pub struct LimitsInfo {
 
 /// The whole document.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
-pub struct Capabilities {
+pub(crate) struct Capabilities {
     pub server: ServerInfo,
     #[serde(flatten)]
     pub backend: BackendCapabilities,
@@ -94,13 +94,17 @@ pub struct Capabilities {
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
-pub struct ServerInfo {
+pub(crate) struct ServerInfo {
     pub name: String,
     pub version: String,
 }
 
 impl Capabilities {
-    pub fn new(backend: BackendCapabilities, limits: &Limits, max_output_bytes: usize) -> Self {
+    pub(crate) fn new(
+        backend: BackendCapabilities,
+        limits: &Limits,
+        max_output_bytes: usize,
+    ) -> Self {
         // Every backend feeds stdin (`/raw`'s stdin mode, MCP's `stdin` argument; on
         // Kubernetes through the exec's stdin channel).
         let stdin = limits.allow_stdin;
@@ -142,7 +146,7 @@ impl Capabilities {
     }
 
     /// One line for tool descriptions.
-    pub fn where_line(&self) -> String {
+    pub(crate) fn where_line(&self) -> String {
         let b = &self.backend;
         let mut s = b.description.clone();
         if !b.profiles.is_empty() && b.backend == "kubernetes" {

@@ -8,11 +8,11 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-pub use crate::exec::kube::config::{KubernetesConfig, Profile};
-pub use crate::exec::local::LocalConfig;
-pub use crate::exec::remote::RemoteConfig;
-pub use crate::limits::Limits;
-pub use crate::mcp::config::McpConfig;
+pub(crate) use crate::exec::kube::config::{KubernetesConfig, Profile};
+pub(crate) use crate::exec::local::LocalConfig;
+pub(crate) use crate::exec::remote::RemoteConfig;
+pub(crate) use crate::limits::Limits;
+pub(crate) use crate::mcp::config::McpConfig;
 
 /// A configuration problem, naming the file and the field.
 #[derive(Debug, thiserror::Error)]
@@ -33,7 +33,7 @@ pub enum ConfigError {
 }
 
 /// The host names a gateway answers to by default (`server.allowed_hosts`).
-pub const LOOPBACK_HOSTS: &[&str] = &["localhost", "127.0.0.1", "::1"];
+pub(crate) const LOOPBACK_HOSTS: &[&str] = &["localhost", "127.0.0.1", "::1"];
 
 /// Which backend runs commands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]

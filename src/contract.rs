@@ -611,11 +611,11 @@ const STDERR_PREFIX: &[u8] = b"{\"type\":\"stderr\",\"data\":\"";
 mod b64 {
     use super::*;
 
-    pub fn serialize<S: serde::Serializer>(data: &Bytes, s: S) -> Result<S::Ok, S::Error> {
+    pub(super) fn serialize<S: serde::Serializer>(data: &Bytes, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_str(&BASE64.encode_to_string(data))
     }
 
-    pub fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Bytes, D::Error> {
+    pub(super) fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Bytes, D::Error> {
         let s = <std::borrow::Cow<'de, str>>::deserialize(d)?;
         BASE64
             .decode_to_vec(s.as_bytes())

@@ -10,18 +10,18 @@
 use crate::contract::ExitInfo;
 
 /// The gateway's timeout killed the command (as `timeout(1)`).
-pub const TIMED_OUT: i32 = 124;
+pub(crate) const TIMED_OUT: i32 = 124;
 /// The client failed: the command did not run, or how it ended is unknown (as `docker run`).
-pub const CLIENT_ERROR: i32 = 125;
+pub(crate) const CLIENT_ERROR: i32 = 125;
 /// Our stdout was closed by its reader: 128 + SIGPIPE, as a shell reports a process that
 /// SIGPIPE killed.
-pub const BROKEN_PIPE: i32 = 141;
+pub(crate) const BROKEN_PIPE: i32 = 141;
 /// No exit status was reported at all (as a shell reports a status it cannot know).
-pub const UNKNOWN: i32 = 255;
+pub(crate) const UNKNOWN: i32 = 255;
 
 /// The status that mirrors how a command ended: its code, 128 + N when signal N killed it,
 /// [`TIMED_OUT`] when the gateway's timeout did, [`UNKNOWN`] without an exit event.
-pub fn status(exit: Option<&ExitInfo>) -> i32 {
+pub(crate) fn status(exit: Option<&ExitInfo>) -> i32 {
     match exit {
         Some(e) if e.timed_out => TIMED_OUT,
         Some(e) => e.shell_status(),

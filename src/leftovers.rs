@@ -13,7 +13,7 @@
 use std::path::{Path, PathBuf};
 
 /// The name prefix of a directory of `kind` made by this process: `mcp-run-KIND-PID-`.
-pub fn prefix(kind: &str) -> String {
+pub(crate) fn prefix(kind: &str) -> String {
     format!("mcp-run-{kind}-{}-", std::process::id())
 }
 
@@ -26,7 +26,7 @@ fn lock_path(dir: &Path, pid: u32) -> PathBuf {
 
 /// Takes this process's lock in `dir` (the system's temporary directory): a later gateway
 /// then knows this one is alive.
-pub fn claim(dir: &Path) {
+pub(crate) fn claim(dir: &Path) {
     use std::os::unix::fs::OpenOptionsExt as _;
     let path = lock_path(dir, std::process::id());
     let file = std::fs::OpenOptions::new()
@@ -45,7 +45,7 @@ pub fn claim(dir: &Path) {
 }
 
 /// Removes this process's lock file (a clean exit).
-pub fn release(dir: &Path) {
+pub(crate) fn release(dir: &Path) {
     if LOCK.get().is_some() {
         let _ = std::fs::remove_file(lock_path(dir, std::process::id()));
     }
@@ -95,7 +95,7 @@ fn is_dead(dir: &Path, pid: u32) -> bool {
 
 /// The leftovers of dead gateways in `dir`, owned by this user, judged by the lock files in
 /// `locks` (the system's temporary directory, where gateways keep them).
-pub fn find(dir: &Path, locks: &Path) -> Vec<PathBuf> {
+pub(crate) fn find(dir: &Path, locks: &Path) -> Vec<PathBuf> {
     use std::os::unix::fs::MetadataExt as _;
     // SAFETY: geteuid has no preconditions and cannot fail.
     let uid = unsafe { nix::libc::geteuid() };
@@ -122,12 +122,12 @@ pub fn find(dir: &Path, locks: &Path) -> Vec<PathBuf> {
 }
 
 /// Removes what dead gateways left in `dir` (lock files there too); how many entries went.
-pub fn sweep(dir: &Path) -> usize {
+pub(crate) fn sweep(dir: &Path) -> usize {
     remove(&find(dir, dir))
 }
 
 /// Removes what [`find`] found; returns how many entries went.
-pub fn remove(found: &[PathBuf]) -> usize {
+pub(crate) fn remove(found: &[PathBuf]) -> usize {
     let mut n = 0;
     for p in found {
         let gone = if p.is_dir() {
@@ -165,7 +165,7 @@ fn remove_dir(root: &Path) -> std::io::Result<()> {
 
 /// Claims this gateway's lock in the system's temporary directory and removes, on a thread
 /// of its own, what dead gateways left there and in `others` (a configured `local_dir`).
-pub fn claim_and_sweep(others: &[PathBuf]) {
+pub(crate) fn claim_and_sweep(others: &[PathBuf]) {
     let tmp = std::env::temp_dir();
     claim(&tmp);
     let others: Vec<PathBuf> = others.iter().filter(|d| **d != tmp).cloned().collect();

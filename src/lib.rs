@@ -17,26 +17,49 @@
 //! one streaming [`templates`] filter, the full output kept in `mcp::store`) → `mcp::reply`
 //! renders a [`result::StructuredResult`] within the character budget.
 
-pub mod audit;
-pub mod auth;
-pub mod caller;
-pub mod capabilities;
-pub mod cli;
-pub mod config;
+//!
+//! The public surface is small on purpose: the wire [`contract`], the binaries' entry points,
+//! and the handful of types integration tests and benches drive in-process (re-exported below).
+//! Everything else is private to the crate, so the compiler reports what nothing uses.
+
 pub mod contract;
-pub mod exec;
-pub mod exit;
-pub mod leftovers;
-pub mod limits;
-pub mod mcp;
-pub mod metrics;
-pub mod peers;
-pub mod policy;
-pub mod rate_limit;
-pub mod redact;
-pub mod result;
-pub mod runner;
-pub mod server;
-pub mod session;
-pub mod templates;
-pub mod workspace;
+
+mod audit;
+mod auth;
+mod caller;
+mod capabilities;
+mod cli;
+mod config;
+mod exec;
+mod exit;
+mod leftovers;
+mod limits;
+mod mcp;
+mod metrics;
+mod peers;
+mod policy;
+mod rate_limit;
+mod redact;
+mod result;
+mod runner;
+mod server;
+mod session;
+mod templates;
+mod workspace;
+
+// The binaries' entry points (src/bin/*.rs stay thin).
+pub use cli::run_remote::main as run_remote_main;
+pub use cli::serve::main as serve_main;
+
+// What integration tests and benches drive in-process.
+pub use cli::serve::{App, app};
+pub use config::{BackendKind, Config};
+pub use exec::kube::KubeExecutor;
+pub use exec::kube::config::{KubernetesConfig, Profile};
+pub use exec::kube::pod::label_value;
+pub use exec::remote::RemoteExecutor;
+pub use exec::{ExecSpec, Executor, Progress, StartOptions};
+pub use metrics::Metrics;
+pub use templates::filter::{Filtered, StreamFilter};
+pub use templates::{Catalog, Template};
+pub use workspace::hash_bytes;

@@ -5,7 +5,7 @@
 use serde::{Deserialize, Serialize};
 
 /// The default of `limits.max_concurrent_executions`.
-pub const DEFAULT_MAX_CONCURRENT_EXECUTIONS: usize = 64;
+pub(crate) const DEFAULT_MAX_CONCURRENT_EXECUTIONS: usize = 64;
 
 /// Limits applied to every execution (`limits:` in the configuration file).
 #[derive(Debug, Clone, Serialize, Deserialize)]

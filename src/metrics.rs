@@ -19,7 +19,7 @@ use prometheus_client::registry::Registry;
 use crate::contract::{ErrorCode, Event};
 
 /// The `Content-Type` of [`Metrics::render`]'s output.
-pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+pub(crate) const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// Execution durations: from a few milliseconds to the default maximum timeout.
 const DURATION_BUCKETS: &[f64] = &[
@@ -34,7 +34,7 @@ const POD_START_BUCKETS: &[f64] = &[
 
 /// How an execution ended, the `result` label of `mcp_run_executions_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Outcome {
+pub(crate) enum Outcome {
     /// Exit code 0.
     Success,
     /// A non-zero exit code.
@@ -50,7 +50,7 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Outcome::Success => "success",
             Outcome::Failure => "failure",
@@ -62,7 +62,7 @@ impl Outcome {
     }
 
     /// The outcome a terminal event means; `None` for other events.
-    pub fn of(event: &Event) -> Option<Self> {
+    pub(crate) fn of(event: &Event) -> Option<Self> {
         match event {
             Event::Exit(info) if info.timed_out => Some(Outcome::Timeout),
             Event::Exit(info) => Some(match (info.code, info.signal) {

@@ -22,20 +22,20 @@ use std::time::Duration;
 use subtle::ConstantTimeEq as _;
 
 /// The environment variable holding the peer secret (wins over `server.peer_secret_file`).
-pub const SECRET_ENV: &str = "MCP_RUN_PEER_SECRET";
+pub(crate) const SECRET_ENV: &str = "MCP_RUN_PEER_SECRET";
 /// The shortest secret accepted: 32 characters (e.g. `openssl rand -hex 16`).
-pub const MIN_SECRET_LEN: usize = 32;
+pub(crate) const MIN_SECRET_LEN: usize = 32;
 /// Where peer requests go, under a peer's base URL.
-pub const PATH_PREFIX: &str = "/peer/v1/";
+pub(crate) const PATH_PREFIX: &str = "/peer/v1/";
 /// The path that answers a replica's tag.
-pub const REPLICA_PATH: &str = "/peer/v1/replica";
+pub(crate) const REPLICA_PATH: &str = "/peer/v1/replica";
 
 /// Characters of a replica tag (hex digits).
-pub const TAG_LEN: usize = 8;
+pub(crate) const TAG_LEN: usize = 8;
 
 /// Why a peer could not answer.
 #[derive(Debug, thiserror::Error)]
-pub enum PeerError {
+pub(crate) enum PeerError {
     /// No configured peer has the tag (it restarted, or was removed, or is down).
     #[error(
         "no replica {0} answers among this gateway's peers (it restarted, stopped or was scaled away)"
@@ -48,7 +48,7 @@ pub enum PeerError {
 
 /// Checks one `server.peers` entry: an `http` or `https` base URL without credentials,
 /// query or fragment.
-pub fn parse_url(s: &str) -> Result<reqwest::Url, String> {
+pub(crate) fn parse_url(s: &str) -> Result<reqwest::Url, String> {
     let hint = "expected a replica's base URL such as http://10.0.0.12:8080";
     let url = reqwest::Url::parse(s).map_err(|e| format!("invalid peer URL {s:?}: {e}; {hint}"))?;
     if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none_or(str::is_empty) {
@@ -70,7 +70,7 @@ pub fn parse_url(s: &str) -> Result<reqwest::Url, String> {
 
 /// Reads the peer secret: `MCP_RUN_PEER_SECRET` (via `env`), else the file. Errors never
 /// contain the secret.
-pub fn load_secret(
+pub(crate) fn load_secret(
     file: Option<&Path>,
     env: impl Fn(&str) -> Option<String>,
 ) -> Result<Option<String>, String> {
@@ -102,7 +102,7 @@ pub fn load_secret(
 }
 
 /// This replica and its peers.
-pub struct Peers {
+pub(crate) struct Peers {
     tag: String,
     urls: Vec<reqwest::Url>,
     secret: String,
@@ -122,7 +122,7 @@ impl std::fmt::Debug for Peers {
 
 impl Peers {
     /// The peers at `urls` (already checked by [`parse_url`]), with the shared secret.
-    pub fn new(urls: &[String], secret: String) -> Result<Self, String> {
+    pub(crate) fn new(urls: &[String], secret: String) -> Result<Self, String> {
         let urls = urls
             .iter()
             .map(|u| parse_url(u))
@@ -146,21 +146,17 @@ impl Peers {
     }
 
     /// This replica's tag.
-    pub fn tag(&self) -> &str {
+    pub(crate) fn tag(&self) -> &str {
         &self.tag
     }
 
     /// How many peers are configured.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.urls.len()
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.urls.is_empty()
-    }
-
     /// Whether a request carries the peer secret as its bearer token (constant time).
-    pub fn authorized(&self, headers: &axum::http::HeaderMap) -> bool {
+    pub(crate) fn authorized(&self, headers: &axum::http::HeaderMap) -> bool {
         let Some(token) = headers
             .get(axum::http::header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
@@ -173,7 +169,7 @@ impl Peers {
 
     /// POSTs `body` as JSON to `path` (under [`PATH_PREFIX`]) on the replica tagged `replica`;
     /// the answer's status and JSON body.
-    pub async fn post(
+    pub(crate) async fn post(
         &self,
         replica: &str,
         path: &str,

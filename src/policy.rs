@@ -87,7 +87,7 @@ pub struct EnvRules {
 }
 
 /// The default of `policy.env.injection_vars` (docs/policy.md explains each group).
-pub const INJECTION_VARS: &[&str] = &[
+pub(crate) const INJECTION_VARS: &[&str] = &[
     // Program lookup and the dynamic loader.
     "PATH",
     "LD_*",
@@ -185,7 +185,7 @@ struct Effective {
 
 /// What a request may do once the policy allowed it: the normalised values to run.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Allowed {
+pub(crate) struct Allowed {
     /// The executable, with a path normalised (`/usr/bin/../bin/rm` → `/usr/bin/rm`).
     pub executable: String,
     /// The normalised working directory.
@@ -195,7 +195,7 @@ pub struct Allowed {
 
 /// The request fields the policy looks at.
 #[derive(Debug, Clone, Copy)]
-pub struct Subject<'a> {
+pub(crate) struct Subject<'a> {
     pub executable: &'a str,
     pub args: &'a [String],
     pub cwd: Option<&'a str>,
@@ -206,13 +206,13 @@ pub struct Subject<'a> {
 
 /// The checked policy, ready to evaluate requests.
 #[derive(Debug, Clone, Default)]
-pub struct Policy {
+pub(crate) struct Policy {
     config: PolicyConfig,
     limits: Limits,
 }
 
 /// The profile name a request without `profile` uses.
-pub const DEFAULT_PROFILE: &str = "default";
+pub(crate) const DEFAULT_PROFILE: &str = "default";
 
 impl PolicyConfig {
     /// Checks every rule; errors name the field as `policy.…`.
@@ -361,7 +361,7 @@ impl TimeoutRules {
 /// Normalises an absolute path lexically: `.` and empty components dropped, `..` removes the
 /// previous component (never above `/`). Symbolic links are not resolved: the command may
 /// run on another machine (a pod), where the gateway cannot look.
-pub fn normalize_path(path: &str) -> String {
+pub(crate) fn normalize_path(path: &str) -> String {
     let mut parts: Vec<&str> = Vec::new();
     for c in path.split('/') {
         match c {
@@ -392,7 +392,7 @@ fn under(dir: &str, prefix: &str) -> bool {
 }
 
 /// `*` matches any run of characters (also none); everything else matches itself.
-pub fn glob_match(pattern: &str, name: &str) -> bool {
+pub(crate) fn glob_match(pattern: &str, name: &str) -> bool {
     let (p, n) = (pattern.as_bytes(), name.as_bytes());
     let (mut pi, mut ni) = (0, 0);
     let mut star: Option<(usize, usize)> = None;
@@ -424,12 +424,8 @@ fn violation(message: String) -> ErrorBody {
 
 impl Policy {
     /// A policy from a configuration that [`PolicyConfig::validate`] accepted.
-    pub fn new(config: PolicyConfig, limits: Limits) -> Self {
+    pub(crate) fn new(config: PolicyConfig, limits: Limits) -> Self {
         Self { config, limits }
-    }
-
-    pub fn config(&self) -> &PolicyConfig {
-        &self.config
     }
 
     fn effective(&self, profile: &str) -> Effective {
@@ -462,7 +458,7 @@ impl Policy {
 
     /// Checks a request. `Err` is a `policy_violation` (403) naming the rule, or an
     /// `invalid_request` for a timeout over the maximum.
-    pub fn check(&self, s: &Subject<'_>) -> Result<Allowed, ErrorBody> {
+    pub(crate) fn check(&self, s: &Subject<'_>) -> Result<Allowed, ErrorBody> {
         let profile = s.profile.unwrap_or(DEFAULT_PROFILE);
         let eff = self.effective(profile);
         let cwd = s.cwd.map(normalize_path);
@@ -600,7 +596,7 @@ impl Policy {
     }
 
     /// The rules as the capabilities document reports them.
-    pub fn summary(&self) -> PolicySummary {
+    pub(crate) fn summary(&self) -> PolicySummary {
         let mut profiles = BTreeMap::new();
         for name in self.config.profiles.keys() {
             profiles.insert(name.clone(), self.rules_summary(name));
@@ -628,7 +624,7 @@ impl Policy {
 /// The policy in the capabilities document: the effective rules for requests without a
 /// profile, and for each profile that has overrides.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
-pub struct PolicySummary {
+pub(crate) struct PolicySummary {
     pub default: RulesSummary,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub profiles: BTreeMap<String, RulesSummary>,
@@ -636,7 +632,7 @@ pub struct PolicySummary {
 
 /// One profile's effective rules (empty lists mean "no restriction").
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
-pub struct RulesSummary {
+pub(crate) struct RulesSummary {
     pub executables: ExecutableRules,
     pub args: ArgRules,
     pub env: EnvRules,

@@ -11,7 +11,7 @@ use crate::contract::{ErrorBody, ErrorCode};
 use crate::limits::RateLimitConfig;
 
 /// A token bucket per client key.
-pub struct RateLimiter {
+pub(crate) struct RateLimiter {
     per_sec: f64,
     burst: f64,
     buckets: Mutex<HashMap<String, Bucket>>,
@@ -27,7 +27,7 @@ struct Bucket {
 const PRUNE_ABOVE: usize = 4096;
 
 impl RateLimiter {
-    pub fn new(config: &RateLimitConfig) -> Self {
+    pub(crate) fn new(config: &RateLimitConfig) -> Self {
         Self {
             per_sec: f64::from(config.per_minute) / 60.0,
             burst: f64::from(config.burst.max(1)),
@@ -36,7 +36,7 @@ impl RateLimiter {
     }
 
     /// Takes one token for `key` at `now`; `Err(secs)` is how long until one is there.
-    pub fn take_at(&self, key: &str, now: Instant) -> Result<(), u64> {
+    pub(crate) fn take_at(&self, key: &str, now: Instant) -> Result<(), u64> {
         let mut buckets = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
         if buckets.len() > PRUNE_ABOVE {
             let (rate, burst) = (self.per_sec, self.burst);
@@ -62,7 +62,7 @@ impl RateLimiter {
     }
 
     /// Takes one token for `caller`, or a 429 with `Retry-After`.
-    pub fn take(&self, caller: &Caller) -> Result<(), ErrorBody> {
+    pub(crate) fn take(&self, caller: &Caller) -> Result<(), ErrorBody> {
         self.take_at(&caller.key(), Instant::now()).map_err(|secs| {
             ErrorBody::new(
                 ErrorCode::TooManyRequests,

@@ -21,7 +21,7 @@ use crate::contract::Event;
 use crate::exec::EventFilter;
 
 /// What replaces every secret.
-pub const REPLACEMENT: &[u8] = b"[REDACTED]";
+pub(crate) const REPLACEMENT: &[u8] = b"[REDACTED]";
 
 /// The `redaction:` section of the configuration.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -50,7 +50,7 @@ pub struct PatternConfig {
 }
 
 /// The longest secret accepted: it bounds the bytes held back per stream.
-pub const MAX_SECRET_LEN: usize = 4096;
+pub(crate) const MAX_SECRET_LEN: usize = 4096;
 
 /// A configuration error: the field and what is wrong.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -113,7 +113,7 @@ impl RedactionConfig {
 
 /// The compiled redaction: one regex for every secret and pattern, and the window.
 #[derive(Debug)]
-pub struct Redactor {
+pub(crate) struct Redactor {
     re: Regex,
     /// The longest secret, in bytes.
     window: usize,
@@ -122,7 +122,7 @@ pub struct Redactor {
 impl Redactor {
     /// Builds the redactor of a validated configuration; `env` reads `secrets_env`.
     /// `Ok(None)` when there is nothing to redact.
-    pub fn from_config(
+    pub(crate) fn from_config(
         config: &RedactionConfig,
         env: impl Fn(&str) -> Option<String>,
     ) -> Result<Option<Arc<Redactor>>, RedactionConfigError> {
@@ -146,7 +146,7 @@ impl Redactor {
     }
 
     /// A redactor for literal secrets and patterns (already validated).
-    pub fn new(
+    pub(crate) fn new(
         literals: &[String],
         patterns: &[PatternConfig],
     ) -> Result<Option<Arc<Redactor>>, RedactionConfigError> {
@@ -176,22 +176,23 @@ impl Redactor {
     }
 
     /// The longest secret: each stream holds back one byte less.
-    pub fn window(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn window(&self) -> usize {
         self.window
     }
 
     /// Redacts a complete text.
-    pub fn redact(&self, data: &[u8]) -> Vec<u8> {
+    pub(crate) fn redact(&self, data: &[u8]) -> Vec<u8> {
         self.re.replace_all(data, REPLACEMENT).into_owned()
     }
 
     /// Redacts a complete string (argv in audit lines).
-    pub fn redact_str(&self, s: &str) -> String {
+    pub(crate) fn redact_str(&self, s: &str) -> String {
         String::from_utf8_lossy(&self.redact(s.as_bytes())).into_owned()
     }
 
     /// The state of one output stream.
-    pub fn stream(self: &Arc<Self>) -> StreamRedactor {
+    pub(crate) fn stream(self: &Arc<Self>) -> StreamRedactor {
         StreamRedactor {
             redactor: self.clone(),
             carry: Vec::new(),
@@ -201,14 +202,14 @@ impl Redactor {
 
 /// Redacts one stream chunk by chunk, holding back the bytes that may begin a secret.
 #[derive(Debug)]
-pub struct StreamRedactor {
+pub(crate) struct StreamRedactor {
     redactor: Arc<Redactor>,
     carry: Vec<u8>,
 }
 
 impl StreamRedactor {
     /// Takes the next chunk; returns what can be sent now.
-    pub fn push(&mut self, chunk: &[u8]) -> Vec<u8> {
+    pub(crate) fn push(&mut self, chunk: &[u8]) -> Vec<u8> {
         let mut buf = std::mem::take(&mut self.carry);
         buf.extend_from_slice(chunk);
         // A secret starting at or after `cut` may be incomplete; one starting before it has
@@ -232,25 +233,26 @@ impl StreamRedactor {
     }
 
     /// The end of the stream: the held-back bytes, redacted.
-    pub fn finish(&mut self) -> Vec<u8> {
+    pub(crate) fn finish(&mut self) -> Vec<u8> {
         let rest = std::mem::take(&mut self.carry);
         self.redactor.redact(&rest)
     }
 
     /// How many bytes are held back now.
-    pub fn held(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn held(&self) -> usize {
         self.carry.len()
     }
 }
 
 /// The [`EventFilter`] that redacts both output streams of an execution.
-pub struct RedactFilter {
+pub(crate) struct RedactFilter {
     stdout: StreamRedactor,
     stderr: StreamRedactor,
 }
 
 impl RedactFilter {
-    pub fn new(redactor: &Arc<Redactor>) -> Self {
+    pub(crate) fn new(redactor: &Arc<Redactor>) -> Self {
         Self {
             stdout: redactor.stream(),
             stderr: redactor.stream(),
@@ -298,18 +300,18 @@ impl EventFilter for RedactFilter {
 static LOG_REDACTOR: std::sync::OnceLock<Arc<Redactor>> = std::sync::OnceLock::new();
 
 /// Redacts log lines with `r` from now on.
-pub fn redact_logs(r: Arc<Redactor>) {
+pub(crate) fn redact_logs(r: Arc<Redactor>) {
     let _ = LOG_REDACTOR.set(r);
 }
 
 /// A `tracing_subscriber` writer for stderr that redacts each log line as a whole (a line is
 /// formatted into one buffer, so a secret is never split between writes).
-pub fn log_writer() -> LogLine {
+pub(crate) fn log_writer() -> LogLine {
     LogLine(Vec::new())
 }
 
 /// One log line on its way to stderr.
-pub struct LogLine(Vec<u8>);
+pub(crate) struct LogLine(Vec<u8>);
 
 impl std::io::Write for LogLine {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {

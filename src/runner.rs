@@ -44,12 +44,12 @@ impl crate::exec::EventFilter for StoppedFilter {
 /// What a front end attaches to a run besides the request: the caller's stdin and where to
 /// report start-up phases.
 #[derive(Default)]
-pub struct RunIo {
+pub(crate) struct RunIo {
     pub progress: Progress,
     pub stdin: Option<tokio::sync::mpsc::Receiver<bytes::Bytes>>,
 }
 
-pub struct Runner {
+pub(crate) struct Runner {
     executor: Arc<dyn Executor>,
     limits: Limits,
     policy: Policy,
@@ -67,7 +67,7 @@ pub struct Runner {
 }
 
 impl Runner {
-    pub fn new(executor: Arc<dyn Executor>, limits: Limits) -> Self {
+    pub(crate) fn new(executor: Arc<dyn Executor>, limits: Limits) -> Self {
         Self {
             executor,
             policy: Policy::new(PolicyConfig::default(), limits.clone()),
@@ -86,36 +86,39 @@ impl Runner {
     }
 
     /// Checks every request against `policy` (built from the same limits).
-    pub fn with_policy(mut self, policy: Policy) -> Self {
+    pub(crate) fn with_policy(mut self, policy: Policy) -> Self {
         self.policy = policy;
         self
     }
 
     /// Records executions and refusals in `metrics` (the gateway's, served on `/metrics`).
-    pub fn with_metrics(mut self, metrics: Metrics) -> Self {
+    pub(crate) fn with_metrics(mut self, metrics: Metrics) -> Self {
         self.metrics = metrics;
         self
     }
 
-    pub fn metrics(&self) -> &Metrics {
+    pub(crate) fn metrics(&self) -> &Metrics {
         &self.metrics
     }
 
     /// Redacts secrets in every execution's output (and in audit lines).
-    pub fn with_redactor(mut self, redactor: Option<Arc<Redactor>>) -> Self {
+    pub(crate) fn with_redactor(mut self, redactor: Option<Arc<Redactor>>) -> Self {
         self.redactor = redactor;
         self
     }
 
     /// Accepts requests with a `workspace` from this store.
-    pub fn with_workspaces(mut self, store: Option<Arc<crate::workspace::WorkspaceStore>>) -> Self {
+    pub(crate) fn with_workspaces(
+        mut self,
+        store: Option<Arc<crate::workspace::WorkspaceStore>>,
+    ) -> Self {
         self.workspaces = store;
         self
     }
 
     /// Keeps sessions with `config` (off when `config.enabled` is false). Needs a Tokio
     /// runtime (the task that expires idle sessions).
-    pub fn with_sessions(mut self, config: crate::session::SessionConfig) -> Self {
+    pub(crate) fn with_sessions(mut self, config: crate::session::SessionConfig) -> Self {
         let here = config.enabled && self.executor.keeps_runners();
         self.sessions = here.then(|| {
             crate::session::Sessions::new(config, self.metrics.clone(), self.shutdown.child_token())
@@ -124,22 +127,22 @@ impl Runner {
     }
 
     /// The sessions, when they are on (and kept here, not forwarded to a remote gateway).
-    pub fn sessions(&self) -> Option<&Arc<crate::session::Sessions>> {
+    pub(crate) fn sessions(&self) -> Option<&Arc<crate::session::Sessions>> {
         self.sessions.as_ref()
     }
 
     /// The workspace store, when workspaces are on.
-    pub fn workspaces(&self) -> Option<&Arc<crate::workspace::WorkspaceStore>> {
+    pub(crate) fn workspaces(&self) -> Option<&Arc<crate::workspace::WorkspaceStore>> {
         self.workspaces.as_ref()
     }
 
     /// The redaction in force, if any.
-    pub fn redactor(&self) -> Option<&Arc<Redactor>> {
+    pub(crate) fn redactor(&self) -> Option<&Arc<Redactor>> {
         self.redactor.as_ref()
     }
 
     /// The request as results may show it: secrets in the command line and cwd redacted.
-    pub fn redact_request(&self, req: &RunRequest) -> RunRequest {
+    pub(crate) fn redact_request(&self, req: &RunRequest) -> RunRequest {
         let Some(r) = &self.redactor else {
             return req.clone();
         };
@@ -161,25 +164,20 @@ impl Runner {
         }
     }
 
-    pub fn policy(&self) -> &Policy {
+    pub(crate) fn policy(&self) -> &Policy {
         &self.policy
     }
 
-    pub fn executor(&self) -> &Arc<dyn Executor> {
+    pub(crate) fn executor(&self) -> &Arc<dyn Executor> {
         &self.executor
     }
 
-    pub fn limits(&self) -> &Limits {
+    pub(crate) fn limits(&self) -> &Limits {
         &self.limits
     }
 
-    /// Validates a request against the contract and the policy, and resolves its defaults.
-    pub fn spec(&self, req: RunRequest) -> Result<ExecSpec, ErrorBody> {
-        self.spec_for(req, &Caller::default())
-    }
-
     /// [`Runner::spec`] for a known caller: a workspace must be the caller's.
-    pub fn spec_for(&self, req: RunRequest, caller: &Caller) -> Result<ExecSpec, ErrorBody> {
+    pub(crate) fn spec_for(&self, req: RunRequest, caller: &Caller) -> Result<ExecSpec, ErrorBody> {
         req.validate()?;
         let workspace = match &req.workspace {
             None => None,
@@ -255,12 +253,6 @@ impl Runner {
         })
     }
 
-    /// Starts a command. The returned execution is killed when dropped or when its timeout
-    /// passes. Refusals are counted in the metrics by error code.
-    pub async fn start(&self, req: RunRequest) -> Result<Execution, ErrorBody> {
-        self.start_as(req, &Caller::default()).await
-    }
-
     /// Logs a refused request in the audit log.
     fn audit_rejected(&self, req: &RunRequest, caller: &Caller, e: &ErrorBody) {
         let argv = crate::audit::argv_json(&req.executable, &req.args, self.redactor.as_deref());
@@ -268,13 +260,10 @@ impl Runner {
         crate::audit::rejected(caller, &argv, &env, req.profile.as_deref(), e);
     }
 
-    /// [`Runner::start`] for a known caller (rate limit key, audit identity).
-    pub async fn start_as(&self, req: RunRequest, caller: &Caller) -> Result<Execution, ErrorBody> {
-        self.start_with(req, caller, RunIo::default()).await
-    }
-
-    /// [`Runner::start_as`] with the caller's stdin and a sink for start-up phases.
-    pub async fn start_with(
+    /// Starts a command for `caller` (rate limit key, audit identity), with the caller's stdin
+    /// and a sink for start-up phases. The returned execution is killed when dropped or when
+    /// its timeout passes. Refusals are counted in the metrics by error code.
+    pub(crate) async fn start_with(
         &self,
         req: RunRequest,
         caller: &Caller,
@@ -537,17 +526,17 @@ impl Runner {
     }
 
     /// How many executions are running.
-    pub fn in_flight(&self) -> usize {
+    pub(crate) fn in_flight(&self) -> usize {
         self.tracker.len()
     }
 
-    pub fn is_shutting_down(&self) -> bool {
+    pub(crate) fn is_shutting_down(&self) -> bool {
         self.tracker.is_closed()
     }
 
     /// Refuses new executions, lets running ones go on for `grace`, then kills them and
     /// lets the backend clean up.
-    pub async fn shutdown(&self, grace: Duration) {
+    pub(crate) async fn shutdown(&self, grace: Duration) {
         self.tracker.close();
         if tokio::time::timeout(grace, self.tracker.wait())
             .await

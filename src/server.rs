@@ -18,18 +18,18 @@ use tokio::net::TcpListener;
 use crate::contract::{ErrorBody, ErrorCode, ErrorResponse, RunRequest};
 use crate::runner::Runner;
 
-pub mod connections;
-pub mod guard;
-pub mod mcp_http;
+pub(crate) mod connections;
+pub(crate) mod guard;
+pub(crate) mod mcp_http;
 mod peers;
 mod raw;
 mod sessions;
 mod workspace;
-pub use raw::HeadLimit;
+pub(crate) use raw::HeadLimit;
 
 /// Shared state of the HTTP handlers.
 #[derive(Clone)]
-pub struct AppState {
+pub(crate) struct AppState {
     pub runner: Arc<Runner>,
     pub keepalive: Duration,
     pub capabilities: Arc<crate::capabilities::Capabilities>,
@@ -44,7 +44,7 @@ pub struct AppState {
 
 /// How `/mcp` is served.
 #[derive(Clone)]
-pub struct McpSettings {
+pub(crate) struct McpSettings {
     /// The `mcp:` section (result budget, output store, session limits, ...).
     pub config: crate::mcp::McpConfig,
     /// Ends every MCP session (at shutdown, once running commands were drained).
@@ -81,7 +81,7 @@ impl IntoResponse for ErrorBody {
 }
 
 /// The router with every endpoint; `max_body_bytes` bounds request bodies.
-pub fn router(state: AppState, max_body_bytes: usize) -> Router {
+pub(crate) fn router(state: AppState, max_body_bytes: usize) -> Router {
     let peer_routes;
     let mcp = {
         use rmcp::transport::streamable_http_server::{
@@ -182,7 +182,7 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
 /// open (new executions get `503 shutting_down`), running commands get `grace` to finish,
 /// then they are killed, and connections are closed (see [`crate::connections`]).
 #[allow(clippy::too_many_arguments)] // each is a distinct piece of the start-up; no bundle reads better
-pub async fn serve(
+pub(crate) async fn serve(
     listener: TcpListener,
     router: Router,
     runner: Arc<Runner>,
@@ -252,7 +252,7 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
 }
 
 /// Parses a `/raw` request body, mapping every failure to its status and code.
-pub fn parse_request(
+pub(crate) fn parse_request(
     headers: &HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<RunRequest, ErrorBody> {

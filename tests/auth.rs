@@ -323,9 +323,7 @@ fn limit_config_errors_name_the_field() {
         ),
         ("auth:\n  tokens: [x]\n", "tokens"),
     ] {
-        let e = mcp_run::config::Config::parse(yaml, None)
-            .unwrap_err()
-            .to_string();
+        let e = mcp_run::Config::parse(yaml, None).unwrap_err().to_string();
         assert!(e.contains(field), "{yaml}: {e}");
     }
 }

@@ -577,17 +577,17 @@ fn a_misspelt_field_is_caught() {
 fn the_gateway_accepts_the_rendered_config() {
     for i in [manifests(), full()] {
         let text = &i.config_maps[0].data.as_ref().unwrap()["config.yaml"];
-        let c = mcp_run::config::Config::parse(text, Some(Path::new("configmap/config.yaml")))
+        let c = mcp_run::Config::parse(text, Some(Path::new("configmap/config.yaml")))
             .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(c.kubernetes.instance, "mcp-run", "the release name");
-        assert_eq!(c.server.backend, mcp_run::config::BackendKind::Kube);
+        assert_eq!(c.server.backend, mcp_run::BackendKind::Kube);
         // Auth is on in both: the gateway refuses to start without its tokens.
         assert!(c.auth.required);
         assert!(!c.server.insecure_no_auth);
     }
     let full = full();
     let text = &full.config_maps[0].data.as_ref().unwrap()["config.yaml"];
-    let c = mcp_run::config::Config::parse(text, None).unwrap();
+    let c = mcp_run::Config::parse(text, None).unwrap();
     assert_eq!(c.tools.len(), 1);
     assert!(c.templates.contains_key("make"));
     assert!(!c.policy.executables.deny.is_empty());

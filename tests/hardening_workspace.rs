@@ -36,7 +36,7 @@ fn run_remote(gw: &Gateway, home: &Path, cwd: &Path, args: &[&str]) -> Output {
 }
 
 fn sha256(data: &[u8]) -> String {
-    mcp_run::workspace::hash_bytes(data)
+    mcp_run::hash_bytes(data)
 }
 
 /// Every file below `root`, relative.

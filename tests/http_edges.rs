@@ -5,8 +5,8 @@
 
 use axum::body::{Body, to_bytes};
 use axum::http::{Request, StatusCode, header};
-use mcp_run::cli::serve::{App, app};
-use mcp_run::config::Config;
+use mcp_run::Config;
+use mcp_run::{App, app};
 use tower::ServiceExt as _;
 
 const TOKEN: &str = "edge-token-0123456789abcdef";

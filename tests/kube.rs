@@ -365,7 +365,7 @@ async fn the_reaper_deletes_only_its_own_leftovers() {
     use k8s_openapi::api::core::v1::Pod;
     let double = KubeDouble::start();
     let host = nix::unistd::gethostname().unwrap().into_string().unwrap();
-    let me = mcp_run::exec::kube::pod::label_value(&host);
+    let me = mcp_run::label_value(&host);
     let pod = |name: &str, labels: serde_json::Value, created: &str, expires: &str| -> Pod {
         serde_json::from_value(json!({
             "metadata": {

@@ -11,10 +11,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use kube_double::{DoubleOptions, KubeDouble};
+use mcp_run::KubeExecutor;
 use mcp_run::contract::{ErrorCode, Event, Phase};
-use mcp_run::exec::kube::KubeExecutor;
-use mcp_run::exec::kube::config::{KubernetesConfig, Profile};
-use mcp_run::exec::{ExecSpec, Executor, Progress, StartOptions};
+use mcp_run::{ExecSpec, Executor, Progress, StartOptions};
+use mcp_run::{KubernetesConfig, Profile};
 use serde_json::json;
 use support::{Gateway, config_file, raw};
 
@@ -33,7 +33,7 @@ async fn executor(
     let mut all: BTreeMap<String, Profile> =
         BTreeMap::from([("default".into(), Profile::default())]);
     all.extend(profiles.iter().map(|(n, p)| (n.to_string(), p.clone())));
-    KubeExecutor::connect(config, all, mcp_run::metrics::Metrics::new())
+    KubeExecutor::connect(config, all, mcp_run::Metrics::new())
         .await
         .expect("connect")
 }
@@ -533,7 +533,7 @@ async fn pings_keep_silent_exec_streams_through_idle_cuts() {
         ..Default::default()
     };
     let profiles = || BTreeMap::from([("default".to_string(), Profile::default())]);
-    let ex = KubeExecutor::connect(with_pings(1), profiles(), mcp_run::metrics::Metrics::new())
+    let ex = KubeExecutor::connect(with_pings(1), profiles(), mcp_run::Metrics::new())
         .await
         .expect("connect");
     let o = run(
@@ -547,7 +547,7 @@ async fn pings_keep_silent_exec_streams_through_idle_cuts() {
     assert_eq!(o.stdout, b"done\n");
     assert!(double.exec_pings() >= 3, "pings: {}", double.exec_pings());
 
-    let ex = KubeExecutor::connect(with_pings(20), profiles(), mcp_run::metrics::Metrics::new())
+    let ex = KubeExecutor::connect(with_pings(20), profiles(), mcp_run::Metrics::new())
         .await
         .expect("connect");
     let o = run(

@@ -345,7 +345,7 @@ async fn graceful_shutdown_lets_short_commands_finish() {
 async fn remote_backend_cancel_kills_the_remote_command() {
     use mcp_run::contract::{Event, RunRequest};
     let gw = Gateway::start(&[]);
-    let remote = mcp_run::exec::remote::RemoteExecutor::new(&gw.raw_url(), None).unwrap();
+    let remote = mcp_run::RemoteExecutor::new(&gw.raw_url(), None).unwrap();
     let req = RunRequest {
         executable: "sh".into(),
         args: vec!["-c".into(), "echo $$; exec sleep 300".into()],

@@ -4,6 +4,9 @@
 //! is left out (with `autotests = false` cargo would silently not build it).
 //! Run one file's tests with `cargo test --test integration NAME::`.
 
+// A test crate has no outside: `pub` here only shares helpers between its modules.
+#![allow(unreachable_pub)]
+
 mod kube_double;
 mod support;
 

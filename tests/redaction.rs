@@ -156,7 +156,7 @@ async fn audit_lines() {
 
 #[test]
 fn redaction_config_errors_name_the_field() {
-    let e = mcp_run::config::Config::parse(
+    let e = mcp_run::Config::parse(
         "redaction:\n  patterns:\n    - {regex: '[', max_len: 4}\n",
         None,
     )

@@ -5,7 +5,7 @@ use crate::support;
 
 use std::path::{Path, PathBuf};
 
-use mcp_run::templates::{Catalog, Filtered};
+use mcp_run::{Catalog, Filtered};
 use support::Gateway;
 
 struct Fixture {

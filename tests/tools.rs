@@ -224,9 +224,7 @@ fn tool_config_errors_name_the_field() {
             "maybe",
         ),
     ] {
-        let e = mcp_run::config::Config::parse(yaml, None)
-            .unwrap_err()
-            .to_string();
+        let e = mcp_run::Config::parse(yaml, None).unwrap_err().to_string();
         assert!(e.contains(field), "{yaml}: {e}");
     }
 }

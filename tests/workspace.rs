@@ -144,9 +144,7 @@ fn the_runner_gets_exactly_the_tree_in_the_same_relative_directory() {
     assert!(lines.next().unwrap().ends_with("/lib/a/b"), "{stdout}");
     let mut expected: Vec<String> = want
         .iter()
-        .map(|(p, (mode, data))| {
-            format!("F ./{p} {mode:o} {}", mcp_run::workspace::hash_bytes(data))
-        })
+        .map(|(p, (mode, data))| format!("F ./{p} {mode:o} {}", mcp_run::hash_bytes(data)))
         .collect();
     expected.push("L ./lib/link ../run.sh".into());
     expected.sort();
@@ -392,9 +390,7 @@ fn a_rerun_reuses_the_tree_and_sees_exactly_its_manifest() {
     let (pwd, first, inode) = list();
     let mut expected: Vec<String> = want
         .iter()
-        .map(|(p, (mode, data))| {
-            format!("F ./{p} {mode:o} {}", mcp_run::workspace::hash_bytes(data))
-        })
+        .map(|(p, (mode, data))| format!("F ./{p} {mode:o} {}", mcp_run::hash_bytes(data)))
         .collect();
     expected.push("L ./lib/link ../run.sh".into());
     for d in [".", "./lib", "./lib/a", "./lib/a/b"] {

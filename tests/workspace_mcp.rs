@@ -84,7 +84,7 @@ async fn http_run_network_tool_takes_a_workspace_id() {
     std::fs::write(tree.path().join("d/f"), "content").unwrap();
     // Upload with the library's client, as an agent's tooling would.
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let remote = mcp_run::exec::remote::RemoteExecutor::new(&gw.raw_url(), None).unwrap();
+    let remote = mcp_run::RemoteExecutor::new(&gw.raw_url(), None).unwrap();
     let synced = remote
         .workspace_client()
         .sync_dir(tree.path())

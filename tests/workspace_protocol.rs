@@ -7,7 +7,7 @@ use crate::support;
 
 use std::io::Write as _;
 
-use mcp_run::workspace::hash_bytes;
+use mcp_run::hash_bytes;
 use serde_json::{Value, json};
 use support::{Gateway, config_file, http, raw};
 

@@ -1,5 +1,5 @@
 //! `mcp-run`: the gateway.
 
 fn main() -> std::process::ExitCode {
-    mcp_run::cli::serve::main()
+    mcp_run::serve_main()
 }

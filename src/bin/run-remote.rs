@@ -1,5 +1,5 @@
 //! `run-remote`: run a command on an mcp-run gateway as if it ran here.
 
 fn main() {
-    std::process::exit(mcp_run::cli::run_remote::main());
+    std::process::exit(mcp_run::run_remote_main());
 }

@@ -1,19 +1,19 @@
 //! The logic behind the binaries, kept in the library so that it is tested like the rest.
 
-pub mod outcome;
-pub mod run_remote;
-pub mod run_remote_io;
-pub mod run_remote_sessions;
-pub mod run_remote_templates;
-pub mod run_remote_workspace;
-pub mod serve;
+pub(crate) mod outcome;
+pub(crate) mod run_remote;
+pub(crate) mod run_remote_io;
+pub(crate) mod run_remote_sessions;
+pub(crate) mod run_remote_templates;
+pub(crate) mod run_remote_workspace;
+pub(crate) mod serve;
 
 /// Keeps freed memory in the process instead of handing it back to the kernel at once
 /// (glibc's malloc). Streaming allocates and frees a few 256-350 KiB buffers per chunk; with
 /// glibc's defaults each was fresh memory, page-faulted in and unmapped again, about a third
 /// of the gateway's CPU and most of the client's system time on a large stream
 /// (docs/performance.md). Memory stays bounded: at most 8 MiB of freed heap is kept per arena.
-pub fn tune_allocator() {
+pub(crate) fn tune_allocator() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt only sets allocator parameters; it is called at the start of main,
     // before any other thread exists.
@@ -24,7 +24,7 @@ pub fn tune_allocator() {
 }
 
 /// Sets up logging on stderr (stdout may carry a protocol). `RUST_LOG` overrides the level.
-pub fn init_logging(default_level: &str, json: bool) {
+pub(crate) fn init_logging(default_level: &str, json: bool) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter(default_level)));
     use std::io::IsTerminal as _;
@@ -49,15 +49,18 @@ fn default_filter(level: &str) -> String {
 }
 
 /// The shells `completions` knows, for usage messages.
-pub const SHELLS: &str = "bash|zsh|fish|elvish|powershell";
+pub(crate) const SHELLS: &str = "bash|zsh|fish|elvish|powershell";
 
 /// The shell named `name`.
-pub fn shell(name: &str) -> Option<clap_complete::Shell> {
+pub(crate) fn shell(name: &str) -> Option<clap_complete::Shell> {
     <clap_complete::Shell as clap::ValueEnum>::from_str(name, true).ok()
 }
 
 /// Prints the completion script of `cmd` for `shell` on stdout.
-pub fn write_completions(shell: clap_complete::Shell, mut cmd: clap::Command) -> outcome::Outcome {
+pub(crate) fn write_completions(
+    shell: clap_complete::Shell,
+    mut cmd: clap::Command,
+) -> outcome::Outcome {
     let name = cmd.get_name().to_owned();
     let mut script = Vec::new();
     clap_complete::generate(shell, &mut cmd, name, &mut script);

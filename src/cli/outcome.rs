@@ -7,7 +7,7 @@ use crate::contract::{ErrorBody, ErrorCode, ExitInfo};
 
 /// How an invocation ended.
 #[derive(Debug)]
-pub enum Outcome {
+pub(crate) enum Outcome {
     /// Something other than a run succeeded (a listing).
     Done,
     /// The remote command ended: its status is mirrored.
@@ -20,7 +20,7 @@ pub enum Outcome {
 
 /// A failure of run-remote itself: why, and the sentence a person reads.
 #[derive(Debug)]
-pub struct Failure {
+pub(crate) struct Failure {
     pub reason: Reason,
     pub message: String,
 }
@@ -28,7 +28,7 @@ pub struct Failure {
 /// Why run-remote failed. Every reason exits [`crate::exit::CLIENT_ERROR`]; the reason is
 /// in the message and in `--output-format json`'s `error`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Reason {
+pub(crate) enum Reason {
     /// A bad command line.
     Usage,
     /// A bad `--server`, unset `--keep-env` variables, an unknown template, ...
@@ -47,7 +47,7 @@ pub enum Reason {
 
 impl Reason {
     /// The name in `--output-format json` (`code: message`) and after the message.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Reason::Usage => "usage_error",
             Reason::Config => "configuration_error",
@@ -60,27 +60,27 @@ impl Reason {
 }
 
 impl Failure {
-    pub fn new(reason: Reason, message: impl Into<String>) -> Self {
+    pub(crate) fn new(reason: Reason, message: impl Into<String>) -> Self {
         Self {
             reason,
             message: message.into(),
         }
     }
 
-    pub fn usage(message: impl Into<String>) -> Self {
+    pub(crate) fn usage(message: impl Into<String>) -> Self {
         Self::new(Reason::Usage, message)
     }
 
-    pub fn config(message: impl Into<String>) -> Self {
+    pub(crate) fn config(message: impl Into<String>) -> Self {
         Self::new(Reason::Config, message)
     }
 
-    pub fn output(message: impl Into<String>) -> Self {
+    pub(crate) fn output(message: impl Into<String>) -> Self {
         Self::new(Reason::Output, message)
     }
 
     /// The gateway's (or the transport's) error.
-    pub fn gateway(e: &ErrorBody) -> Self {
+    pub(crate) fn gateway(e: &ErrorBody) -> Self {
         Self::new(Reason::Gateway(e.code), e.message.clone())
     }
 }
@@ -93,7 +93,7 @@ impl From<Failure> for Outcome {
 
 impl Outcome {
     /// The exit status.
-    pub fn code(&self) -> i32 {
+    pub(crate) fn code(&self) -> i32 {
         match self {
             Outcome::Done => 0,
             Outcome::Exited(info) => crate::exit::status(Some(info)),
@@ -104,7 +104,7 @@ impl Outcome {
 
     /// What a person reads about it on stderr: one line, or nothing when the command's own
     /// output and status say it all.
-    pub fn message(&self) -> Option<String> {
+    pub(crate) fn message(&self) -> Option<String> {
         match self {
             Outcome::Failed(f) => Some(match f.reason {
                 Reason::Gateway(c) => format!("run-remote: {} ({c})", f.message),
@@ -120,7 +120,7 @@ impl Outcome {
 
 /// Prints the outcome's line on `stderr` (a closed stderr is ignored: the status still
 /// says it) and returns the exit status.
-pub fn report(outcome: &Outcome, stderr: &mut impl Write) -> i32 {
+pub(crate) fn report(outcome: &Outcome, stderr: &mut impl Write) -> i32 {
     if let Some(line) = outcome.message() {
         let _ = writeln!(stderr, "{line}");
     }
@@ -129,7 +129,7 @@ pub fn report(outcome: &Outcome, stderr: &mut impl Write) -> i32 {
 
 /// A write to our stdout or stderr failed: a closed pipe is [`Outcome::BrokenPipe`], anything
 /// else an output failure.
-pub fn write_failed(e: &std::io::Error, what: &str) -> Outcome {
+pub(crate) fn write_failed(e: &std::io::Error, what: &str) -> Outcome {
     if e.kind() == std::io::ErrorKind::BrokenPipe {
         Outcome::BrokenPipe
     } else {

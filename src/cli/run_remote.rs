@@ -25,7 +25,7 @@ use crate::exec::remote::RemoteExecutor;
 use crate::result::StructuredResult;
 
 /// The one-line synopsis, also the hint after a usage error.
-pub const SYNOPSIS: &str = "run-remote [OPTIONS] -- COMMAND [ARGS...]";
+pub(crate) const SYNOPSIS: &str = "run-remote [OPTIONS] -- COMMAND [ARGS...]";
 
 /// The usage block of `--help`: the run, then the subcommands (parsed in [`parse`]).
 const USAGE: &str = "run-remote [OPTIONS] -- COMMAND [ARGS...]
@@ -74,7 +74,7 @@ output, and the note names its pick. `run-remote templates` lists them.";
     override_usage = USAGE,
     after_help = AFTER_HELP
 )]
-pub struct Args {
+pub(crate) struct Args {
     /// Send our stdin to the command, byte for byte, its end as the command's end of input.
     /// Without it the command's stdin is empty.
     #[arg(short = 'i', long = "stdin", visible_alias = "interactive")]
@@ -149,7 +149,7 @@ pub struct Args {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum OutputFormat {
+pub(crate) enum OutputFormat {
     Stream,
     Json,
     Markdown,
@@ -172,7 +172,7 @@ pub fn main() -> i32 {
 
 /// What the command line asks for.
 #[derive(Debug)]
-pub enum Invocation {
+pub(crate) enum Invocation {
     Run(Box<Args>),
     /// `run-remote templates ...`
     Templates(Vec<String>),
@@ -185,7 +185,7 @@ pub enum Invocation {
 /// Parses the command line. `templates` and `completions` as the first argument are
 /// subcommands; a command always follows `--`, so they cannot shadow a run. Help and version
 /// are printed here (they are the output asked for).
-pub fn parse(argv: &[std::ffi::OsString]) -> Result<Invocation, Outcome> {
+pub(crate) fn parse(argv: &[std::ffi::OsString]) -> Result<Invocation, Outcome> {
     let first = argv.get(1).and_then(|a| a.to_str());
     let rest = || -> Vec<String> {
         argv.iter()
@@ -271,7 +271,7 @@ fn completions(args: &[String]) -> Outcome {
 
 /// Builds the request from the command line and the environment, checking everything that
 /// can be checked before anything is sent.
-pub fn build_request(
+pub(crate) fn build_request(
     args: &Args,
     env: impl Fn(&str) -> Option<String>,
     cwd: std::io::Result<std::path::PathBuf>,

@@ -18,7 +18,7 @@ const STDIN_QUEUE: usize = 4;
 
 /// Reads our stdin on a thread (reads block) into a channel that ends at EOF, byte for byte.
 /// A read error ends it too, after one line on stderr: the command then sees end of input.
-pub fn forward_stdin() -> mpsc::Receiver<Bytes> {
+pub(crate) fn forward_stdin() -> mpsc::Receiver<Bytes> {
     let (tx, rx) = mpsc::channel(STDIN_QUEUE);
     std::thread::spawn(move || {
         let mut stdin = std::io::stdin().lock();
@@ -47,7 +47,7 @@ pub fn forward_stdin() -> mpsc::Receiver<Bytes> {
 /// Whether our stdin is a pipe, socket or file that holds unread data right now (a terminal
 /// or `/dev/null` never does): data someone meant for the command, which is not sent
 /// without `-i`.
-pub fn stdin_has_data() -> bool {
+pub(crate) fn stdin_has_data() -> bool {
     use nix::sys::stat::SFlag;
     let stdin = std::io::stdin();
     if stdin.is_terminal() {
@@ -73,17 +73,17 @@ pub fn stdin_has_data() -> bool {
 }
 
 /// The one-line hint for data piped in without `-i`.
-pub const STDIN_HINT: &str =
+pub(crate) const STDIN_HINT: &str =
     "run-remote: stdin has data that was not sent to the command; use -i (--stdin) to send it";
 
 /// Whether phases go to stderr: on a terminal, or when asked for with `-v`.
-pub fn show_progress(verbose: bool) -> bool {
+pub(crate) fn show_progress(verbose: bool) -> bool {
     verbose || std::io::stderr().is_terminal()
 }
 
 /// Prints each phase on stderr as it arrives, until the sender is dropped; await the handle
 /// to have every phase printed before what follows.
-pub fn print_phases(mut phases: mpsc::Receiver<Event>) -> tokio::task::JoinHandle<()> {
+pub(crate) fn print_phases(mut phases: mpsc::Receiver<Event>) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         while let Some(event) = phases.recv().await {
             if let Event::Phase { phase, message } = event {
@@ -97,7 +97,7 @@ pub fn print_phases(mut phases: mpsc::Receiver<Event>) -> tokio::task::JoinHandl
     })
 }
 
-pub fn phase_line(phase: Phase, message: Option<&str>) -> String {
+pub(crate) fn phase_line(phase: Phase, message: Option<&str>) -> String {
     let what = match phase {
         Phase::Queued => "queued",
         Phase::Scheduling => "waiting for a node",
@@ -113,7 +113,7 @@ pub fn phase_line(phase: Phase, message: Option<&str>) -> String {
 }
 
 /// Where the command runs, for `-v`: every field the gateway reported, and our clock's time.
-pub fn started_line(context: &RunContext) -> String {
+pub(crate) fn started_line(context: &RunContext) -> String {
     let mut s = format!("run-remote: started on {}", context.backend);
     let fields: [(&str, Option<String>); 9] = [
         ("host", context.host.clone()),

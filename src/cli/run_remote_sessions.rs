@@ -9,7 +9,7 @@ use crate::exec::remote::RemoteExecutor;
 const USAGE: &str = "usage: run-remote sessions list [--json] | run-remote sessions end NAME";
 
 /// Runs `run-remote sessions ARGS...`.
-pub fn main(args: &[String]) -> Outcome {
+pub(crate) fn main(args: &[String]) -> Outcome {
     let words: Vec<&str> = args.iter().map(String::as_str).collect();
     let job = match words.as_slice() {
         ["list"] => Job::List { json: false },

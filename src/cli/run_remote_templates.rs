@@ -11,7 +11,7 @@ use crate::templates::{Catalog, StreamFilter, Template};
 /// The template `name` as configured for `dir` (built-ins plus the nearest
 /// `.mcp-run/config.yaml`); an invalid configuration or an unknown name is a configuration
 /// error.
-pub fn resolve(name: &str, dir: &Path) -> Result<Template, Failure> {
+pub(crate) fn resolve(name: &str, dir: &Path) -> Result<Template, Failure> {
     let catalog = Catalog::load(dir).map_err(|e| Failure::config(e.to_string()))?;
     catalog.get(name).cloned().ok_or_else(|| {
         Failure::config(format!(
@@ -24,7 +24,7 @@ pub fn resolve(name: &str, dir: &Path) -> Result<Template, Failure> {
 /// Collects a run's output for a template: every chunk goes to the raw file as it arrives
 /// (in arrival order, as a terminal would show it) and to one streaming filter per stream
 /// (bounded memory, whatever the output's size).
-pub struct TemplateSink {
+pub(crate) struct TemplateSink {
     raw: std::fs::File,
     raw_path: PathBuf,
     stdout: StreamFilter,
@@ -33,7 +33,7 @@ pub struct TemplateSink {
 
 impl TemplateSink {
     /// Creates the raw output file in `dir` (the temporary directory).
-    pub fn create(template: Template, dir: &Path) -> Result<TemplateSink, Failure> {
+    pub(crate) fn create(template: Template, dir: &Path) -> Result<TemplateSink, Failure> {
         let stamp = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_millis())
@@ -61,25 +61,26 @@ impl TemplateSink {
         })
     }
 
-    pub fn stdout(&mut self, data: &[u8]) -> std::io::Result<()> {
+    pub(crate) fn stdout(&mut self, data: &[u8]) -> std::io::Result<()> {
         self.stdout.push(data);
         self.raw.write_all(data)
     }
 
-    pub fn stderr(&mut self, data: &[u8]) -> std::io::Result<()> {
-        self.stderr.push(data);
-        self.raw.write_all(data)
+    #[cfg(test)]
+    fn raw_path(&self) -> &Path {
+        &self.raw_path
     }
 
-    pub fn raw_path(&self) -> &Path {
-        &self.raw_path
+    pub(crate) fn stderr(&mut self, data: &[u8]) -> std::io::Result<()> {
+        self.stderr.push(data);
+        self.raw.write_all(data)
     }
 
     /// Writes the filtered streams and, when lines were left out, a closing note naming the
     /// raw file. `exit_code` is the
     /// command's (`None` when it did not exit normally, which the template treats as a
     /// failure).
-    pub fn finish(
+    pub(crate) fn finish(
         self,
         exit_code: Option<i32>,
         out: &mut impl Write,
@@ -123,7 +124,7 @@ impl TemplateSink {
 }
 
 /// `run-remote templates`: lists the templates available in the current directory.
-pub fn list(args: &[String]) -> Outcome {
+pub(crate) fn list(args: &[String]) -> Outcome {
     let mut stdout = std::io::stdout().lock();
     if let Some(a) = args.first() {
         if a == "-h" || a == "--help" {
@@ -155,7 +156,7 @@ Usage: run-remote templates
 ";
 
 /// One line per template: name, origin, description, in aligned columns.
-pub fn write_list(catalog: &Catalog, out: &mut impl Write) -> std::io::Result<()> {
+pub(crate) fn write_list(catalog: &Catalog, out: &mut impl Write) -> std::io::Result<()> {
     let rows: Vec<(String, String, String)> = catalog
         .entries()
         .map(|(t, o)| (t.name.clone(), o.to_string(), t.description.clone()))

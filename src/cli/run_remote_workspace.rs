@@ -11,7 +11,7 @@ use crate::workspace::client::{SyncError, Synced, WorkspaceClient};
 
 /// The directory to send and where the command runs inside it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Resolved {
+pub(crate) struct Resolved {
     pub root: PathBuf,
     /// The current directory relative to `root` (`""`: the root, also when the current
     /// directory is outside it).
@@ -20,7 +20,7 @@ pub struct Resolved {
 
 /// `dir` as given to `--workspace` (empty: the git work tree around the current directory,
 /// else the current directory).
-pub fn resolve(dir: &str, cwd: std::io::Result<PathBuf>) -> Result<Resolved, Failure> {
+pub(crate) fn resolve(dir: &str, cwd: std::io::Result<PathBuf>) -> Result<Resolved, Failure> {
     let cwd = cwd
         .and_then(|c| c.canonicalize())
         .map_err(|e| Failure::config(format!("cannot read the current directory: {e}")))?;
@@ -48,7 +48,11 @@ pub fn resolve(dir: &str, cwd: std::io::Result<PathBuf>) -> Result<Resolved, Fai
 }
 
 /// Syncs the tree; one line on stderr when something was uploaded.
-pub async fn sync(client: &WorkspaceClient, root: &Path, quiet: bool) -> Result<Synced, Failure> {
+pub(crate) async fn sync(
+    client: &WorkspaceClient,
+    root: &Path,
+    quiet: bool,
+) -> Result<Synced, Failure> {
     match client.sync_dir(root).await {
         Ok(s) => {
             if s.uploaded_files > 0 && !quiet {
@@ -73,7 +77,7 @@ pub async fn sync(client: &WorkspaceClient, root: &Path, quiet: bool) -> Result<
     }
 }
 
-pub fn human_bytes(n: u64) -> String {
+pub(crate) fn human_bytes(n: u64) -> String {
     match n {
         n if n >= 1 << 20 => format!("{:.1} MiB", n as f64 / (1 << 20) as f64),
         n if n >= 1 << 10 => format!("{:.1} KiB", n as f64 / 1024.0),
@@ -82,10 +86,10 @@ pub fn human_bytes(n: u64) -> String {
 }
 
 /// What the gateway reported back: the changed files and whether the list was cut.
-pub type Changes = Arc<Mutex<Option<(Vec<ChangedFile>, bool)>>>;
+pub(crate) type Changes = Arc<Mutex<Option<(Vec<ChangedFile>, bool)>>>;
 
 /// Keeps the `workspace_changes` event of a run (it passes on unchanged).
-pub struct CaptureChanges(pub Changes);
+pub(crate) struct CaptureChanges(pub Changes);
 
 impl EventFilter for CaptureChanges {
     fn filter(&mut self, event: Event, out: &mut std::collections::VecDeque<Event>) {
@@ -103,7 +107,7 @@ impl EventFilter for CaptureChanges {
 /// Copies the reported files into `root` (only those the rules of
 /// [`crate::workspace::results`] accept for `globs`); one summary line on stderr, and one
 /// per refused file. A refused file fails the sync-back after the others are written.
-pub async fn sync_back(
+pub(crate) async fn sync_back(
     client: &WorkspaceClient,
     root: &Path,
     globs: &[String],

@@ -38,13 +38,13 @@ Docs: README.md and docs/ (configuration.md, mcp.md, protocol.md).";
 /// process) and streams stdout, stderr and the exit code back, over HTTP (/raw) and MCP.
 #[derive(Debug, Parser)]
 #[command(name = "mcp-run", version, after_help = AFTER_HELP)]
-pub struct Cli {
+pub(crate) struct Cli {
     #[command(subcommand)]
     pub command: Command,
 }
 
 #[derive(Debug, Subcommand)]
-pub enum Command {
+pub(crate) enum Command {
     /// Run the gateway: HTTP `/raw`, MCP at `/mcp`, `/capabilities`, `/healthz`, `/readyz`
     /// and `/metrics` on one listener.
     Serve(ServeArgs),
@@ -62,7 +62,7 @@ pub enum Command {
 }
 
 #[derive(Debug, clap::Args)]
-pub struct ServeArgs {
+pub(crate) struct ServeArgs {
     /// Address to listen on [default: 127.0.0.1:8080, or `server.listen` in the config file].
     #[arg(long, value_name = "ADDR")]
     pub listen: Option<SocketAddr>,
@@ -83,7 +83,7 @@ pub struct ServeArgs {
 }
 
 #[derive(Debug, clap::Args)]
-pub struct StdioArgs {
+pub(crate) struct StdioArgs {
     /// Log format on stderr (stdout carries the protocol).
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
@@ -101,7 +101,7 @@ pub struct StdioArgs {
 
 /// Where commands run: shared by `serve` and `stdio`.
 #[derive(Debug, Clone, clap::Args)]
-pub struct BackendArgs {
+pub(crate) struct BackendArgs {
     /// Where commands run [default: local, or `server.backend` in the config file].
     #[arg(long, value_enum)]
     pub backend: Option<BackendKind>,
@@ -118,7 +118,7 @@ pub struct BackendArgs {
 
 impl BackendArgs {
     /// The configuration file with these flags applied, validated.
-    pub fn load(&self) -> anyhow::Result<Config> {
+    pub(crate) fn load(&self) -> anyhow::Result<Config> {
         let mut config = load_config(self.config.as_deref())?;
         if let Some(backend) = self.backend {
             config.server.backend = backend;
@@ -150,7 +150,7 @@ fn server_source() -> &'static str {
 /// Flags of the Kubernetes backend; each overrides its key in the config file.
 #[derive(Debug, Clone, Default, clap::Args)]
 #[command(next_help_heading = "Kubernetes backend (--backend kube)")]
-pub struct KubeArgs {
+pub(crate) struct KubeArgs {
     /// Kubeconfig file [default: in-cluster account, else KUBECONFIG or ~/.kube/config].
     #[arg(long, value_name = "PATH")]
     pub kubeconfig: Option<PathBuf>,
@@ -171,7 +171,7 @@ pub struct KubeArgs {
 
 impl KubeArgs {
     /// Applies the flags over the file's values, then validates the result again.
-    pub fn apply(&self, config: &mut Config) -> anyhow::Result<()> {
+    pub(crate) fn apply(&self, config: &mut Config) -> anyhow::Result<()> {
         let k = &mut config.kubernetes;
         if let Some(v) = &self.kubeconfig {
             k.kubeconfig = Some(v.clone());
@@ -197,7 +197,7 @@ impl KubeArgs {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum LogFormat {
+pub(crate) enum LogFormat {
     Text,
     Json,
 }
@@ -243,7 +243,7 @@ pub fn main() -> ExitCode {
 
 /// A start-up error as one line: the causes in order, each said once (kube's configuration
 /// errors repeat their cause at every level of the chain).
-pub fn startup_error(e: &anyhow::Error) -> String {
+pub(crate) fn startup_error(e: &anyhow::Error) -> String {
     let mut parts: Vec<String> = Vec::new();
     for cause in e.chain() {
         let text = cause.to_string();
@@ -257,7 +257,7 @@ pub fn startup_error(e: &anyhow::Error) -> String {
 }
 
 /// Loads the configuration with the command line's overrides applied.
-pub fn load_config(path: Option<&std::path::Path>) -> anyhow::Result<Config> {
+pub(crate) fn load_config(path: Option<&std::path::Path>) -> anyhow::Result<Config> {
     Ok(match path {
         Some(p) => Config::load(p)?,
         None => Config::default(),
@@ -266,7 +266,7 @@ pub fn load_config(path: Option<&std::path::Path>) -> anyhow::Result<Config> {
 
 /// Builds the configured backend; the Kubernetes backend also checks its permissions and
 /// deletes what a previous run left behind.
-pub async fn build_executor(
+pub(crate) async fn build_executor(
     config: &Config,
     metrics: &crate::metrics::Metrics,
 ) -> anyhow::Result<Arc<dyn Executor>> {
@@ -367,12 +367,12 @@ fn block_on(fut: impl std::future::Future<Output = anyhow::Result<()>>) -> anyho
 /// The gateway's HTTP application and what serving it needs besides.
 pub struct App {
     pub router: axum::Router,
-    pub runner: Arc<Runner>,
+    pub(crate) runner: Arc<Runner>,
     /// Fired once running commands were drained at shutdown: ends the MCP sessions.
-    pub drained: tokio_util::sync::CancellationToken,
+    pub(crate) drained: tokio_util::sync::CancellationToken,
     /// Whether bearer tokens are required (connections then count as unauthenticated until
     /// a request passed auth).
-    pub auth_on: bool,
+    pub(crate) auth_on: bool,
 }
 
 /// Builds the whole gateway from its configuration: backend, runner, auth, router. `serve`
@@ -452,7 +452,7 @@ fn peers(config: &Config) -> anyhow::Result<Option<Arc<crate::peers::Peers>>> {
 }
 
 /// Runs the gateway until SIGTERM or SIGINT.
-pub async fn serve(config: Config) -> anyhow::Result<()> {
+pub(crate) async fn serve(config: Config) -> anyhow::Result<()> {
     let App {
         router,
         runner,
@@ -552,7 +552,7 @@ fn check_exposure(config: &Config, auth: bool) -> anyhow::Result<()> {
 }
 
 /// The runner every front end uses, with the configured policy and limits.
-pub fn build_runner(
+pub(crate) fn build_runner(
     config: &Config,
     executor: Arc<dyn Executor>,
     metrics: crate::metrics::Metrics,
@@ -611,7 +611,7 @@ async fn prepare(config: &Config, discover: bool) -> anyhow::Result<Prepared> {
 }
 
 /// The capabilities document of this gateway.
-pub async fn capabilities(config: &Config, runner: &Runner) -> Capabilities {
+pub(crate) async fn capabilities(config: &Config, runner: &Runner) -> Capabilities {
     let backend = runner.executor().capabilities().await;
     let mut caps = Capabilities::new(backend, &config.limits, config.mcp.max_output_bytes);
     if config.policy != crate::policy::PolicyConfig::default() {
@@ -651,7 +651,7 @@ pub async fn capabilities(config: &Config, runner: &Runner) -> Capabilities {
 /// The MCP tool's output templates: the built-ins plus the configuration file's
 /// `templates:` (an invalid one stops the start, naming the file and the template); with
 /// `discover` (stdio), plus the nearest `.mcp-run/config.yaml` of the working directory.
-pub fn template_store(
+pub(crate) fn template_store(
     config: &Config,
     discover: bool,
 ) -> anyhow::Result<Arc<crate::templates::TemplateStore>> {
@@ -688,13 +688,9 @@ fn run_stdio(args: StdioArgs) -> anyhow::Result<()> {
     block_on(stdio_with(config, args.session))
 }
 
-/// Serves MCP on stdin/stdout until the client closes stdin (or SIGTERM/SIGINT).
-pub async fn stdio(config: Config) -> anyhow::Result<()> {
-    stdio_with(config, None).await
-}
-
-/// [`stdio`] with a session for the calls that name none.
-pub async fn stdio_with(config: Config, session: Option<String>) -> anyhow::Result<()> {
+/// Serves MCP on stdin/stdout until the client closes stdin (or SIGTERM/SIGINT), with a
+/// session for the calls that name none.
+pub(crate) async fn stdio_with(config: Config, session: Option<String>) -> anyhow::Result<()> {
     use rmcp::ServiceExt as _;
     let Prepared {
         runner,

@@ -67,8 +67,7 @@ fn own_cgroup() -> Option<PathBuf> {
 }
 
 /// The cgroup of one command.
-pub struct RunCgroup {
-    dir: PathBuf,
+pub(crate) struct RunCgroup {
     procs: CString,
 }
 
@@ -76,7 +75,7 @@ pub struct RunCgroup {
 static RUNNING: Mutex<Vec<(String, PathBuf)>> = Mutex::new(Vec::new());
 
 /// A new cgroup for the command tagged `tag`; `None` where cgroups cannot be made.
-pub fn for_run(tag: &str) -> Option<RunCgroup> {
+pub(crate) fn for_run(tag: &str) -> Option<RunCgroup> {
     let dir = base()?.join(tag.replace(['/', '.'], "-"));
     std::fs::create_dir(&dir).ok()?;
     let procs = CString::new(
@@ -86,16 +85,16 @@ pub fn for_run(tag: &str) -> Option<RunCgroup> {
     )
     .ok()?;
     if let Ok(mut r) = RUNNING.lock() {
-        r.push((tag.to_owned(), dir.clone()));
+        r.push((tag.to_owned(), dir));
     }
-    Some(RunCgroup { dir, procs })
+    Some(RunCgroup { procs })
 }
 
 impl RunCgroup {
     /// Moves the calling process into the cgroup. Only async-signal-safe calls: for the
     /// child between fork and exec. Best effort: a command that could not enter still runs,
     /// and is killed the other ways.
-    pub fn enter(&self) {
+    pub(crate) fn enter(&self) {
         // SAFETY: open, write and close on a path prepared before the fork.
         unsafe {
             let fd = nix::libc::open(
@@ -109,10 +108,6 @@ impl RunCgroup {
             }
         }
     }
-
-    pub fn dir(&self) -> &Path {
-        &self.dir
-    }
 }
 
 fn dir_of(tag: &str) -> Option<PathBuf> {
@@ -125,7 +120,7 @@ fn dir_of(tag: &str) -> Option<PathBuf> {
 }
 
 /// Kills every process in the cgroup of `tag` (nothing when it has none).
-pub fn kill(tag: &str) {
+pub(crate) fn kill(tag: &str) {
     if let Some(dir) = dir_of(tag) {
         let _ = std::fs::write(dir.join("cgroup.kill"), "1");
     }
@@ -133,7 +128,7 @@ pub fn kill(tag: &str) {
 
 /// The command `tag` is over: kills what is left in its cgroup and removes the cgroup once
 /// empty (off the async threads).
-pub fn release(tag: &str) {
+pub(crate) fn release(tag: &str) {
     let Some(dir) = dir_of(tag) else { return };
     if let Ok(mut r) = RUNNING.lock() {
         r.retain(|(t, _)| t != tag);
@@ -157,7 +152,7 @@ fn remove_when_empty(dir: &Path) {
 
 /// After the gateway `pid` is gone (its reaper): kills what is left in its cgroups and
 /// removes them.
-pub fn sweep(pid: u32) {
+pub(crate) fn sweep(pid: u32) {
     let Some(own) = own_cgroup() else { return };
     let dir = own.join(format!("mcp-run-{pid}"));
     if !dir.is_dir() {

@@ -69,7 +69,7 @@ impl LocalConfig {
 
 /// Variables of the gateway's own environment that commands inherit by default. Nothing
 /// else leaks from the gateway (which may hold credentials) into commands.
-pub const DEFAULT_INHERIT_ENV: &[&str] =
+pub(crate) const DEFAULT_INHERIT_ENV: &[&str] =
     &["PATH", "HOME", "USER", "LANG", "LC_ALL", "TZ", "TMPDIR"];
 
 /// The capacity asked for the command's pipes (Linux' default is 64 KiB): a reader that
@@ -79,10 +79,10 @@ const PIPE_SIZE: nix::libc::c_int = 1024 * 1024;
 /// After the main process exited, how long to wait for its pipes to close.
 const DRAIN_GRACE: Duration = Duration::from_secs(2);
 
-pub use super::reaper::{RUN_TAG_VAR, kill_tagged};
+pub(crate) use super::reaper::{RUN_TAG_VAR, kill_tagged};
 
 /// Runs commands as local child processes.
-pub struct LocalExecutor {
+pub(crate) struct LocalExecutor {
     base_env: Vec<(String, String)>,
     /// The gateway's own `PATH`: bare executable names are looked up there, never in the
     /// request's `PATH` (which would let a request pick what an allowed name runs).
@@ -101,7 +101,7 @@ pub struct LocalExecutor {
 
 impl LocalExecutor {
     /// `inherit_env` names the gateway variables passed on to every command.
-    pub fn new(inherit_env: &[String]) -> Self {
+    pub(crate) fn new(inherit_env: &[String]) -> Self {
         let base_env = inherit_env
             .iter()
             .filter_map(|name| std::env::var(name).ok().map(|v| (name.clone(), v)))
@@ -126,7 +126,10 @@ impl LocalExecutor {
     }
 
     /// Keeps the caches the profiles declare in directories (see [`super::cache::local`]).
-    pub fn with_caches(mut self, caches: Option<Arc<super::cache::local::LocalCaches>>) -> Self {
+    pub(crate) fn with_caches(
+        mut self,
+        caches: Option<Arc<super::cache::local::LocalCaches>>,
+    ) -> Self {
         self.caches = caches;
         self
     }
@@ -134,7 +137,7 @@ impl LocalExecutor {
     /// Starts the reaper process ([`super::reaper`]) so that descendants of commands die
     /// even when the gateway is SIGKILLed; without it (it could not start) only the direct
     /// children do.
-    pub fn with_reaper(mut self) -> Self {
+    pub(crate) fn with_reaper(mut self) -> Self {
         match super::reaper::spawn() {
             Ok(r) => self._reaper = Some(r),
             Err(e) => tracing::warn!(
@@ -146,7 +149,7 @@ impl LocalExecutor {
 
     /// Writes runs' workspaces below `cfg.local_dir`, keeping `cfg.local_idle_trees` trees
     /// between runs (docs/workspaces.md).
-    pub fn with_workspaces(mut self, cfg: &crate::workspace::WorkspaceConfig) -> Self {
+    pub(crate) fn with_workspaces(mut self, cfg: &crate::workspace::WorkspaceConfig) -> Self {
         self.trees = Arc::new(crate::workspace::trees::Trees::new(
             cfg.local_dir(),
             cfg.local_idle_trees,
@@ -182,7 +185,7 @@ impl LocalExecutor {
     }
 
     /// Accepts these profile names (the configuration's `profiles`) besides `default`.
-    pub fn with_profiles(mut self, names: impl IntoIterator<Item = String>) -> Self {
+    pub(crate) fn with_profiles(mut self, names: impl IntoIterator<Item = String>) -> Self {
         for name in names {
             if !self.profiles.contains(&name) {
                 self.profiles.push(name);

@@ -16,13 +16,13 @@
 //! Size: about 420 lines of code; the rest are the unit tests of `Execution`'s timeout, kill
 //! and filter semantics, kept beside it.
 
-pub mod cache;
-pub mod cgroup;
-pub mod kube;
-pub mod local;
-pub mod reaper;
-pub mod remote;
-pub mod steps;
+pub(crate) mod cache;
+pub(crate) mod cgroup;
+pub(crate) mod kube;
+pub(crate) mod local;
+pub(crate) mod reaper;
+pub(crate) mod remote;
+pub(crate) mod steps;
 
 use std::collections::BTreeMap;
 use std::pin::Pin;
@@ -40,12 +40,12 @@ use crate::contract::{ErrorBody, ErrorCode, Event, ExitInfo, RunContext};
 
 /// How many events a backend may queue ahead of the consumer. With 256 KiB reads this bounds
 /// the memory of one execution to about a MiB whatever the output size.
-pub const EVENT_BUFFER: usize = 4;
+pub(crate) const EVENT_BUFFER: usize = 4;
 
 /// The size of one read from a command's output. Large reads (with pipes enlarged to match,
 /// see `local`) mean fewer events, syscalls and wake-ups per byte: the per-chunk costs, not
 /// the copies, dominated the throughput with 64 KiB.
-pub const READ_CHUNK: usize = 256 * 1024;
+pub(crate) const READ_CHUNK: usize = 256 * 1024;
 
 /// What to run, after the gateway resolved defaults and checked limits.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -102,7 +102,7 @@ impl StartOptions {
 pub struct Progress(Option<mpsc::Sender<Event>>);
 
 /// How many phases may wait for the consumer before new ones are dropped.
-pub const PROGRESS_BUFFER: usize = 16;
+pub(crate) const PROGRESS_BUFFER: usize = 16;
 
 impl Progress {
     /// A progress sink and the receiver of its `phase` events.

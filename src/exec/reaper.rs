@@ -16,19 +16,19 @@ use nix::unistd::Pid;
 
 /// The variable that marks every process of a local command (`GATEWAY_PID.N`), so that those
 /// that left its process group (`setsid`) can still be found and killed.
-pub const RUN_TAG_VAR: &str = "MCP_RUN_RUN";
+pub(crate) const RUN_TAG_VAR: &str = "MCP_RUN_RUN";
 
 /// The hidden subcommand that runs [`run`].
-pub const SUBCOMMAND: &str = "reap-on-exit";
+pub(crate) const SUBCOMMAND: &str = "reap-on-exit";
 
 /// The running reaper; dropping this (the gateway exits) lets it sweep and end.
-pub struct Reaper {
+pub(crate) struct Reaper {
     _child: Child,
     _pipe: ChildStdin,
 }
 
 /// Starts the reaper for this gateway's commands.
-pub fn spawn() -> std::io::Result<Reaper> {
+pub(crate) fn spawn() -> std::io::Result<Reaper> {
     use std::os::unix::process::CommandExt;
     let exe = std::env::current_exe()?;
     // Only the gateway binary has the subcommand (a test binary that builds the gateway in
@@ -66,7 +66,7 @@ pub fn spawn() -> std::io::Result<Reaper> {
 
 /// The reaper's body: waits for EOF on stdin, then kills every process tagged with
 /// `prefix`, again until none is left (a process may fork while it is being killed).
-pub fn run(prefix: &str) -> std::process::ExitCode {
+pub(crate) fn run(prefix: &str) -> std::process::ExitCode {
     let mut sink = [0u8; 64];
     let mut stdin = std::io::stdin();
     while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
@@ -89,7 +89,7 @@ pub fn run(prefix: &str) -> std::process::ExitCode {
 /// tag, or a gateway's prefix `PID.`): what left the process group (`setsid`, double fork)
 /// but kept the environment. Only processes of the same user are readable, which is all a
 /// command can start without privileges.
-pub fn kill_tagged(tag: &str, exact: bool) -> usize {
+pub(crate) fn kill_tagged(tag: &str, exact: bool) -> usize {
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return 0;
     };

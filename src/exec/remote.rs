@@ -2,7 +2,7 @@
 //! and `mcp-run stdio --backend remote` use it, so that a machine without cluster
 //! credentials runs its commands where the gateway runs them.
 
-pub mod workspace;
+pub(crate) mod workspace;
 
 use std::time::{Duration, Instant};
 
@@ -53,7 +53,7 @@ pub struct RemoteExecutor {
 }
 
 /// Checks that `server` is a full `http(s)://host[:port]/path` URL.
-pub fn parse_server_url(server: &str) -> Result<reqwest::Url, String> {
+pub(crate) fn parse_server_url(server: &str) -> Result<reqwest::Url, String> {
     let hint = "it must be a full URL such as http://127.0.0.1:8080/raw";
     let url = reqwest::Url::parse(server)
         .map_err(|e| format!("invalid gateway URL {server:?} ({e}): {hint}"))?;

@@ -13,7 +13,7 @@ use super::{EVENT_BUFFER, ExecSpec, Execution, KeptRunner, StartOptions};
 use crate::contract::{Event, ExitInfo, RunContext};
 
 /// What a multi-step run needs.
-pub struct Steps {
+pub(crate) struct Steps {
     pub runner: Arc<dyn KeptRunner>,
     pub steps: Vec<(ExecSpec, String)>,
     pub continue_on_error: bool,
@@ -24,7 +24,7 @@ pub struct Steps {
 /// Starts the steps; the returned execution's terminal `exit` is the first failing step's
 /// (or the last step's when all succeeded), its duration the whole run's. Dropping it kills
 /// the running step (and releases a runner made for the run).
-pub fn run(steps: Steps, context: RunContext, cancel: CancellationToken) -> Execution {
+pub(crate) fn run(steps: Steps, context: RunContext, cancel: CancellationToken) -> Execution {
     let (tx, rx) = mpsc::channel(EVENT_BUFFER);
     let token = cancel.clone();
     tokio::spawn(async move {

@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 /// The default budget of one result: characters of output an agent reads (agent clients
 /// cap a tool result near 25,000 tokens; Claude Code moves results over 50,000 characters
 /// to a file).
-pub const DEFAULT_RESULT_CHARS: usize = 30_000;
+pub(crate) const DEFAULT_RESULT_CHARS: usize = 30_000;
 
 /// The MCP server (`/mcp` and `mcp-run stdio`).
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -26,7 +26,7 @@ const PROGRESS_EVERY: Duration = Duration::from_secs(1);
 
 /// What a call asks for besides the run request.
 #[derive(Default)]
-pub struct Call {
+pub(crate) struct Call {
     pub template: Option<Template>,
     pub stdin: Option<String>,
     /// Bytes of each stream held in memory (head and tail) for the result; at least four
@@ -35,7 +35,7 @@ pub struct Call {
 }
 
 /// A run that started and ended (by exit, error or timeout).
-pub struct Ran {
+pub(crate) struct Ran {
     pub collected: Collected,
     /// The template's output per stream (stdout, stderr), when a template was asked for.
     pub filtered: Option<(Filtered, Filtered)>,
@@ -47,7 +47,7 @@ pub struct Ran {
 }
 
 /// Why a call produced no run.
-pub enum Stopped {
+pub(crate) enum Stopped {
     /// The runner refused or could not start the command.
     NotStarted(ErrorBody),
     /// The client cancelled the call; the command (if it started) was killed.
@@ -55,7 +55,7 @@ pub enum Stopped {
 }
 
 impl Stopped {
-    pub fn error(&self) -> ErrorBody {
+    pub(crate) fn error(&self) -> ErrorBody {
         match self {
             Stopped::NotStarted(e) => e.clone(),
             Stopped::Cancelled => ErrorBody::new(
@@ -68,7 +68,7 @@ impl Stopped {
 
 /// Runs `req` for the MCP call in `context`. Dropping the execution (on cancellation) kills
 /// the command and deletes its pod.
-pub async fn execute(
+pub(crate) async fn execute(
     runner: &Runner,
     store: Option<&OutputStore>,
     req: RunRequest,

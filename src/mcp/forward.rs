@@ -15,12 +15,12 @@ use crate::auth::Caller;
 use crate::peers::{PeerError, Peers};
 
 /// The peer path of a kept-output read.
-pub const READ_PATH: &str = "/peer/v1/outputs/read";
+pub(crate) const READ_PATH: &str = "/peer/v1/outputs/read";
 
 /// What a replica asks the owner.
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct ReadRequest {
+pub(crate) struct ReadRequest {
     /// The tag of the replica meant: a replica restarted at the same address is another.
     pub replica: String,
     /// The `mcp-run://runs/...` URI, with its page parameters.
@@ -37,7 +37,7 @@ struct Refusal {
 }
 
 /// Reads `uri` (run `id`) on the replica tagged `replica`, as `caller`.
-pub async fn read_output(
+pub(super) async fn read_output(
     peers: &Peers,
     replica: &str,
     id: &str,
@@ -83,7 +83,11 @@ pub async fn read_output(
 }
 
 /// Answers a peer's [`ReadRequest`] on the replica tagged `tag`: the status and JSON body.
-pub fn answer(service: &McpService, tag: &str, req: ReadRequest) -> (u16, serde_json::Value) {
+pub(crate) fn answer(
+    service: &McpService,
+    tag: &str,
+    req: ReadRequest,
+) -> (u16, serde_json::Value) {
     let refusal = |status: u16, code: ErrorCode, message: String| {
         let r = Refusal {
             code: code.0,

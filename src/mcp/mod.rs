@@ -7,14 +7,14 @@
 //! same entry point as `/raw`, so limits, timeouts and backends behave the same; every
 //! result is shaped by [`reply`] within the call's character budget.
 
-pub mod config;
-pub mod execute;
+pub(crate) mod config;
+pub(crate) mod execute;
 mod forward;
-pub mod reply;
-pub mod resources;
-pub mod schema;
-pub mod store;
-pub mod tools;
+pub(crate) mod reply;
+pub(crate) mod resources;
+pub(crate) mod schema;
+pub(crate) mod store;
+pub(crate) mod tools;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -36,22 +36,20 @@ use crate::result::StructuredResult;
 use crate::runner::Runner;
 use crate::templates::{AUTO, RAW};
 
-pub use config::McpConfig;
+pub(crate) use config::McpConfig;
 use execute::{Call, Stopped, execute};
-pub use forward::{
-    READ_PATH as READ_OUTPUT_PATH, ReadRequest as PeerReadRequest, answer as answer_peer_read,
-};
+pub(crate) use forward::{READ_PATH as READ_OUTPUT_PATH, answer as answer_peer_read};
 use reply::error_result;
 use store::{Missing, OutputStore, StoreLimits};
 
 /// The one built-in tool.
-pub const TOOL: &str = "run_network_tool";
+pub(crate) const TOOL: &str = "run_network_tool";
 
 /// The tool that ends one of the caller's sessions (served when sessions are on).
-pub const END_SESSION_TOOL: &str = "end_session";
+pub(crate) const END_SESSION_TOOL: &str = "end_session";
 
 /// The resource listing the caller's open sessions.
-pub const SESSIONS_URI: &str = "mcp-run://sessions";
+pub(crate) const SESSIONS_URI: &str = "mcp-run://sessions";
 
 /// What the `session` argument says to an agent.
 const SESSION_HELP: &str = "Run in the runner of this named session instead of a fresh one: what earlier calls wrote stays (target/, node_modules/, .venv/, caches, /tmp), so rebuilds are incremental. For an edit-build-test loop pass the same name (e.g. \"build\") on every call; the first call opens the session. Calls of one session run one at a time. It ends after it was idle for its TTL, or with the tool `end_session`; `mcp-run://sessions` lists yours. Omit it for a run that must start clean.";
@@ -62,7 +60,7 @@ static OUTPUT_SCHEMA: std::sync::LazyLock<Map<String, Value>> =
 
 /// What an MCP session needs; cheap to clone (one per session, all sharing one store).
 #[derive(Clone)]
-pub struct McpService {
+pub(crate) struct McpService {
     runner: Arc<Runner>,
     capabilities: Arc<Capabilities>,
     config: Arc<McpConfig>,
@@ -81,7 +79,11 @@ pub struct McpService {
 }
 
 impl McpService {
-    pub fn new(runner: Arc<Runner>, capabilities: Arc<Capabilities>, config: &McpConfig) -> Self {
+    pub(crate) fn new(
+        runner: Arc<Runner>,
+        capabilities: Arc<Capabilities>,
+        config: &McpConfig,
+    ) -> Self {
         let limits = StoreLimits {
             max_bytes: config.output_store.max_bytes,
             max_age: Duration::from_secs(config.output_store.max_age_secs),
@@ -109,7 +111,7 @@ impl McpService {
 
     /// Tags this replica's run ids and forwards reads of other replicas' runs to them
     /// (`forward`). Call it right after [`McpService::new`].
-    pub fn with_peers(mut self, peers: Option<Arc<crate::peers::Peers>>) -> Self {
+    pub(crate) fn with_peers(mut self, peers: Option<Arc<crate::peers::Peers>>) -> Self {
         if let Some(p) = &peers
             && let Some(store) = self.store.as_mut().and_then(Arc::get_mut)
         {
@@ -121,7 +123,7 @@ impl McpService {
 
     /// Runs every call that names no session in the session `name` (`mcp-run stdio
     /// --session NAME`: one runner for the client's lifetime).
-    pub fn with_default_session(mut self, name: Option<String>) -> Self {
+    pub(crate) fn with_default_session(mut self, name: Option<String>) -> Self {
         self.default_session = name;
         self
     }
@@ -201,7 +203,7 @@ impl McpService {
 
     /// Takes output templates from this store, configured for this directory (the
     /// process's current directory by default).
-    pub fn with_templates(
+    pub(crate) fn with_templates(
         mut self,
         store: Arc<crate::templates::TemplateStore>,
         dir: std::path::PathBuf,
@@ -212,7 +214,7 @@ impl McpService {
     }
 
     /// Serves these operator-declared CLI tools too, each as its own MCP tool.
-    pub fn with_tools(mut self, tools: Arc<Vec<tools::ToolConfig>>) -> Self {
+    pub(crate) fn with_tools(mut self, tools: Arc<Vec<tools::ToolConfig>>) -> Self {
         self.tools = tools;
         self
     }
@@ -278,7 +280,7 @@ impl McpService {
     /// The tool's definition: the input schema derived from [`RunRequest`] with the
     /// server's bounds, the StructuredResult schema as output schema, annotations saying
     /// what it does.
-    pub fn tool(&self) -> Tool {
+    pub(crate) fn tool(&self) -> Tool {
         let caps = &self.capabilities;
         let catalog = self.templates.catalog(&self.template_dir);
         let mut listing: Vec<String> = catalog
@@ -502,7 +504,7 @@ impl McpService {
 
     /// `resources/read` of a kept output of this replica, as `caller` (also what a peer asks
     /// for its caller).
-    pub fn read_output_as(
+    pub(crate) fn read_output_as(
         &self,
         uri: &str,
         caller: &crate::auth::Caller,

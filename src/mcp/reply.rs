@@ -12,10 +12,10 @@ use super::execute::Ran;
 use super::store::stream_name;
 
 /// How to read a kept output, for results and descriptions.
-pub const HOW_TO_READ: &str = "read it with resources/read; add ?lines=A-B, ?bytes=A-B or ?grep=REGEX to read a part; every read returns one page and names the next";
+pub(crate) const HOW_TO_READ: &str = "read it with resources/read; add ?lines=A-B, ?bytes=A-B or ?grep=REGEX to read a part; every read returns one page and names the next";
 
 /// Both streams of a run as a result shows them.
-pub struct Texts {
+pub(crate) struct Texts {
     pub stdout: String,
     pub stderr: String,
     /// Whether the budget cut either stream.
@@ -25,7 +25,7 @@ pub struct Texts {
 }
 
 /// The two streams of `ran` within `budget` characters together.
-pub fn texts(ran: &Ran, budget: usize) -> Texts {
+pub(crate) fn texts(ran: &Ran, budget: usize) -> Texts {
     let c = &ran.collected;
     let uri = |s: Stream| ran.recording.as_ref().map(|r| r.uri(s));
     let estimates = match &ran.filtered {
@@ -102,7 +102,7 @@ pub fn texts(ran: &Ran, budget: usize) -> Texts {
 
 /// The result of `run_network_tool`: markdown content and the [`StructuredResult`] as
 /// structured content, both bounded by `budget`; `isError` unless the command exited 0.
-pub fn run_result(tool: &str, req: &RunRequest, ran: &Ran, budget: usize) -> CallToolResult {
+pub(crate) fn run_result(tool: &str, req: &RunRequest, ran: &Ran, budget: usize) -> CallToolResult {
     let mut r = StructuredResult::from_run(tool, req, &ran.collected);
     if !ran.collected.steps.is_empty() {
         steps_texts(&mut r, ran, budget);
@@ -167,7 +167,7 @@ fn steps_texts(r: &mut StructuredResult, ran: &Ran, budget: usize) {
 }
 
 /// A tool result from a structured result.
-pub fn finish(r: StructuredResult) -> CallToolResult {
+pub(crate) fn finish(r: StructuredResult) -> CallToolResult {
     let content = vec![ContentBlock::text(r.to_markdown())];
     let mut result = if r.success {
         CallToolResult::success(content)
@@ -180,7 +180,7 @@ pub fn finish(r: StructuredResult) -> CallToolResult {
 
 /// The result of a declared CLI tool: `{stdout, stderr, exitCode}` (plus `fullOutput` when
 /// something was left out), `isError` when the exit code is not 0.
-pub fn cli_result(ran: &Ran, budget: usize) -> CallToolResult {
+pub(crate) fn cli_result(ran: &Ran, budget: usize) -> CallToolResult {
     if let Some(e) = &ran.collected.error {
         return error_result(e);
     }
@@ -206,7 +206,7 @@ pub fn cli_result(ran: &Ran, budget: usize) -> CallToolResult {
 }
 
 /// A call that never reached a command (bad arguments, cancelled).
-pub fn error_result(e: &ErrorBody) -> CallToolResult {
+pub(crate) fn error_result(e: &ErrorBody) -> CallToolResult {
     CallToolResult::error(vec![ContentBlock::text(format!(
         "{}: {}",
         e.code, e.message

@@ -17,27 +17,27 @@ use crate::result::{Stream, cost};
 use super::store::{Recording, stream_name};
 
 /// The URI template agents fill in.
-pub const TEMPLATE: &str = "mcp-run://runs/{id}/{stream}{?lines,bytes,grep}";
+pub(crate) const TEMPLATE: &str = "mcp-run://runs/{id}/{stream}{?lines,bytes,grep}";
 
 const PREFIX: &str = "mcp-run://runs/";
 
 /// A parsed output URI.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct OutputUri {
+pub(crate) struct OutputUri {
     pub id: String,
     pub stream: Stream,
     pub query: Query,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Query {
+pub(crate) struct Query {
     pub bytes: Option<(u64, Option<u64>)>,
     pub lines: Option<(u64, Option<u64>)>,
     pub grep: Option<String>,
 }
 
 /// Whether `uri` is one of ours (so that a bad one gets a precise error).
-pub fn is_output_uri(uri: &str) -> bool {
+pub(crate) fn is_output_uri(uri: &str) -> bool {
     uri.starts_with(PREFIX)
 }
 
@@ -79,7 +79,7 @@ fn encode(s: &str) -> String {
 }
 
 impl OutputUri {
-    pub fn parse(uri: &str) -> Result<OutputUri, String> {
+    pub(crate) fn parse(uri: &str) -> Result<OutputUri, String> {
         let rest = uri
             .strip_prefix(PREFIX)
             .ok_or_else(|| format!("not an output URI: {uri:?}"))?;
@@ -125,7 +125,7 @@ impl OutputUri {
 }
 
 /// One page of a read.
-pub struct Page {
+pub(crate) struct Page {
     /// The page, or with `blob` only the notes about it (next page, what was kept).
     pub text: String,
     /// A `bytes=` page that is not UTF-8: its exact bytes, sent as a `blob` resource content
@@ -136,7 +136,7 @@ pub struct Page {
 }
 
 /// Reads one page of `uri` from `run`, at most `budget` characters (as [`cost`] counts).
-pub fn read(run: &Recording, uri: &OutputUri, budget: usize) -> Result<Page, String> {
+pub(crate) fn read(run: &Recording, uri: &OutputUri, budget: usize) -> Result<Page, String> {
     let path = run.path(uri.stream);
     let file = std::fs::File::open(path).map_err(|e| format!("cannot read the output: {e}"))?;
     let kept = run.kept(uri.stream);

@@ -9,7 +9,7 @@ use crate::contract::RunRequest;
 use crate::result::StructuredResult;
 
 /// What the server adds to the derived input schema of `run_network_tool`.
-pub struct InputExtras {
+pub(crate) struct InputExtras {
     pub profiles: Vec<String>,
     pub default_timeout_secs: u64,
     pub max_timeout_secs: u64,
@@ -20,11 +20,8 @@ pub struct InputExtras {
     pub max_stdin_bytes: usize,
 }
 
-/// The arguments of `run_network_tool` that are MCP's own, not the runner's.
-pub const MCP_ARGS: [&str; 3] = ["template", "stdin", "result_chars"];
-
 /// A derived schema as a JSON object, cleaned for strict validators.
-pub fn derived<T: schemars::JsonSchema>() -> Map<String, Value> {
+pub(crate) fn derived<T: schemars::JsonSchema>() -> Map<String, Value> {
     let mut v = serde_json::to_value(schemars::schema_for!(T)).unwrap_or_default();
     strict(&mut v);
     match v {
@@ -40,7 +37,7 @@ pub fn derived<T: schemars::JsonSchema>() -> Map<String, Value> {
 /// define (schemars writes `uint64`, `int32`, `double`, ... for Rust numbers; the ranges stay
 /// as `minimum`/`maximum`), and writes a nullable `type: [T, "null"]` as `anyOf` of single
 /// types, which single-type dialects (and `inspector --strict`) accept.
-pub fn strict(v: &mut Value) {
+pub(crate) fn strict(v: &mut Value) {
     const STANDARD: &[&str] = &[
         "date-time",
         "date",
@@ -108,7 +105,7 @@ fn not_null(v: &mut Value) {
 
 /// The input schema of `run_network_tool`: [`RunRequest`]'s, with the profiles as an enum,
 /// the timeout bounded, and MCP's own arguments (`template`, `stdin`, `result_chars`).
-pub fn run_input(x: &InputExtras) -> Map<String, Value> {
+pub(crate) fn run_input(x: &InputExtras) -> Map<String, Value> {
     // Inlined (no `$defs`/`$ref` for `steps` and `session_busy`): some clients do not
     // resolve references in tool schemas.
     let schema = schemars::generate::SchemaSettings::draft2020_12()
@@ -189,7 +186,7 @@ pub fn run_input(x: &InputExtras) -> Map<String, Value> {
 }
 
 /// The output schema of `run_network_tool`: [`StructuredResult`]'s.
-pub fn run_output() -> Map<String, Value> {
+pub(crate) fn run_output() -> Map<String, Value> {
     derived::<StructuredResult>()
 }
 

@@ -20,7 +20,7 @@ const EXPIRED_REMEMBERED: usize = 10_000;
 
 /// Bounds of the store (`mcp.output_store` in the configuration).
 #[derive(Debug, Clone)]
-pub struct StoreLimits {
+pub(crate) struct StoreLimits {
     /// All kept output together; the oldest finished runs are removed beyond it.
     pub max_bytes: u64,
     /// How long a finished run's output is kept.
@@ -30,7 +30,7 @@ pub struct StoreLimits {
 }
 
 /// One run's kept output.
-pub struct Recording {
+pub(crate) struct Recording {
     pub id: String,
     owner: Option<String>,
     paths: [PathBuf; 2],
@@ -55,7 +55,7 @@ fn index(s: Stream) -> usize {
 impl Recording {
     /// Appends a chunk of a stream. A write error stops keeping that stream (the read says
     /// how much was kept); the run itself goes on.
-    pub fn push(&self, stream: Stream, data: &[u8]) {
+    pub(crate) fn push(&self, stream: Stream, data: &[u8]) {
         let i = index(stream);
         self.total[i].fetch_add(data.len() as u64, Ordering::Relaxed);
         let kept = self.kept[i].load(Ordering::Relaxed);
@@ -78,21 +78,21 @@ impl Recording {
     }
 
     /// The URI of one stream.
-    pub fn uri(&self, stream: Stream) -> String {
+    pub(crate) fn uri(&self, stream: Stream) -> String {
         format!("mcp-run://runs/{}/{}", self.id, stream_name(stream))
     }
 
     /// Bytes the command wrote to a stream.
-    pub fn total(&self, stream: Stream) -> u64 {
+    pub(crate) fn total(&self, stream: Stream) -> u64 {
         self.total[index(stream)].load(Ordering::Relaxed)
     }
 
     /// Bytes of a stream kept (readable).
-    pub fn kept(&self, stream: Stream) -> u64 {
+    pub(crate) fn kept(&self, stream: Stream) -> u64 {
         self.kept[index(stream)].load(Ordering::Relaxed)
     }
 
-    pub fn path(&self, stream: Stream) -> &std::path::Path {
+    pub(crate) fn path(&self, stream: Stream) -> &std::path::Path {
         &self.paths[index(stream)]
     }
 
@@ -121,7 +121,7 @@ impl Recording {
 }
 
 /// `stdout` or `stderr`.
-pub fn stream_name(s: Stream) -> &'static str {
+pub(crate) fn stream_name(s: Stream) -> &'static str {
     match s {
         Stream::Stdout => "stdout",
         Stream::Stderr => "stderr",
@@ -130,7 +130,7 @@ pub fn stream_name(s: Stream) -> &'static str {
 
 /// Why a run's output cannot be read.
 #[derive(Debug, PartialEq, Eq)]
-pub enum Missing {
+pub(crate) enum Missing {
     /// It was kept and has been removed (age or size bound).
     Expired,
     /// No such run (or not this caller's).
@@ -147,7 +147,7 @@ struct Inner {
 }
 
 /// The store: one per server process, shared by every session.
-pub struct OutputStore {
+pub(crate) struct OutputStore {
     dir: tempfile::TempDir,
     limits: StoreLimits,
     /// This replica's tag, the first characters of every run id when the gateway has peers
@@ -164,7 +164,10 @@ fn owner_of(caller: &Caller) -> Option<String> {
 impl OutputStore {
     /// A store in a new private directory under `parent` (the system's temporary directory
     /// when `None`).
-    pub fn new(parent: Option<&std::path::Path>, limits: StoreLimits) -> std::io::Result<Self> {
+    pub(crate) fn new(
+        parent: Option<&std::path::Path>,
+        limits: StoreLimits,
+    ) -> std::io::Result<Self> {
         let mut b = tempfile::Builder::new();
         // Named with the gateway's pid: what a killed gateway leaves is found (crate::leftovers).
         let prefix = crate::leftovers::prefix("outputs");
@@ -182,17 +185,17 @@ impl OutputStore {
     }
 
     /// Starts every run id with `tag` (this replica's, [`crate::peers::Peers::tag`]).
-    pub fn set_tag(&mut self, tag: &str) {
+    pub(crate) fn set_tag(&mut self, tag: &str) {
         self.tag = Some(tag.to_owned());
     }
 
-    pub fn limits(&self) -> &StoreLimits {
+    pub(crate) fn limits(&self) -> &StoreLimits {
         &self.limits
     }
 
     /// Starts keeping a run's output. `None` when its files cannot be created (the result
     /// then says that the full output is not kept).
-    pub fn begin(&self, caller: &Caller) -> Option<Arc<Recording>> {
+    pub(crate) fn begin(&self, caller: &Caller) -> Option<Arc<Recording>> {
         self.evict();
         let id = format!("{}{}", self.tag.as_deref().unwrap_or_default(), random_id());
         let paths = [
@@ -226,7 +229,7 @@ impl OutputStore {
     }
 
     /// The run ended: its files are complete.
-    pub fn finish(&self, r: &Recording) {
+    pub(crate) fn finish(&self, r: &Recording) {
         r.flush();
         if let Ok(mut e) = r.ended.lock() {
             *e = Some(Instant::now());
@@ -236,7 +239,7 @@ impl OutputStore {
     }
 
     /// A run as `caller` may read it.
-    pub fn get(&self, id: &str, caller: &Caller) -> Result<Arc<Recording>, Missing> {
+    pub(crate) fn get(&self, id: &str, caller: &Caller) -> Result<Arc<Recording>, Missing> {
         self.evict();
         let inner = self.inner.lock().map_err(|_| Missing::Unknown)?;
         match inner.runs.get(id) {
@@ -248,7 +251,7 @@ impl OutputStore {
     }
 
     /// The finished runs `caller` may read, newest first, at most `n`.
-    pub fn list(&self, caller: &Caller, n: usize) -> Vec<Arc<Recording>> {
+    pub(crate) fn list(&self, caller: &Caller, n: usize) -> Vec<Arc<Recording>> {
         let Ok(inner) = self.inner.lock() else {
             return Vec::new();
         };
@@ -309,7 +312,7 @@ impl OutputStore {
 
 /// The tag of the replica that keeps run `id`, when the id carries one (ids of a gateway
 /// with peers: the tag, then 32 hex digits).
-pub fn replica_of(id: &str) -> Option<&str> {
+pub(crate) fn replica_of(id: &str) -> Option<&str> {
     (id.len() == crate::peers::TAG_LEN + 32).then(|| &id[..crate::peers::TAG_LEN])
 }
 

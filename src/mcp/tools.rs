@@ -104,7 +104,7 @@ pub struct ArgsSpec {
 /// A configuration error: the field and what is wrong.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("`{field}` {message}")]
-pub struct ToolConfigError {
+pub(crate) struct ToolConfigError {
     pub field: String,
     pub message: String,
 }
@@ -117,10 +117,10 @@ fn cerr(field: String, message: impl Into<String>) -> ToolConfigError {
 }
 
 /// Names the built-in tool uses; a declared tool may not take them.
-pub const RESERVED: &[&str] = &["run_network_tool"];
+pub(crate) const RESERVED: &[&str] = &["run_network_tool"];
 
 /// Checks every tool; errors name the field as `tools[i].…`.
-pub fn validate(tools: &[ToolConfig]) -> Result<(), ToolConfigError> {
+pub(crate) fn validate(tools: &[ToolConfig]) -> Result<(), ToolConfigError> {
     let mut names = HashSet::new();
     for (i, t) in tools.iter().enumerate() {
         let base = format!("tools[{i}]");
@@ -402,7 +402,7 @@ impl ToolConfig {
 
 /// What a declared tool answers (its structured content).
 #[derive(Debug, Clone, Serialize, schemars::JsonSchema)]
-pub struct ToolOutput {
+pub(crate) struct ToolOutput {
     pub stdout: String,
     pub stderr: String,
     /// The exit code; 128+N when signal N killed the command; 124 when its timeout did.
@@ -414,7 +414,7 @@ pub struct ToolOutput {
 }
 
 /// The output schema of every declared tool: [`ToolOutput`]'s.
-pub fn output_schema() -> Map<String, Value> {
+pub(crate) fn output_schema() -> Map<String, Value> {
     super::schema::derived::<ToolOutput>()
 }
 

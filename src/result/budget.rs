@@ -12,7 +12,7 @@ fn char_cost(c: char) -> usize {
 }
 
 /// The cost of a text in a result (see [`char_cost`]).
-pub fn cost(s: &str) -> usize {
+pub(crate) fn cost(s: &str) -> usize {
     s.chars().map(char_cost).sum()
 }
 
@@ -37,7 +37,7 @@ fn each_char(bytes: &[u8], mut f: impl FnMut(usize, usize) -> bool) {
 }
 
 /// How many leading bytes of `bytes` fit in `budget`, ending on a character boundary.
-pub fn fit_head(bytes: &[u8], budget: usize) -> usize {
+pub(crate) fn fit_head(bytes: &[u8], budget: usize) -> usize {
     let (mut used, mut end) = (0, 0);
     each_char(bytes, |at, c| {
         if used + c > budget {
@@ -51,7 +51,7 @@ pub fn fit_head(bytes: &[u8], budget: usize) -> usize {
 }
 
 /// How many trailing bytes of `bytes` fit in `budget`, starting on a character boundary.
-pub fn fit_tail(bytes: &[u8], budget: usize) -> usize {
+pub(crate) fn fit_tail(bytes: &[u8], budget: usize) -> usize {
     let mut total = 0;
     each_char(bytes, |_, c| {
         total += c;
@@ -75,7 +75,7 @@ const MARKER_COST: usize = 400;
 /// `bytes` cut to `budget`: the head and the tail kept (on line boundaries when near), the
 /// cut marked in place by `marker(first byte left out, end of the bytes left out)`. Colour
 /// escapes are removed. The flag says whether anything was left out.
-pub fn excerpt(
+pub(crate) fn excerpt(
     bytes: &[u8],
     gap: Option<(usize, u64)>,
     budget: usize,

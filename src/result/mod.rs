@@ -22,16 +22,16 @@ use crate::exec::Execution;
 mod budget;
 mod template;
 
-pub use budget::{cost, excerpt, fit_head, fit_tail};
-pub use template::{Filters, apply_to_result};
+pub(crate) use budget::{cost, excerpt, fit_head};
+pub(crate) use template::Filters;
 
 /// The default cap per stream of `run-remote --output-format json|markdown`: 1 MiB. (MCP
 /// results are sized by a character budget instead, see [`Capture::excerpt`].)
-pub const DEFAULT_MAX_OUTPUT_BYTES: usize = 1024 * 1024;
+pub(crate) const DEFAULT_MAX_OUTPUT_BYTES: usize = 1024 * 1024;
 
 /// Where and how a command ran.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
-pub struct ExecutionContext {
+pub(crate) struct ExecutionContext {
     /// The tool (or client) that ran the command.
     pub tool: String,
     /// The command line, quoted for reading (it ran as argv, not through a shell).
@@ -73,7 +73,7 @@ pub struct ExecutionContext {
 
 /// One command's captured result.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
-pub struct CommandOutput {
+pub(crate) struct CommandOutput {
     pub command: String,
     pub stdout: String,
     pub stderr: String,
@@ -96,7 +96,7 @@ pub struct CommandOutput {
 
 /// The kept full output of a run (MCP resources, `resources/read`).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
-pub struct FullOutput {
+pub(crate) struct FullOutput {
     /// The URI of stdout (`mcp-run://runs/{id}/stdout`).
     pub stdout_uri: String,
     pub stdout_bytes: u64,
@@ -108,7 +108,7 @@ pub struct FullOutput {
 
 /// The whole result.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
-pub struct StructuredResult {
+pub(crate) struct StructuredResult {
     pub context: ExecutionContext,
     pub outputs: Vec<CommandOutput>,
     /// Every command started and exited 0.
@@ -123,7 +123,7 @@ pub struct StructuredResult {
 
 /// One stream captured with a cap: the first half and the last half of the cap are kept.
 #[derive(Debug, Clone)]
-pub struct Capture {
+pub(crate) struct Capture {
     head_cap: usize,
     tail_cap: usize,
     head: Vec<u8>,
@@ -132,7 +132,7 @@ pub struct Capture {
 }
 
 impl Capture {
-    pub fn new(cap: usize) -> Self {
+    pub(crate) fn new(cap: usize) -> Self {
         let head_cap = cap / 2;
         Self {
             head_cap,
@@ -143,7 +143,7 @@ impl Capture {
         }
     }
 
-    pub fn push(&mut self, mut data: &[u8]) {
+    pub(crate) fn push(&mut self, mut data: &[u8]) {
         self.total += data.len() as u64;
         if self.head.len() < self.head_cap {
             let n = data.len().min(self.head_cap - self.head.len());
@@ -161,12 +161,12 @@ impl Capture {
     }
 
     /// Bytes that were written but are not kept.
-    pub fn omitted(&self) -> u64 {
+    pub(crate) fn omitted(&self) -> u64 {
         self.total - (self.head.len() + self.tail.len()) as u64
     }
 
     /// The kept bytes with a marker where bytes were left out; and whether any were.
-    pub fn text(&self) -> (String, bool) {
+    pub(crate) fn text(&self) -> (String, bool) {
         let omitted = self.omitted();
         let mut bytes = self.head.clone();
         if omitted > 0 {
@@ -185,12 +185,16 @@ impl Capture {
         (String::from_utf8_lossy(&bytes).into_owned(), omitted > 0)
     }
 
-    pub fn total(&self) -> u64 {
+    pub(crate) fn total(&self) -> u64 {
         self.total
     }
 
     /// The captured stream cut to `budget` (see [`excerpt`]); `marker` gets stream offsets.
-    pub fn excerpt(&self, budget: usize, marker: impl Fn(u64, u64) -> String) -> (String, bool) {
+    pub(crate) fn excerpt(
+        &self,
+        budget: usize,
+        marker: impl Fn(u64, u64) -> String,
+    ) -> (String, bool) {
         let mut bytes = self.head.clone();
         let split = bytes.len();
         bytes.extend(self.tail.iter());
@@ -200,7 +204,7 @@ impl Capture {
 
 /// A run as collected from its events.
 #[derive(Debug)]
-pub struct Collected {
+pub(crate) struct Collected {
     pub context: RunContext,
     pub stdout: Capture,
     pub stderr: Capture,
@@ -215,7 +219,7 @@ pub struct Collected {
 
 /// One step of a multi-step run as collected.
 #[derive(Debug)]
-pub struct CollectedStep {
+pub(crate) struct CollectedStep {
     pub command: String,
     pub stdout: Capture,
     pub stderr: Capture,
@@ -225,14 +229,14 @@ pub struct CollectedStep {
 
 /// Which stream a chunk came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Stream {
+pub(crate) enum Stream {
     Stdout,
     Stderr,
 }
 
 /// Reads an execution to its end, capturing both streams; `on_output` sees every chunk
 /// (for progress reports).
-pub async fn collect(
+pub(crate) async fn collect(
     mut execution: Execution,
     cap: usize,
     mut on_output: impl FnMut(Stream, &[u8]),
@@ -391,7 +395,7 @@ impl StructuredResult {
     }
 
     /// The result of a run that started.
-    pub fn from_run(tool: &str, req: &RunRequest, run: &Collected) -> Self {
+    pub(crate) fn from_run(tool: &str, req: &RunRequest, run: &Collected) -> Self {
         if !req.steps.is_empty() {
             return Self::from_steps(tool, req, run);
         }
@@ -451,12 +455,12 @@ impl StructuredResult {
     }
 
     /// The result of a request that was refused or could not start.
-    pub fn not_started(tool: &str, req: &RunRequest, error: &ErrorBody) -> Self {
+    pub(crate) fn not_started(tool: &str, req: &RunRequest, error: &ErrorBody) -> Self {
         Self::did_not_run(tool, req, error.code.as_str(), &error.message)
     }
 
     /// A command that did not run, for `reason` (an error code, or a client's own reason).
-    pub fn did_not_run(tool: &str, req: &RunRequest, reason: &str, message: &str) -> Self {
+    pub(crate) fn did_not_run(tool: &str, req: &RunRequest, reason: &str, message: &str) -> Self {
         let context = Self::context_for(tool, req, None);
         Self {
             summary: format!(
@@ -471,12 +475,12 @@ impl StructuredResult {
         }
     }
 
-    pub fn to_json(&self) -> String {
+    pub(crate) fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).unwrap_or_default()
     }
 
     /// Markdown for agents and people: where it ran, status, duration, output, errors.
-    pub fn to_markdown(&self) -> String {
+    pub(crate) fn to_markdown(&self) -> String {
         let mut md = format!("## Execution: `{}`\n\n", self.context.tool);
         md.push_str(&format!(
             "**Where:** {}\n",

@@ -5,20 +5,20 @@ use crate::templates::{StreamFilter, Template};
 
 /// Both streams filtered by one template as they arrive (bounded memory), for a run that is
 /// collected whole: feed it from [`super::collect`]'s `on_output`.
-pub struct Filters {
+pub(crate) struct Filters {
     stdout: StreamFilter,
     stderr: StreamFilter,
 }
 
 impl Filters {
-    pub fn new(template: &Template) -> Self {
+    pub(crate) fn new(template: &Template) -> Self {
         Self {
             stdout: StreamFilter::new(template),
             stderr: StreamFilter::new(template),
         }
     }
 
-    pub fn push(&mut self, stream: Stream, data: &[u8]) {
+    pub(crate) fn push(&mut self, stream: Stream, data: &[u8]) {
         match stream {
             Stream::Stdout => self.stdout.push(data),
             Stream::Stderr => self.stderr.push(data),
@@ -28,7 +28,7 @@ impl Filters {
     /// Replaces the result's output with the filtered streams. A failure (error, timeout,
     /// signal) counts as one for the template. Says so in the summary, in one short note,
     /// only when lines were left out. Returns the lines left out.
-    pub fn apply(self, result: &mut StructuredResult, full: Option<&str>) -> usize {
+    pub(crate) fn apply(self, result: &mut StructuredResult, full: Option<&str>) -> usize {
         let Some(o) = result.outputs.first_mut() else {
             return 0;
         };
@@ -59,7 +59,8 @@ impl Filters {
 
 /// Filters every output's stdout and stderr held whole (see [`Filters`]); returns the lines
 /// left out.
-pub fn apply_to_result(result: &mut StructuredResult, template: &Template) -> usize {
+#[cfg(test)]
+fn apply_to_result(result: &mut StructuredResult, template: &Template) -> usize {
     let mut f = Filters::new(template);
     if let Some(o) = result.outputs.first() {
         f.push(Stream::Stdout, o.stdout.as_bytes());

@@ -33,14 +33,14 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 /// hyper's read and write buffer per connection; also bounds a request's headers.
-pub const MAX_CONNECTION_BUFFER: usize = 96 * 1024;
+pub(crate) const MAX_CONNECTION_BUFFER: usize = 96 * 1024;
 
 /// After the drain, how long connections get to finish before they are dropped.
-pub const CLOSE_GRACE: Duration = Duration::from_secs(5);
+pub(crate) const CLOSE_GRACE: Duration = Duration::from_secs(5);
 
 /// The connection limits (`server.*` in the configuration).
 #[derive(Debug, Clone)]
-pub struct ConnectionLimits {
+pub(crate) struct ConnectionLimits {
     pub max_connections: usize,
     pub max_unauthenticated: usize,
     pub header_timeout: Duration,
@@ -52,11 +52,11 @@ pub struct ConnectionLimits {
 /// A connection's hold on the unauthenticated cap, released by its first authenticated
 /// request. In the extensions of every request of that connection.
 #[derive(Clone, Default)]
-pub struct Unauthenticated(Arc<Mutex<Option<OwnedSemaphorePermit>>>);
+pub(crate) struct Unauthenticated(Arc<Mutex<Option<OwnedSemaphorePermit>>>);
 
 impl Unauthenticated {
     /// This connection proved who it is: it no longer counts against the cap.
-    pub fn release(&self) {
+    pub(crate) fn release(&self) {
         self.take();
     }
 
@@ -72,7 +72,7 @@ impl Unauthenticated {
 
 /// Middleware inside auth: a request that got this far is authenticated (or auth is off),
 /// except on the open paths (probes), which prove nothing.
-pub async fn mark_authenticated(req: Request, next: Next) -> Response {
+pub(crate) async fn mark_authenticated(req: Request, next: Next) -> Response {
     let proven = req
         .extensions()
         .get::<crate::auth::Caller>()
@@ -91,13 +91,13 @@ pub async fn mark_authenticated(req: Request, next: Next) -> Response {
 /// reads while it answers, so a watcher peeks at a duplicate of the socket instead: only for
 /// the connections that stream a run, so an idle connection costs no extra descriptor.
 #[derive(Clone, Copy)]
-pub struct PeerClosed(std::os::fd::RawFd);
+pub(crate) struct PeerClosed(std::os::fd::RawFd);
 
 impl PeerClosed {
     /// A token cancelled at the client's EOF, watched until `until` fires. `None` when the
     /// socket cannot be duplicated (out of descriptors): the stream then learns of a gone
     /// client only when a write fails.
-    pub fn watch(&self, until: CancellationToken) -> Option<CancellationToken> {
+    pub(crate) fn watch(&self, until: CancellationToken) -> Option<CancellationToken> {
         use std::os::fd::BorrowedFd;
         // SAFETY: the fd is the connection's socket, which hyper owns for as long as any of
         // the connection's requests is being handled, and this runs inside a handler.
@@ -161,11 +161,11 @@ impl Pending {
 
 /// Marks requests of a gateway without auth: every request counts as authenticated.
 #[derive(Clone, Copy)]
-pub struct AuthOff;
+pub(crate) struct AuthOff;
 
 /// Serves `router` on `listener` until `drained` resolves (the caller's shutdown: the
 /// signal, then the drain of running commands); then connections are closed.
-pub async fn run(
+pub(crate) async fn run(
     listener: TcpListener,
     router: Router,
     limits: ConnectionLimits,

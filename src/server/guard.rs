@@ -20,11 +20,9 @@ use crate::contract::{ErrorBody, ErrorCode};
 /// Paths answered whatever the `Host` header says.
 const HOST_EXEMPT: &[&str] = &["/healthz", "/readyz", "/metrics"];
 
-pub use crate::config::LOOPBACK_HOSTS;
-
 /// What the middleware checks.
 #[derive(Debug, Clone)]
-pub struct Guard {
+pub(crate) struct Guard {
     /// Lower-case host names without port; `None`: any host (`"*"` in the list).
     allowed: Option<Vec<String>>,
     max_body_bytes: usize,
@@ -36,7 +34,7 @@ pub struct Guard {
 
 impl Guard {
     /// `allowed_hosts` as configured: names or addresses, `*` for any.
-    pub fn new(allowed_hosts: &[String], max_body_bytes: usize) -> Self {
+    pub(crate) fn new(allowed_hosts: &[String], max_body_bytes: usize) -> Self {
         let allowed = (!allowed_hosts.iter().any(|h| h == "*")).then(|| {
             allowed_hosts
                 .iter()
@@ -52,13 +50,13 @@ impl Guard {
     }
 
     /// Fails a request body that pauses longer than `timeout`.
-    pub fn with_body_timeout(mut self, timeout: std::time::Duration) -> Self {
+    pub(crate) fn with_body_timeout(mut self, timeout: std::time::Duration) -> Self {
         self.body_timeout = Some(timeout);
         self
     }
 
     /// Counts refusals in `metrics`.
-    pub fn with_metrics(mut self, metrics: crate::metrics::Metrics) -> Self {
+    pub(crate) fn with_metrics(mut self, metrics: crate::metrics::Metrics) -> Self {
         self.metrics = Some(metrics);
         self
     }
@@ -71,7 +69,11 @@ impl Guard {
     }
 
     /// Checks `Host` (or the request target's authority, HTTP/2) and `Origin`.
-    pub fn check_host(&self, uri: &axum::http::Uri, headers: &HeaderMap) -> Result<(), ErrorBody> {
+    pub(crate) fn check_host(
+        &self,
+        uri: &axum::http::Uri,
+        headers: &HeaderMap,
+    ) -> Result<(), ErrorBody> {
         if self.allowed.is_none() {
             return Ok(());
         }
@@ -107,7 +109,7 @@ impl Guard {
     /// Refuses a declared body larger than the limit before any of it is read. A body that
     /// carries stdin is exempt: its request line and its stdin have limits of their own,
     /// checked by `/raw` (`server.max_body_bytes`, `limits.max_stdin_bytes`).
-    pub fn check_length(&self, headers: &HeaderMap) -> Result<(), ErrorBody> {
+    pub(crate) fn check_length(&self, headers: &HeaderMap) -> Result<(), ErrorBody> {
         if is_stdin(headers) {
             return Ok(());
         }
@@ -150,7 +152,11 @@ fn normalize_host(h: &str) -> String {
 }
 
 /// The middleware (outermost layer): host check, then the declared length.
-pub async fn middleware(State(guard): State<Arc<Guard>>, req: Request, next: Next) -> Response {
+pub(crate) async fn middleware(
+    State(guard): State<Arc<Guard>>,
+    req: Request,
+    next: Next,
+) -> Response {
     // Replicas call each other by address, with the peer secret (no browser sends it).
     let exempt = HOST_EXEMPT.contains(&req.uri().path())
         || req.uri().path().starts_with(crate::peers::PATH_PREFIX);
@@ -202,6 +208,7 @@ fn is_stdin(headers: &HeaderMap) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::LOOPBACK_HOSTS;
 
     fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
         let mut h = HeaderMap::new();

@@ -24,7 +24,7 @@ use crate::contract::{ErrorBody, ErrorCode};
 const SESSION_HEADER: &str = "mcp-session-id";
 
 /// The state of the `/mcp` guard.
-pub struct McpGuard {
+pub(crate) struct McpGuard {
     sessions: Arc<LocalSessionManager>,
     max_sessions: usize,
     max_per_client: usize,
@@ -36,7 +36,7 @@ pub struct McpGuard {
 }
 
 impl McpGuard {
-    pub fn new(
+    pub(crate) fn new(
         sessions: Arc<LocalSessionManager>,
         max_sessions: usize,
         max_per_client: usize,
@@ -75,7 +75,11 @@ impl Drop for InFlight {
 }
 
 /// The middleware in front of rmcp's service.
-pub async fn middleware(State(guard): State<Arc<McpGuard>>, req: Request, next: Next) -> Response {
+pub(crate) async fn middleware(
+    State(guard): State<Arc<McpGuard>>,
+    req: Request,
+    next: Next,
+) -> Response {
     if req.method() != axum::http::Method::POST {
         let delete = req.method() == axum::http::Method::DELETE;
         let mut resp = json_errors(next.run(req).await).await;

@@ -15,7 +15,7 @@ use crate::mcp::McpService;
 use crate::peers::Peers;
 
 /// The peer routes (none without peers).
-pub fn routes<S: Clone + Send + Sync + 'static>(
+pub(super) fn routes<S: Clone + Send + Sync + 'static>(
     peers: Option<Arc<Peers>>,
     service: McpService,
 ) -> Router<S> {

@@ -43,7 +43,7 @@ const DRAIN_BYTES: u64 = 16 << 20;
 
 /// The largest request line of a stdin body (the JSON body limit, `server.max_body_bytes`).
 #[derive(Debug, Clone, Copy)]
-pub struct HeadLimit(pub usize);
+pub(crate) struct HeadLimit(pub usize);
 
 pub(super) async fn raw(
     State(state): State<AppState>,

@@ -34,7 +34,7 @@ struct WsState {
 }
 
 /// The workspace routes; `store` is the gateway's, refusals are counted in `metrics`.
-pub fn routes<S: Clone + Send + Sync + 'static>(
+pub(super) fn routes<S: Clone + Send + Sync + 'static>(
     store: Arc<WorkspaceStore>,
     metrics: crate::metrics::Metrics,
 ) -> Router<S> {

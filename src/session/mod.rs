@@ -207,7 +207,7 @@ struct State {
 }
 
 /// The sessions of a gateway.
-pub struct Sessions {
+pub(crate) struct Sessions {
     config: SessionConfig,
     state: Mutex<State>,
     metrics: Metrics,
@@ -217,7 +217,7 @@ pub struct Sessions {
 
 /// A call's hold on its session: the session's runner, for this call only; released
 /// (the session idle again) when dropped.
-pub struct SessionCall {
+pub(crate) struct SessionCall {
     session: Arc<Session>,
     runner: Arc<dyn KeptRunner>,
     number: u64,
@@ -225,21 +225,21 @@ pub struct SessionCall {
 }
 
 impl SessionCall {
-    pub fn runner(&self) -> &Arc<dyn KeptRunner> {
+    pub(crate) fn runner(&self) -> &Arc<dyn KeptRunner> {
         &self.runner
     }
 
     /// The token of this call's command: fired at shutdown and when the session ends.
-    pub fn cancel(&self) -> CancellationToken {
+    pub(crate) fn cancel(&self) -> CancellationToken {
         self.session.ended.child_token()
     }
 
-    pub fn name(&self) -> &str {
+    pub(crate) fn name(&self) -> &str {
         &self.session.name
     }
 
     /// 1 for the call that opened the session.
-    pub fn number(&self) -> u64 {
+    pub(crate) fn number(&self) -> u64 {
         self.number
     }
 }
@@ -252,7 +252,7 @@ impl Drop for SessionCall {
 }
 
 /// A hash naming an owner or a session in labels and forwarded names (never the identity).
-pub fn label_hash(parts: &[&str]) -> String {
+pub(crate) fn label_hash(parts: &[&str]) -> String {
     let mut joined = Vec::new();
     for p in parts {
         joined.extend_from_slice(p.as_bytes());
@@ -264,7 +264,7 @@ pub fn label_hash(parts: &[&str]) -> String {
 /// The name a session goes by on an upstream gateway (remote backend): every caller of this
 /// gateway reaches the upstream with this gateway's one token, so a network caller's names
 /// get a suffix of its identity's hash; a local caller (stdio) keeps its names.
-pub fn forwarded_name(caller: &Caller, name: &str) -> String {
+pub(crate) fn forwarded_name(caller: &Caller, name: &str) -> String {
     if caller.local.is_some() && caller.identity.is_none() {
         return name.to_owned();
     }
@@ -275,7 +275,11 @@ pub fn forwarded_name(caller: &Caller, name: &str) -> String {
 impl Sessions {
     /// Sessions ended by `stop` (the gateway's shutdown). Starts the task that expires idle
     /// sessions.
-    pub fn new(config: SessionConfig, metrics: Metrics, stop: CancellationToken) -> Arc<Self> {
+    pub(crate) fn new(
+        config: SessionConfig,
+        metrics: Metrics,
+        stop: CancellationToken,
+    ) -> Arc<Self> {
         let this = Arc::new(Self {
             config,
             state: Mutex::new(State::default()),
@@ -299,7 +303,7 @@ impl Sessions {
         this
     }
 
-    pub fn config(&self) -> &SessionConfig {
+    pub(crate) fn config(&self) -> &SessionConfig {
         &self.config
     }
 
@@ -376,7 +380,7 @@ impl Sessions {
     /// Takes the session `name` of `caller` for one call of `spec`, opening it (a runner
     /// from the call's profile) when there is none. Waits while another call runs (within
     /// the call's timeout, reported on `progress`) unless `busy` says fail.
-    pub async fn call(
+    pub(crate) async fn call(
         &self,
         executor: &dyn Executor,
         caller: &Caller,
@@ -632,7 +636,7 @@ impl Sessions {
     }
 
     /// The open sessions of `caller`, by name.
-    pub fn list(&self, caller: &Caller) -> Vec<SessionInfo> {
+    pub(crate) fn list(&self, caller: &Caller) -> Vec<SessionInfo> {
         let owner = caller.key();
         let now = Instant::now();
         let st = lock(&self.state);
@@ -647,7 +651,7 @@ impl Sessions {
     }
 
     /// Ends `caller`'s session `name`: its running call is killed, its runner released.
-    pub fn end(&self, caller: &Caller, name: &str) -> Result<(), ErrorBody> {
+    pub(crate) fn end(&self, caller: &Caller, name: &str) -> Result<(), ErrorBody> {
         let key: Key = (caller.key(), name.to_owned());
         let s = lock(&self.state).open.remove(&key);
         match s {
@@ -670,7 +674,7 @@ impl Sessions {
     }
 
     /// Releases every session's runner (at shutdown, after the running calls were killed).
-    pub async fn shutdown(&self) {
+    pub(crate) async fn shutdown(&self) {
         let all: Vec<Arc<Session>> = lock(&self.state).open.drain().map(|(_, s)| s).collect();
         let closes = all.into_iter().map(|s| async move {
             s.ended.cancel();

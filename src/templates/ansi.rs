@@ -8,7 +8,7 @@ const ESC: u8 = 0x1b;
 
 /// `bytes` without escape sequences: CSI (`ESC [ ... final`), OSC (`ESC ] ... BEL` or
 /// `ESC ] ... ESC \`) and two-byte escapes. Borrowed when there are none.
-pub fn strip(bytes: &[u8]) -> Cow<'_, [u8]> {
+pub(crate) fn strip(bytes: &[u8]) -> Cow<'_, [u8]> {
     if memchr::memchr(ESC, bytes).is_none() {
         return Cow::Borrowed(bytes);
     }
@@ -58,7 +58,7 @@ pub fn strip(bytes: &[u8]) -> Cow<'_, [u8]> {
 }
 
 /// [`strip`] for text.
-pub fn strip_str(s: &str) -> Cow<'_, str> {
+pub(crate) fn strip_str(s: &str) -> Cow<'_, str> {
     match strip(s.as_bytes()) {
         Cow::Borrowed(_) => Cow::Borrowed(s),
         Cow::Owned(b) => Cow::Owned(String::from_utf8_lossy(&b).into_owned()),

@@ -10,10 +10,10 @@ use std::sync::LazyLock;
 use regex::bytes::RegexSet;
 
 /// The template that `auto` uses when nothing points to a tool.
-pub const GENERIC: &str = "generic";
+pub(crate) const GENERIC: &str = "generic";
 
 /// The name that asks for a pick.
-pub const AUTO: &str = "auto";
+pub(crate) const AUTO: &str = "auto";
 
 /// How a template was chosen, for the note that names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,7 +72,7 @@ fn subcommand(args: &[String]) -> Option<&str> {
 
 /// The template for a command line, by its program and subcommand; `None` when the command
 /// says nothing (a script, `npm test`, an unknown tool).
-pub fn by_command(argv: &[String]) -> Option<&'static str> {
+pub(crate) fn by_command(argv: &[String]) -> Option<&'static str> {
     by_command_depth(argv, 0)
 }
 
@@ -228,7 +228,7 @@ static SIGNATURE_SET: LazyLock<RegexSet> = LazyLock::new(|| {
 });
 
 /// The template a line points to, if it is one tool's signature.
-pub fn by_line(line: &[u8]) -> Option<&'static str> {
+pub(crate) fn by_line(line: &[u8]) -> Option<&'static str> {
     SIGNATURE_SET
         .matches(line)
         .iter()

@@ -144,7 +144,7 @@ const DIFF_WINDOW: usize = 6;
 
 /// On a non-zero exit, a stream of at most this many lines is kept whole: a failing tool's
 /// short stderr is the message, whatever shape it has.
-pub const SHORT_STREAM_LINES: usize = 10;
+pub(crate) const SHORT_STREAM_LINES: usize = 10;
 
 /// The result of applying a template to one stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -173,28 +173,28 @@ impl Filtered {
 
 /// The longest line the filter holds: longer ones are split, so that a stream without
 /// newlines cannot grow the filter's memory.
-pub const MAX_LINE: usize = 64 * 1024;
+pub(crate) const MAX_LINE: usize = 64 * 1024;
 
 /// The most bytes of kept lines held (half for the first, half for the last); beyond it the
 /// middle of the kept lines is dropped and counted.
-pub const MAX_KEPT: usize = 8 * 1024 * 1024;
+pub(crate) const MAX_KEPT: usize = 8 * 1024 * 1024;
 
 /// The most bytes of the trailing paragraphs held.
-pub const MAX_TAIL: usize = 256 * 1024;
+pub(crate) const MAX_TAIL: usize = 256 * 1024;
 
 /// The most lines of the trailing paragraphs kept: a summary is short, and a last
 /// "paragraph" of thousands of progress lines is noise (its failure lines are kept anyway).
-pub const MAX_TAIL_LINES: usize = 50;
+pub(crate) const MAX_TAIL_LINES: usize = 50;
 
 /// A stream up to this size is held whole, so that it can be returned unchanged when
 /// filtering would not shrink it. A longer one that filtering would not shrink loses its
 /// note instead (the kept lines alone are never longer than the input).
-pub const RAW_HOLD: usize = 256 * 1024;
+pub(crate) const RAW_HOLD: usize = 256 * 1024;
 
 /// `auto` looks at this many lines of the output at most (or [`SNIFF_BYTES`]) for a line
 /// that names the tool; the lines are held meanwhile, then filtered as usual.
-pub const SNIFF_LINES: usize = 300;
-pub const SNIFF_BYTES: usize = 128 * 1024;
+pub(crate) const SNIFF_LINES: usize = 300;
+pub(crate) const SNIFF_BYTES: usize = 128 * 1024;
 
 /// How many lines of a diagnostic block (an error line followed by its code frame, up to
 /// the next blank line) are kept at most.
@@ -847,7 +847,7 @@ static NUMBERED: LazyLock<Regex> = LazyLock::new(|| compile(r"^\s*\d+\) \S"));
 
 /// Applies `template` to one stream held whole (see [`StreamFilter`]). `exit_code` is the
 /// command's (`None` when a signal ended it, which counts as a failure).
-pub fn apply(template: &Template, output: &[u8], exit_code: Option<i32>) -> Filtered {
+pub(crate) fn apply(template: &Template, output: &[u8], exit_code: Option<i32>) -> Filtered {
     let mut f = StreamFilter::new(template);
     f.push(output);
     f.finish(exit_code, None)

@@ -9,10 +9,10 @@
 //! [`TemplateStore`], which caches per directory with a TTL and keeps the last good
 //! configuration when the file turns invalid.
 
-pub mod ansi;
-pub mod auto;
-pub mod filter;
-pub mod store;
+pub(crate) mod ansi;
+pub(crate) mod auto;
+pub(crate) mod filter;
+pub(crate) mod store;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -20,15 +20,15 @@ use std::sync::{Arc, OnceLock};
 
 use serde::Deserialize;
 
-pub use auto::{AUTO, GENERIC, Picked};
-pub use filter::{Filtered, StreamFilter, apply};
+pub(crate) use auto::{AUTO, GENERIC, Picked};
+pub(crate) use filter::{Filtered, StreamFilter};
 
 /// The name that asks for no template at all: the output as it came.
-pub const RAW: &str = "raw";
-pub use store::TemplateStore;
+pub(crate) const RAW: &str = "raw";
+pub(crate) use store::TemplateStore;
 
 /// The configuration file, relative to a directory on the way up from the working directory.
-pub const CONFIG_PATH: &str = ".mcp-run/config.yaml";
+pub(crate) const CONFIG_PATH: &str = ".mcp-run/config.yaml";
 
 const BUILTIN_YAML: &str = include_str!("builtin.yaml");
 
@@ -75,7 +75,7 @@ pub struct Template {
 
 /// The templates `auto` picks from: a catalog's, without `auto` itself.
 #[derive(Debug)]
-pub struct AutoCatalog {
+pub(crate) struct AutoCatalog {
     templates: BTreeMap<String, Template>,
 }
 
@@ -215,7 +215,7 @@ struct ConfigFile {
 }
 
 /// Parses a configuration file's text into templates. `path` names the file in errors.
-pub fn parse_config(path: &Path, text: &str) -> Result<Vec<Template>, ConfigError> {
+pub(crate) fn parse_config(path: &Path, text: &str) -> Result<Vec<Template>, ConfigError> {
     let file: Option<ConfigFile> = yaml_serde::from_str(text).map_err(|e| ConfigError::Yaml {
         path: path.to_owned(),
         message: e.to_string(),
@@ -228,7 +228,7 @@ pub fn parse_config(path: &Path, text: &str) -> Result<Vec<Template>, ConfigErro
 }
 
 /// Checks and compiles a `templates:` map read from `path`.
-pub fn parse_templates(
+pub(crate) fn parse_templates(
     path: &Path,
     templates: BTreeMap<String, yaml_serde::Value>,
 ) -> Result<Vec<Template>, ConfigError> {
@@ -286,7 +286,7 @@ fn valid_name(name: &str) -> bool {
 }
 
 /// The nearest `.mcp-run/config.yaml` at or above `dir`.
-pub fn find_config(dir: &Path) -> Option<PathBuf> {
+pub(crate) fn find_config(dir: &Path) -> Option<PathBuf> {
     dir.ancestors()
         .map(|d| d.join(CONFIG_PATH))
         .find(|p| p.is_file())

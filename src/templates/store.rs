@@ -9,18 +9,22 @@ use std::time::{Duration, Instant};
 use super::{Catalog, Template};
 
 /// The default time a loaded configuration is trusted before the file is read again.
-pub const DEFAULT_TTL: Duration = Duration::from_secs(5);
+pub(crate) const DEFAULT_TTL: Duration = Duration::from_secs(5);
 
 struct Entry {
     checked: Instant,
     catalog: Arc<Catalog>,
+    #[cfg_attr(
+        not(test),
+        expect(dead_code, reason = "logged when set; tests read it")
+    )]
     error: Option<String>,
 }
 
 /// Caches [`Catalog::load`] per directory. When a reload fails, the error is logged (on
 /// stderr, through tracing) and the last good catalog of that directory stays in use; with
 /// no good one yet, the built-ins are used.
-pub struct TemplateStore {
+pub(crate) struct TemplateStore {
     ttl: Duration,
     entries: Mutex<HashMap<PathBuf, Entry>>,
     /// What directories add to: the built-ins, plus a server's own configured templates.
@@ -31,13 +35,13 @@ pub struct TemplateStore {
 }
 
 impl TemplateStore {
-    pub fn new(ttl: Duration) -> TemplateStore {
+    pub(crate) fn new(ttl: Duration) -> TemplateStore {
         Self::with_base(ttl, Catalog::builtin(), true)
     }
 
     /// A store whose directories add to `base`; with `discover` false, every directory gets
     /// `base` alone.
-    pub fn with_base(ttl: Duration, base: Catalog, discover: bool) -> TemplateStore {
+    pub(crate) fn with_base(ttl: Duration, base: Catalog, discover: bool) -> TemplateStore {
         TemplateStore {
             ttl,
             entries: Mutex::new(HashMap::new()),
@@ -47,7 +51,7 @@ impl TemplateStore {
     }
 
     /// The templates available for a command run in `dir`.
-    pub fn catalog(&self, dir: &Path) -> Arc<Catalog> {
+    pub(crate) fn catalog(&self, dir: &Path) -> Arc<Catalog> {
         if !self.discover {
             return self.base.clone();
         }
@@ -89,17 +93,18 @@ impl TemplateStore {
     }
 
     /// The template `name` for a command run in `dir`.
-    pub fn get(&self, name: &str, dir: &Path) -> Option<Template> {
+    pub(crate) fn get(&self, name: &str, dir: &Path) -> Option<Template> {
         self.catalog(dir).get(name).cloned()
     }
 
     /// The template names for `dir`, sorted (for a tool schema's enum).
-    pub fn names(&self, dir: &Path) -> Vec<String> {
+    pub(crate) fn names(&self, dir: &Path) -> Vec<String> {
         self.catalog(dir).names()
     }
 
     /// The error of the last load in `dir`, when it failed and an older catalog is in use.
-    pub fn last_error(&self, dir: &Path) -> Option<String> {
+    #[cfg(test)]
+    pub(crate) fn last_error(&self, dir: &Path) -> Option<String> {
         let entries = self
             .entries
             .lock()

@@ -342,7 +342,7 @@ impl WorkspaceClient {
 }
 
 /// A result being downloaded: a new file beside its destination, removed unless committed.
-pub struct ResultTemp {
+pub(crate) struct ResultTemp {
     path: PathBuf,
     dest: PathBuf,
     mode: u32,
@@ -354,7 +354,7 @@ impl ResultTemp {
     /// Checks the way to `f.path` below `root` (creating missing directories, refusing
     /// symlinks and non-directories on the way, and a destination that is not a regular
     /// file) and creates the temporary file (0600) beside it.
-    pub fn beside(root: &Path, f: &ChangedFile) -> Result<Self, String> {
+    pub(crate) fn beside(root: &Path, f: &ChangedFile) -> Result<Self, String> {
         use std::os::unix::fs::OpenOptionsExt as _;
         super::results::check_result_path(&f.path)?;
         let mut dir = root.to_owned();
@@ -407,7 +407,7 @@ impl ResultTemp {
     }
 
     /// Gives the file its mode (0644 or 0755) and renames it over the destination.
-    pub fn commit(mut self) -> Result<(), String> {
+    pub(crate) fn commit(mut self) -> Result<(), String> {
         use std::os::unix::fs::PermissionsExt as _;
         self.file
             .set_permissions(std::fs::Permissions::from_mode(self.mode))
@@ -428,7 +428,8 @@ impl Drop for ResultTemp {
 }
 
 /// Writes one result file below `root` (the rules of [`ResultTemp`]).
-pub fn write_inside(root: &Path, f: &ChangedFile, data: &[u8]) -> Result<(), String> {
+#[cfg(test)]
+fn write_inside(root: &Path, f: &ChangedFile, data: &[u8]) -> Result<(), String> {
     let mut temp = ResultTemp::beside(root, f)?;
     temp.file
         .write_all(data)

@@ -7,10 +7,10 @@ use std::io::Read;
 
 /// The longest JSON string accepted in raw bytes: a path or target of
 /// [`super::manifest::MAX_MANIFEST_STRING`] bytes, every character escaped (`\uXXXX`).
-pub const MAX_RAW_STRING: usize = 6 * super::manifest::MAX_MANIFEST_STRING + 64;
+pub(crate) const MAX_RAW_STRING: usize = 6 * super::manifest::MAX_MANIFEST_STRING + 64;
 
 /// Fails the read that would pass a JSON string longer than [`MAX_RAW_STRING`] bytes.
-pub struct JsonStringCap<R> {
+pub(crate) struct JsonStringCap<R> {
     inner: R,
     in_string: bool,
     escaped: bool,
@@ -18,7 +18,7 @@ pub struct JsonStringCap<R> {
 }
 
 impl<R: Read> JsonStringCap<R> {
-    pub fn new(inner: R) -> Self {
+    pub(crate) fn new(inner: R) -> Self {
         Self {
             inner,
             in_string: false,
@@ -82,14 +82,14 @@ impl<R: Read> Read for JsonStringCap<R> {
 }
 
 /// Fails the read that passes byte `max + 1`.
-pub struct BodyCap<R> {
+pub(crate) struct BodyCap<R> {
     inner: R,
     n: u64,
     max: u64,
 }
 
 impl<R: Read> BodyCap<R> {
-    pub fn new(inner: R, max: u64) -> Self {
+    pub(crate) fn new(inner: R, max: u64) -> Self {
         Self { inner, n: 0, max }
     }
 }
@@ -112,7 +112,7 @@ impl<R: Read> Read for BodyCap<R> {
 }
 
 /// Hashes what passes.
-pub struct Hashing<R> {
+pub(crate) struct Hashing<R> {
     pub inner: R,
     pub hasher: sha2::Sha256,
 }

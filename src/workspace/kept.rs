@@ -29,7 +29,7 @@ const DIR_MODE: u32 = 0o755;
 
 /// What a sync did (logged at debug level; tests read it).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct KeptSync {
+pub(crate) struct KeptSync {
     pub kept: usize,
     pub written: usize,
     pub removed: usize,
@@ -37,7 +37,7 @@ pub struct KeptSync {
 
 /// A session's tree below `root`, and what the gateway wrote into it.
 #[derive(Debug)]
-pub struct KeptTree {
+pub(crate) struct KeptTree {
     root: PathBuf,
     written: HashMap<String, Written>,
 }
@@ -51,19 +51,15 @@ fn failed(what: &str, e: std::io::Error) -> ErrorBody {
 
 impl KeptTree {
     /// A tree in `root` (an existing directory that may hold files of earlier calls).
-    pub fn new(root: PathBuf) -> Self {
+    pub(crate) fn new(root: PathBuf) -> Self {
         Self {
             root,
             written: HashMap::new(),
         }
     }
 
-    pub fn root(&self) -> &Path {
-        &self.root
-    }
-
     /// Brings the tree to `run`'s manifest for the paths it covers. Blocking.
-    pub fn sync(&mut self, run: &WorkspaceRun) -> Result<KeptSync, ErrorBody> {
+    pub(crate) fn sync(&mut self, run: &WorkspaceRun) -> Result<KeptSync, ErrorBody> {
         let pin = run.store.pin(&run.workspace)?;
         let entries = &run.workspace.manifest.entries;
         let mut stats = KeptSync::default();

@@ -14,7 +14,7 @@ use super::trees::{Tree, Trees};
 use crate::contract::{ChangedFile, ErrorBody, Event};
 
 /// A workspace written out for one run; handed back to the idle trees when dropped.
-pub struct LocalTree {
+pub(crate) struct LocalTree {
     pub root: PathBuf,
     /// The command's working directory inside `root`.
     pub cwd: PathBuf,
@@ -31,7 +31,7 @@ pub struct LocalTree {
 
 /// A tree holding exactly the run's workspace, from `trees` (an idle one brought up to date,
 /// else a fresh one). Blocking.
-pub fn materialize(run: &WorkspaceRun, trees: &Arc<Trees>) -> Result<LocalTree, ErrorBody> {
+pub(crate) fn materialize(run: &WorkspaceRun, trees: &Arc<Trees>) -> Result<LocalTree, ErrorBody> {
     let inodes = run.store.reserve_inodes(&run.workspace)?;
     // Held while copying from the cache; the tree has its own copies afterwards.
     let pin = run.store.pin(&run.workspace)?;
@@ -56,17 +56,17 @@ pub fn materialize(run: &WorkspaceRun, trees: &Arc<Trees>) -> Result<LocalTree, 
 }
 
 impl LocalTree {
-    pub fn workspace_id(&self) -> &str {
+    pub(crate) fn workspace_id(&self) -> &str {
         &self.run.workspace.id
     }
 
-    pub fn workspace_version(&self) -> &str {
+    pub(crate) fn workspace_version(&self) -> &str {
         &self.run.workspace.digest
     }
 
     /// The files matching the run's `sync_back` globs that the command created or changed,
     /// copied into the cache for download. Blocking.
-    pub fn changes(&self) -> (Vec<ChangedFile>, bool) {
+    pub(crate) fn changes(&self) -> (Vec<ChangedFile>, bool) {
         collect_changes(&self.root, &self.run)
     }
 }
@@ -83,12 +83,12 @@ impl Drop for LocalTree {
     }
 }
 
-pub use super::results::globs;
+pub(crate) use super::results::globs;
 
 /// Walks `root` without following symlinks and stores every regular file that matches the
 /// globs and differs from the manifest (new, other content, or other mode). Returns the
 /// files and whether the limits (the workspace's file and byte limits) cut the list short.
-pub fn collect_changes(root: &Path, run: &WorkspaceRun) -> (Vec<ChangedFile>, bool) {
+pub(crate) fn collect_changes(root: &Path, run: &WorkspaceRun) -> (Vec<ChangedFile>, bool) {
     use std::os::unix::fs::PermissionsExt as _;
     let Ok(set) = globs(&run.sync_back) else {
         return (Vec::new(), false);
@@ -163,7 +163,7 @@ pub fn collect_changes(root: &Path, run: &WorkspaceRun) -> (Vec<ChangedFile>, bo
 /// it, hands the tree back (cleaning it of the run's output is not the caller's wait; the
 /// next run of the same workspace waits for it). Back-pressure passes through: both
 /// channels are bounded and the relay awaits each send.
-pub fn relay(mut rx: mpsc::Receiver<Event>, tree: LocalTree) -> mpsc::Receiver<Event> {
+pub(crate) fn relay(mut rx: mpsc::Receiver<Event>, tree: LocalTree) -> mpsc::Receiver<Event> {
     let (tx, out) = mpsc::channel(8);
     tokio::spawn(async move {
         let mut tree = Some(tree);

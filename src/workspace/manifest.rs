@@ -28,9 +28,9 @@ pub enum EntryKind {
 }
 
 /// Mode of a plain file.
-pub const MODE_FILE: u32 = 0o644;
+pub(crate) const MODE_FILE: u32 = 0o644;
 /// Mode of an executable file.
-pub const MODE_EXEC: u32 = 0o755;
+pub(crate) const MODE_EXEC: u32 = 0o755;
 
 /// One file of the tree.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -61,7 +61,7 @@ pub struct ManifestEntry {
 
 /// The longest path or symlink target a manifest may carry (Linux's PATH_MAX); refused while
 /// parsing, before it is copied.
-pub const MAX_MANIFEST_STRING: usize = 4096;
+pub(crate) const MAX_MANIFEST_STRING: usize = 4096;
 
 /// A string of at most [`MAX_MANIFEST_STRING`] bytes.
 fn bounded_string<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
@@ -130,7 +130,7 @@ fn too_large(message: String) -> ErrorBody {
 
 /// Checks a relative path: not empty, `/`-separated normal components only, no NUL,
 /// at most `max_bytes` long.
-pub fn check_path(path: &str, max_bytes: usize) -> Result<(), String> {
+pub(crate) fn check_path(path: &str, max_bytes: usize) -> Result<(), String> {
     if path.is_empty() {
         return Err("an empty path".into());
     }
@@ -160,7 +160,7 @@ pub fn check_path(path: &str, max_bytes: usize) -> Result<(), String> {
 }
 
 /// Whether a symlink at `path` with `target` stays inside the tree (lexically).
-pub fn symlink_stays_inside(path: &str, target: &str) -> bool {
+pub(crate) fn symlink_stays_inside(path: &str, target: &str) -> bool {
     if target.is_empty() || target.starts_with('/') || target.contains('\0') {
         return false;
     }
@@ -185,7 +185,7 @@ pub fn symlink_stays_inside(path: &str, target: &str) -> bool {
 /// tree it passes through (`links`: path → target) are followed too, as the kernel will:
 /// `a/b -> ..` then `s -> a/b/..` leaves the tree although each is lexically inside. More
 /// than 40 links on the way (Linux's limit) counts as leaving.
-pub fn resolves_inside(path: &str, target: &str, links: &HashMap<&str, &str>) -> bool {
+pub(crate) fn resolves_inside(path: &str, target: &str, links: &HashMap<&str, &str>) -> bool {
     use std::collections::VecDeque;
     let mut at: Vec<&str> = path.split('/').collect();
     at.pop();
@@ -220,7 +220,7 @@ pub fn resolves_inside(path: &str, target: &str, links: &HashMap<&str, &str>) ->
 /// Parses a manifest from `reader` without holding its text: at most `max_files` entries are
 /// read (more is refused at once), and no path or target over [`MAX_MANIFEST_STRING`] bytes
 /// is copied (see [`super::jsoncap`] for what bounds the parser's own buffer).
-pub fn parse(
+pub(crate) fn parse(
     reader: impl std::io::Read,
     max_files: usize,
     max_cost: u64,
@@ -346,7 +346,7 @@ impl std::io::Write for HashWriter {
 
 /// About what one entry costs in the gateway's memory once registered: its fixed part and
 /// its strings, with the allocator's overhead (on the high side; docs/workspaces.md).
-pub fn entry_cost(e: &ManifestEntry) -> u64 {
+pub(crate) fn entry_cost(e: &ManifestEntry) -> u64 {
     160 + (e.path.len() + e.hash.len() + e.target.as_ref().map_or(0, |t| t.len())) as u64
 }
 
@@ -527,7 +527,7 @@ impl Manifest {
 
 /// The answer to `POST /workspaces`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PostResponse {
+pub(crate) struct PostResponse {
     /// The id to send as `workspace` in `/raw` requests and to upload contents to.
     pub workspace: String,
     /// SHA-256 of the canonical manifest: the version of the tree.
@@ -541,7 +541,7 @@ pub struct PostResponse {
 
 /// The answer to an upload.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct UploadResponse {
+pub(crate) struct UploadResponse {
     pub stored: usize,
     pub bytes: u64,
 }

@@ -8,22 +8,21 @@
 //! `sync_back` globs that the command created or changed are reported in a `workspace_changes`
 //! event and can be downloaded by hash.
 
-pub mod client;
-pub mod config;
-pub mod jsoncap;
-pub mod kept;
-pub mod local;
-pub mod manifest;
-pub mod results;
-pub mod store;
-pub mod tarball;
-pub mod tarcap;
-pub mod trees;
-pub mod walk;
+pub(crate) mod client;
+pub(crate) mod config;
+pub(crate) mod jsoncap;
+pub(crate) mod kept;
+pub(crate) mod local;
+pub(crate) mod manifest;
+pub(crate) mod results;
+pub(crate) mod store;
+pub(crate) mod tarball;
+pub(crate) mod tarcap;
+pub(crate) mod trees;
+pub(crate) mod walk;
 
-pub use config::WorkspaceConfig;
-pub use manifest::{EntryKind, Manifest, ManifestEntry};
-pub use store::{Workspace, WorkspaceStore};
+pub(crate) use config::WorkspaceConfig;
+pub(crate) use store::{Workspace, WorkspaceStore};
 
 use std::sync::Arc;
 
@@ -60,11 +59,14 @@ impl PartialEq for WorkspaceRun {
 impl Eq for WorkspaceRun {}
 
 /// Where the policy sees a workspace run's directory (`policy.cwd` rules apply below it).
-pub const POLICY_ROOT: &str = "/workspace";
+pub(crate) const POLICY_ROOT: &str = "/workspace";
 
 /// The command's directory inside a workspace, from the request's relative `cwd`: normalised
 /// (no `.`, no empty components), and not below one of the tree's files or symlinks.
-pub fn run_cwd(ws: &Workspace, cwd: Option<&str>) -> Result<String, crate::contract::ErrorBody> {
+pub(crate) fn run_cwd(
+    ws: &Workspace,
+    cwd: Option<&str>,
+) -> Result<String, crate::contract::ErrorBody> {
     use crate::contract::{ErrorBody, ErrorCode};
     let parts: Vec<&str> = cwd
         .unwrap_or("")
@@ -102,7 +104,7 @@ pub fn hash_bytes(data: &[u8]) -> String {
 }
 
 /// SHA-256 of a file's content, streamed.
-pub fn hash_file(path: &std::path::Path) -> std::io::Result<String> {
+pub(crate) fn hash_file(path: &std::path::Path) -> std::io::Result<String> {
     use sha2::Digest as _;
     use std::io::Read as _;
     let mut f = std::fs::File::open(path)?;
@@ -121,7 +123,7 @@ pub fn hash_file(path: &std::path::Path) -> std::io::Result<String> {
 }
 
 /// Lowercase hex of a digest.
-pub fn hex(digest: &[u8]) -> String {
+pub(crate) fn hex(digest: &[u8]) -> String {
     use std::fmt::Write as _;
     let mut s = String::with_capacity(digest.len() * 2);
     for b in digest {
@@ -131,6 +133,6 @@ pub fn hex(digest: &[u8]) -> String {
 }
 
 /// Whether `s` is a content name: 64 lowercase hex digits.
-pub fn is_hash(s: &str) -> bool {
+pub(crate) fn is_hash(s: &str) -> bool {
     s.len() == 64 && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
 }

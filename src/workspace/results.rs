@@ -15,7 +15,7 @@
 use crate::contract::ChangedFile;
 
 /// The longest result path accepted (Linux's PATH_MAX).
-pub const MAX_RESULT_PATH: usize = 4096;
+pub(crate) const MAX_RESULT_PATH: usize = 4096;
 
 /// The rules for one run's results: the globs it asked for.
 pub struct ResultRules {
@@ -50,7 +50,7 @@ impl ResultRules {
 }
 
 /// Compiles the sync-back globs: `*` stays within one path component, `**` spans several.
-pub fn globs(patterns: &[String]) -> Result<globset::GlobSet, String> {
+pub(crate) fn globs(patterns: &[String]) -> Result<globset::GlobSet, String> {
     let mut b = globset::GlobSetBuilder::new();
     for p in patterns {
         let g = globset::GlobBuilder::new(p)
@@ -64,7 +64,7 @@ pub fn globs(patterns: &[String]) -> Result<globset::GlobSet, String> {
 }
 
 /// The mode a result is written with: 0755 when any execute bit is set, else 0644.
-pub fn safe_mode(mode: u32) -> u32 {
+pub(crate) fn safe_mode(mode: u32) -> u32 {
     if mode & 0o111 != 0 {
         super::manifest::MODE_EXEC
     } else {
@@ -73,7 +73,7 @@ pub fn safe_mode(mode: u32) -> u32 {
 }
 
 /// A path's own checks (not the globs): plain, printable, not into `.git`.
-pub fn check_result_path(path: &str) -> Result<(), String> {
+pub(crate) fn check_result_path(path: &str) -> Result<(), String> {
     if let Some(c) = path.chars().find(|c| invisible_or_control(*c)) {
         return Err(format!(
             "refused result {:?}: its name contains the control or formatting character U+{:04X}",

@@ -23,7 +23,7 @@ use super::manifest::Manifest;
 use crate::contract::{ErrorBody, ErrorCode};
 
 /// Who uploaded: the auth identity (`None` with auth off: shared by every caller).
-pub type Owner = Option<String>;
+pub(crate) type Owner = Option<String>;
 
 /// A posted manifest.
 #[derive(Debug)]
@@ -49,7 +49,7 @@ pub struct Workspace {
 /// About what a registered manifest costs in memory: each entry's strings and fixed part
 /// (with allocator overhead), and each distinct content in the index. An estimate, on the
 /// high side (docs/workspaces.md has the measured figure).
-pub fn registry_cost(manifest: &Manifest, contents: usize) -> u64 {
+pub(crate) fn registry_cost(manifest: &Manifest, contents: usize) -> u64 {
     const CONTENT: u64 = 160;
     let entries: u64 = manifest
         .entries
@@ -109,7 +109,7 @@ fn internal(what: &str, e: std::io::Error) -> ErrorBody {
 
 /// The error for an id that does not exist or belongs to someone else (the same answer, so
 /// that ids of others cannot be probed).
-pub fn unknown_workspace(id: &str) -> ErrorBody {
+pub(crate) fn unknown_workspace(id: &str) -> ErrorBody {
     ErrorBody::new(
         ErrorCode::UnknownWorkspace,
         format!(

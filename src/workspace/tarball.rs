@@ -13,7 +13,7 @@ use super::store::Pinned;
 /// The stream is padded with zeros to a multiple of 10 KiB (tar's default record), so that
 /// a tar that reads whole records ends at the archive's end marker without waiting for the
 /// end of its input (an exec's stdin cannot be closed over the older exec protocol).
-pub fn write_tar(run: &WorkspaceRun, pin: &Pinned, out: impl Write) -> std::io::Result<()> {
+pub(crate) fn write_tar(run: &WorkspaceRun, pin: &Pinned, out: impl Write) -> std::io::Result<()> {
     let mut out = Counting(out, 0);
     write_entries(run, pin, &mut out)?;
     let pad = (RECORD - out.1 % RECORD) % RECORD;
@@ -97,7 +97,7 @@ fn write_entries(run: &WorkspaceRun, pin: &Pinned, out: impl Write) -> std::io::
 }
 
 /// A blocking writer into an async channel (a request body, an exec's stdin).
-pub struct ChannelWriter(pub tokio::sync::mpsc::Sender<std::io::Result<bytes::Bytes>>);
+pub(crate) struct ChannelWriter(pub tokio::sync::mpsc::Sender<std::io::Result<bytes::Bytes>>);
 
 impl Write for ChannelWriter {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {

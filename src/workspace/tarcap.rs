@@ -12,12 +12,12 @@ use std::io::Read;
 /// The largest GNU long name/link or PAX header accepted: paths are at most 4096 bytes
 /// (`PATH_MAX`), and a PAX header carries a few of them with some times. (Go's archive/tar
 /// allows 1 MiB.)
-pub const MAX_EXTENDED_HEADER: u64 = 64 * 1024;
+pub(crate) const MAX_EXTENDED_HEADER: u64 = 64 * 1024;
 
 const BLOCK: usize = 512;
 
 /// A reader of a tar stream that refuses oversized extended headers (module docs).
-pub struct CappedHeaders<R> {
+pub(crate) struct CappedHeaders<R> {
     inner: R,
     /// Bytes of the current entry's data (with its padding) still to pass.
     data_left: u64,
@@ -27,7 +27,7 @@ pub struct CappedHeaders<R> {
 }
 
 impl<R: Read> CappedHeaders<R> {
-    pub fn new(inner: R) -> Self {
+    pub(crate) fn new(inner: R) -> Self {
         Self {
             inner,
             data_left: 0,

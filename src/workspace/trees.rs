@@ -79,7 +79,7 @@ impl Written {
 
 /// A directory holding a workspace's files; removed when dropped (unless handed to
 /// [`Trees::check_in`]).
-pub struct Tree {
+pub(crate) struct Tree {
     root: PathBuf,
     written: HashMap<String, Written>,
     /// The digest of the manifest the tree was last brought to (each record is then one of
@@ -96,14 +96,14 @@ fn failed(what: &str, e: std::io::Error) -> ErrorBody {
 
 /// Files the last [`Tree::sync`] kept, wrote and removed (logged at debug level).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct SyncStats {
+pub(crate) struct SyncStats {
     pub kept: usize,
     pub written: usize,
     pub removed: usize,
 }
 
 impl Tree {
-    pub fn root(&self) -> &Path {
+    pub(crate) fn root(&self) -> &Path {
         &self.root
     }
 
@@ -130,7 +130,11 @@ impl Tree {
 
     /// Brings the tree to exactly `run`'s manifest (plus the run's `cwd`): keeps what is
     /// intact, removes everything else, copies what is missing from the cache. Blocking.
-    pub fn sync(&mut self, run: &WorkspaceRun, pin: &Pinned) -> Result<SyncStats, ErrorBody> {
+    pub(crate) fn sync(
+        &mut self,
+        run: &WorkspaceRun,
+        pin: &Pinned,
+    ) -> Result<SyncStats, ErrorBody> {
         let entries = &run.workspace.manifest.entries;
         let dirs = wanted_dirs(entries, &run.cwd);
         let (kept, seen_dirs, removed) = self.prune(run, &dirs, true)?;
@@ -480,7 +484,7 @@ fn remove_all(root: &Path) -> std::io::Result<()> {
 }
 
 /// Removes a directory tree (see [`remove_all`]); a failure is logged.
-pub fn remove_tree(root: &Path) {
+pub(crate) fn remove_tree(root: &Path) {
     if let Err(e) = remove_all(root) {
         tracing::warn!(
             "cannot remove the workspace directory {}: {e}",
@@ -508,7 +512,7 @@ struct State {
 const CLEANING_WAIT: Duration = Duration::from_secs(2);
 
 /// The idle trees of a gateway, for reuse by the next run of the same owner.
-pub struct Trees {
+pub(crate) struct Trees {
     base: PathBuf,
     keep: usize,
     max_age: Duration,
@@ -519,7 +523,7 @@ pub struct Trees {
 impl Trees {
     /// Trees live below `base`; at most `keep` idle ones are kept (0: every run gets a fresh
     /// tree, removed afterwards), none idle longer than `max_age`.
-    pub fn new(base: PathBuf, keep: usize, max_age: Duration) -> Self {
+    pub(crate) fn new(base: PathBuf, keep: usize, max_age: Duration) -> Self {
         Self {
             base,
             keep,
@@ -536,7 +540,7 @@ impl Trees {
     /// A tree holding exactly `run`'s workspace, for one run: an idle tree of the same
     /// owner brought up to date (the same version's first, waiting a little for one being
     /// cleaned after its run), else a fresh one. Blocking.
-    pub fn check_out(
+    pub(crate) fn check_out(
         &self,
         run: &WorkspaceRun,
         pin: &Pinned,
@@ -598,7 +602,7 @@ impl Trees {
 
     /// After a run: cleans the tree of what the run left and keeps it for the next run
     /// (the least recently used idle tree goes beyond the bound). Blocking.
-    pub fn check_in(&self, mut tree: Tree, run: &WorkspaceRun) {
+    pub(crate) fn check_in(&self, mut tree: Tree, run: &WorkspaceRun) {
         if self.keep == 0 {
             return;
         }

@@ -25,7 +25,7 @@ pub struct Walked {
 
 /// Why a tree cannot be sent.
 #[derive(Debug, thiserror::Error)]
-pub enum WalkError {
+pub(crate) enum WalkError {
     #[error(
         "symlink {path} points outside the workspace ({target}): workspaces keep only symlinks that stay inside the tree"
     )]
@@ -70,7 +70,7 @@ impl Stamp {
 
 /// Remembered hashes of one tree: `relative path -> (stamp, hash)`.
 #[derive(Debug, Default)]
-pub struct HashCache {
+pub(crate) struct HashCache {
     file: Option<PathBuf>,
     entries: HashMap<String, (Stamp, String)>,
     /// Changed since loaded: [`HashCache::save`] writes only then (an unchanged rerun
@@ -81,7 +81,7 @@ pub struct HashCache {
 impl HashCache {
     /// The cache of `root` in `$XDG_CACHE_HOME/mcp-run` (else `~/.cache/mcp-run`); an
     /// unreadable cache is an empty one.
-    pub fn load(root: &Path) -> Self {
+    pub(crate) fn load(root: &Path) -> Self {
         let dir = std::env::var_os("XDG_CACHE_HOME")
             .map(PathBuf::from)
             .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")));
@@ -126,7 +126,7 @@ impl HashCache {
     }
 
     /// Writes the cache back (best effort: a cache that cannot be written costs time only).
-    pub fn save(&self) {
+    pub(crate) fn save(&self) {
         let Some(file) = &self.file else { return };
         if !self.changed {
             return;
@@ -152,7 +152,7 @@ impl HashCache {
 }
 
 /// The git work tree around `dir` (the nearest ancestor with a `.git`), else `dir`.
-pub fn default_root(dir: &Path) -> PathBuf {
+pub(crate) fn default_root(dir: &Path) -> PathBuf {
     dir.ancestors()
         .find(|d| d.join(".git").exists())
         .unwrap_or(dir)
@@ -160,7 +160,7 @@ pub fn default_root(dir: &Path) -> PathBuf {
 }
 
 /// Walks `root` and hashes its files (using and updating `cache`).
-pub fn walk(root: &Path, cache: &mut HashCache) -> Result<Walked, WalkError> {
+pub(crate) fn walk(root: &Path, cache: &mut HashCache) -> Result<Walked, WalkError> {
     let mut files: Vec<(String, PathBuf, std::fs::Metadata)> = Vec::new();
     let mut entries = Vec::new();
     let walker = ignore::WalkBuilder::new(root)

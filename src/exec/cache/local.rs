@@ -39,7 +39,7 @@ struct Record {
 }
 
 /// The caches of the local backend.
-pub struct LocalCaches {
+pub(crate) struct LocalCaches {
     root: PathBuf,
     cfg: CachesConfig,
     profiles: BTreeMap<String, Vec<CacheSpec>>,
@@ -51,7 +51,7 @@ pub struct LocalCaches {
 }
 
 /// A run's caches, released (measured, last use recorded) when dropped.
-pub struct LocalHold {
+pub(crate) struct LocalHold {
     caches: Arc<LocalCaches>,
     held: Vec<Held>,
     skipped: Vec<PathBuf>,
@@ -75,7 +75,7 @@ fn now_secs() -> u64 {
 impl LocalCaches {
     /// Caches below `cfg.local_dir()` for the profiles that declare some; `None` when none
     /// does. Removes what runs without their own cache left behind, and starts the sweeper.
-    pub fn start(
+    pub(crate) fn start(
         cfg: &CachesConfig,
         profiles: BTreeMap<String, Vec<CacheSpec>>,
         stop: CancellationToken,
@@ -132,7 +132,7 @@ impl LocalCaches {
     }
 
     /// What the capabilities document says about a profile's caches.
-    pub fn info(&self, profile: &str) -> Vec<crate::capabilities::CacheInfo> {
+    pub(crate) fn info(&self, profile: &str) -> Vec<crate::capabilities::CacheInfo> {
         self.profiles
             .get(profile)
             .map(|c| super::info(c))
@@ -182,7 +182,7 @@ impl LocalCaches {
 
     /// Takes the caches of a run's profile for it: the directories, the variables that
     /// point at them, and what became of each. `None` when its profile has no caches.
-    pub async fn acquire(
+    pub(crate) async fn acquire(
         self: &Arc<Self>,
         spec: &ExecSpec,
         progress: &Progress,
@@ -347,7 +347,7 @@ impl LocalCaches {
     /// Deletes the caches idle for longer than the TTL that no run holds. Returns how many.
     /// Also removes a directory whose record is missing (a gateway killed between making one
     /// and recording it, or while emptying one): nothing would find it again.
-    pub fn sweep(&self, now: u64) -> usize {
+    pub(crate) fn sweep(&self, now: u64) -> usize {
         let Ok(dir) = std::fs::read_dir(&self.root) else {
             return 0;
         };
@@ -406,7 +406,7 @@ fn busy(name: &str, wait: Duration) -> ErrorBody {
 
 /// Bytes a directory takes on disk (allocated blocks, so sparse files count as stored),
 /// symlinks not followed.
-pub fn disk_usage(dir: &Path) -> u64 {
+pub(crate) fn disk_usage(dir: &Path) -> u64 {
     walkdir::WalkDir::new(dir)
         .follow_links(false)
         .into_iter()
@@ -418,12 +418,12 @@ pub fn disk_usage(dir: &Path) -> u64 {
 
 impl LocalHold {
     /// The variables that point the run's tools at its caches.
-    pub fn env(&self) -> impl Iterator<Item = (String, String)> + '_ {
+    pub(crate) fn env(&self) -> impl Iterator<Item = (String, String)> + '_ {
         self.env.iter().cloned()
     }
 
     /// What became of each cache.
-    pub fn states(&self) -> BTreeMap<String, CacheState> {
+    pub(crate) fn states(&self) -> BTreeMap<String, CacheState> {
         self.states.clone()
     }
 

@@ -11,7 +11,7 @@
 //! Backend-neutral here; the local backend keeps a directory per key ([`local`]), the
 //! Kubernetes backend a PersistentVolumeClaim per key (`exec::kube::cache`).
 
-pub mod local;
+pub(crate) mod local;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -289,7 +289,7 @@ impl CacheSpec {
 
 /// Whose run it is and what it names, as far as caches care.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct CacheRequest<'a> {
+pub(crate) struct CacheRequest<'a> {
     /// The caller's identity (`None` with auth off: every caller is the same one).
     pub owner: Option<&'a str>,
     /// The request's `cache_scope`, for `scope: workspace` caches.
@@ -300,7 +300,7 @@ pub struct CacheRequest<'a> {
 
 /// A cache's identity: who may use it, and the name its claim or directory gets.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CacheKey {
+pub(crate) struct CacheKey {
     /// The cache's name in the profile.
     pub cache: String,
     pub profile: String,
@@ -314,7 +314,7 @@ pub struct CacheKey {
 }
 
 /// The owner hash of an identity (with auth off, the one anonymous owner).
-pub fn owner_hash(owner: Option<&str>) -> String {
+pub(crate) fn owner_hash(owner: Option<&str>) -> String {
     let mut h = Sha256::new();
     h.update(b"mcp-run cache owner\0");
     match owner {
@@ -328,7 +328,7 @@ pub fn owner_hash(owner: Option<&str>) -> String {
 }
 
 impl CacheKey {
-    pub fn new(profile: &str, spec: &CacheSpec, req: &CacheRequest<'_>) -> Self {
+    pub(crate) fn new(profile: &str, spec: &CacheSpec, req: &CacheRequest<'_>) -> Self {
         let owner_hash = owner_hash(req.owner);
         let scope_key = match spec.scope {
             CacheScope::Identity => "identity".to_string(),
@@ -369,7 +369,7 @@ impl CacheKey {
 }
 
 /// How the capabilities document describes a profile's caches.
-pub fn info(specs: &[CacheSpec]) -> Vec<crate::capabilities::CacheInfo> {
+pub(crate) fn info(specs: &[CacheSpec]) -> Vec<crate::capabilities::CacheInfo> {
     specs
         .iter()
         .map(|c| crate::capabilities::CacheInfo {
@@ -386,7 +386,7 @@ pub fn info(specs: &[CacheSpec]) -> Vec<crate::capabilities::CacheInfo> {
 
 /// The variables of a run's caches under the request's own: a request that sets one of them
 /// keeps its value.
-pub fn merge_env(
+pub(crate) fn merge_env(
     request: &mut BTreeMap<String, String>,
     caches: impl IntoIterator<Item = (String, String)>,
 ) {
@@ -414,7 +414,7 @@ fn is_subdomain(s: &str) -> bool {
 
 /// A Kubernetes quantity of bytes (`5Gi`, `500M`, `1073741824`) in bytes; `None` for
 /// anything else (fractions, milli-units).
-pub fn parse_quantity(s: &str) -> Option<u64> {
+pub(crate) fn parse_quantity(s: &str) -> Option<u64> {
     let s = s.trim();
     let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
     let (num, unit) = s.split_at(split);

@@ -45,15 +45,15 @@ use crate::contract::{CacheState, ErrorBody, ErrorCode, Phase};
 use crate::exec::cache::{CacheKey, CacheRequest, CacheSpec, CachesConfig, WhenBusy};
 use crate::exec::{ExecSpec, Progress, StartOptions};
 
-pub const LABEL_CACHE: &str = "mcp-run.dev/cache";
+pub(super) const LABEL_CACHE: &str = "mcp-run.dev/cache";
 /// SHA-256 of the identity, 16 hex digits: never the identity or its token.
-pub const LABEL_OWNER: &str = "mcp-run.dev/owner";
+pub(super) const LABEL_OWNER: &str = "mcp-run.dev/owner";
 /// `identity`, or a hash of the run's cache scope.
-pub const LABEL_SCOPE: &str = "mcp-run.dev/scope";
-pub const ANNOTATION_HELD_BY: &str = "mcp-run.dev/held-by";
-pub const ANNOTATION_HELD_SINCE: &str = "mcp-run.dev/held-since";
-pub const ANNOTATION_HELD_UNTIL: &str = "mcp-run.dev/held-until";
-pub const ANNOTATION_LAST_USED: &str = "mcp-run.dev/last-used";
+pub(super) const LABEL_SCOPE: &str = "mcp-run.dev/scope";
+pub(super) const ANNOTATION_HELD_BY: &str = "mcp-run.dev/held-by";
+pub(super) const ANNOTATION_HELD_SINCE: &str = "mcp-run.dev/held-since";
+pub(super) const ANNOTATION_HELD_UNTIL: &str = "mcp-run.dev/held-until";
+pub(super) const ANNOTATION_LAST_USED: &str = "mcp-run.dev/last-used";
 
 /// How often a run waiting for a held claim looks again even when nothing changed on it
 /// (its holder's pod may be gone without its gateway saying so).
@@ -88,7 +88,7 @@ pub(super) struct KubeHold {
 }
 
 /// The claim of a key.
-pub fn claim_name(key: &CacheKey) -> String {
+pub(super) fn claim_name(key: &CacheKey) -> String {
     format!("mcp-run-cache-{}", key.id)
 }
 

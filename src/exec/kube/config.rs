@@ -14,12 +14,12 @@ use serde::{Deserialize, Serialize};
 use crate::limits::Limits;
 
 /// The image of the `default` profile when neither the file nor `--image` names one.
-pub const DEFAULT_IMAGE: &str = "busybox:1.36";
+pub(crate) const DEFAULT_IMAGE: &str = "busybox:1.36";
 
 /// The UID and GID of runner pods unless a profile names others: non-zero (Pod Security
 /// `restricted`), and the conventional "nonroot" ID of distroless images; busybox and most
 /// images run as any UID.
-pub const DEFAULT_RUN_AS: i64 = 65532;
+pub(crate) const DEFAULT_RUN_AS: i64 = 65532;
 
 /// `kubernetes:`: where and how runner pods are created.
 #[derive(Debug, Clone, Serialize, Deserialize)]

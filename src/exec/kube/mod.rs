@@ -15,15 +15,15 @@
 
 mod backoff;
 mod cache;
-pub mod config;
+pub(crate) mod config;
 mod guard;
 mod kept;
-pub mod pod;
+pub(crate) mod pod;
 mod pool;
 mod reaper;
 mod setup;
 mod start;
-pub mod status;
+pub(crate) mod status;
 mod stream;
 mod throttle;
 mod workspace;
@@ -42,7 +42,7 @@ use tokio_util::task::TaskTracker;
 
 use self::config::{KubernetesConfig, Profile};
 use self::pod::Identity;
-pub use self::setup::KubeSetupError;
+pub(crate) use self::setup::KubeSetupError;
 use super::{ExecSpec, Execution, Executor, StartOptions};
 use crate::contract::{ErrorBody, ErrorCode};
 

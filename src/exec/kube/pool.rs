@@ -62,7 +62,7 @@ pub(super) struct WarmPool {
 
 impl WarmPool {
     /// Starts watching the idle pods of the profile and refilling the pool.
-    pub fn start(
+    pub(super) fn start(
         shared: Arc<Shared>,
         profile_name: &str,
         profile: &Profile,
@@ -120,20 +120,20 @@ impl WarmPool {
         pool
     }
 
-    pub fn size(&self) -> usize {
+    pub(super) fn size(&self) -> usize {
         self.size
     }
 
     /// Claims a Running idle pod whose deadline leaves room for `timeout`; `None` is a miss.
     /// On success the pod's name is in the live set and its node is returned.
-    pub async fn claim(&self, timeout: Duration) -> Option<(String, String)> {
+    pub(super) async fn claim(&self, timeout: Duration) -> Option<(String, String)> {
         self.claim_with(timeout, serde_json::json!({}), serde_json::json!({}))
             .await
     }
 
     /// [`Self::claim`], adding `labels` and `annotations` to the claimed pod in the same
     /// patch (a session's owner, name and expiry).
-    pub async fn claim_with(
+    pub(super) async fn claim_with(
         &self,
         timeout: Duration,
         labels: serde_json::Value,
@@ -398,7 +398,7 @@ impl WarmPool {
     }
 
     /// Deletes this gateway's idle pods (at shutdown).
-    pub async fn drain(&self) {
+    pub(super) async fn drain(&self) {
         let me = &self.shared.identity.gateway;
         for p in self.store.state() {
             if p.labels().get(LABEL_GATEWAY) == Some(me) {

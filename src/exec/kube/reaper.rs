@@ -28,7 +28,7 @@ pub(super) struct Reaper {
 
 impl Reaper {
     /// At start-up nothing runs yet: every pod of this gateway is a leftover.
-    pub async fn startup(&self) -> Result<usize, kube::Error> {
+    pub(super) async fn startup(&self) -> Result<usize, kube::Error> {
         let pods = self
             .pods
             .list(&ListParams::default().labels(&self.identity.gateway_selector()))
@@ -43,7 +43,7 @@ impl Reaper {
     }
 
     /// One periodic pass; `is_live` says whether this gateway is using a pod.
-    pub async fn sweep(
+    pub(super) async fn sweep(
         &self,
         is_live: &(dyn Fn(&str) -> bool + Send + Sync),
     ) -> Result<usize, kube::Error> {

@@ -11,7 +11,7 @@ use crate::contract::{ErrorBody, ErrorCode, Phase};
 
 /// Where a starting pod is.
 #[derive(Debug, Clone, PartialEq)]
-pub enum PodState {
+pub(crate) enum PodState {
     /// Not Running yet.
     Waiting(Waiting),
     /// The runner container is running on `node`.
@@ -23,7 +23,7 @@ pub enum PodState {
 /// A pod on its way: what it waits for, and what would be reported if the start timeout
 /// ended now.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Waiting {
+pub(crate) struct Waiting {
     /// The phase to report to the caller.
     pub phase: Phase,
     /// What it waits for, in Kubernetes' words (for the phase and the timeout message).
@@ -95,13 +95,13 @@ const CONFIG_REASONS: &[&str] = &[
 ];
 
 /// Whether an image pull problem cannot heal by waiting.
-pub fn image_error_is_fatal(reason: &str, message: &str) -> bool {
+pub(crate) fn image_error_is_fatal(reason: &str, message: &str) -> bool {
     let lower = message.to_ascii_lowercase();
     IMAGE_FATAL_REASONS.contains(&reason) || IMAGE_FATAL_WORDS.iter().any(|w| lower.contains(w))
 }
 
 /// Assesses a pod for `container` from its status as the kubelet and scheduler write it.
-pub fn assess(pod: &Pod, container: &str) -> PodState {
+pub(crate) fn assess(pod: &Pod, container: &str) -> PodState {
     let name = pod.metadata.name.as_deref().unwrap_or("?");
     if pod.metadata.deletion_timestamp.is_some() {
         return PodState::Failed(ErrorBody::new(
@@ -243,7 +243,7 @@ fn is_not_found(lower: &str) -> bool {
 
 /// How an exec ended, from its status channel.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ExecEnd {
+pub(crate) enum ExecEnd {
     /// The command's exit code, or the signal that killed it.
     Exit {
         code: Option<i32>,
@@ -257,7 +257,7 @@ pub enum ExecEnd {
 }
 
 /// The code of a `NonZeroExitCode` status: its `ExitCode` cause, as the API server words it.
-pub fn nonzero_exit_code(s: &Status) -> Option<i32> {
+pub(crate) fn nonzero_exit_code(s: &Status) -> Option<i32> {
     if s.reason.as_deref() != Some("NonZeroExitCode") {
         return None;
     }
@@ -278,7 +278,7 @@ pub fn nonzero_exit_code(s: &Status) -> Option<i32> {
 /// the signal, as the local backend reports it (so a program that itself exits with 129-192
 /// is reported as killed by a signal: documented in docs/kubernetes.md). A program that
 /// cannot be started is an `InternalError` whose message comes from the OCI runtime.
-pub fn exec_end(status: Option<&Status>, executable: &str) -> ExecEnd {
+pub(crate) fn exec_end(status: Option<&Status>, executable: &str) -> ExecEnd {
     let Some(s) = status else {
         return ExecEnd::Error("the exec stream ended without an exit status".into());
     };

@@ -19,7 +19,7 @@ struct Bucket {
 }
 
 impl Throttle {
-    pub fn new(qps: f64, burst: u32) -> Self {
+    pub(super) fn new(qps: f64, burst: u32) -> Self {
         let burst = f64::from(burst.max(1));
         Self {
             qps,
@@ -32,7 +32,7 @@ impl Throttle {
     }
 
     /// Waits for a token. Callers queue in order (the mutex is fair).
-    pub async fn acquire(&self) {
+    pub(super) async fn acquire(&self) {
         if self.qps <= 0.0 {
             return;
         }

@@ -27,7 +27,7 @@ use crate::workspace::WorkspaceRun;
 const MAX_STDERR: u64 = 16 * 1024;
 
 /// The profile's workspace path, or why it takes no workspace.
-pub fn workspace_path<'a>(profile_name: &str, p: &'a Profile) -> Result<&'a str, ErrorBody> {
+pub(super) fn workspace_path<'a>(profile_name: &str, p: &'a Profile) -> Result<&'a str, ErrorBody> {
     p.workspace_path.as_deref().ok_or_else(|| {
         ErrorBody::new(
             ErrorCode::InvalidRequest,
@@ -253,7 +253,7 @@ impl KubeExecutor {
 /// (in `case`, `*` also matches `/`); the gateway applies the globs exactly. The names go to
 /// one `tar -c` as arguments (busybox's tar, as Debian builds it, has no `-T`); a name with
 /// a newline splits into lines that name no file and is skipped.
-pub const SYNC_BACK_SCRIPT: &str = r#"cd "$1" || exit 1
+pub(super) const SYNC_BACK_SCRIPT: &str = r#"cd "$1" || exit 1
 shift
 list=$(find . -type f | while IFS= read -r f; do
   [ -f "$f" ] || continue

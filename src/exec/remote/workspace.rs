@@ -20,14 +20,14 @@ use crate::exec::{ExecSpec, Execution, Executor, StartOptions};
 use crate::workspace::client::{SyncError, WorkspaceClient};
 
 /// The remote backend with a directory synced before every run.
-pub struct SyncedRemote {
+pub(crate) struct SyncedRemote {
     remote: RemoteExecutor,
     client: WorkspaceClient,
     root: PathBuf,
 }
 
 impl SyncedRemote {
-    pub fn new(remote: RemoteExecutor, dir: &Path) -> Result<Self, String> {
+    pub(crate) fn new(remote: RemoteExecutor, dir: &Path) -> Result<Self, String> {
         let root = dir
             .canonicalize()
             .map_err(|e| format!("--workspace {}: {e}", dir.display()))?;
@@ -130,7 +130,7 @@ impl Executor for SyncedRemote {
 /// Runs a workspace run of this gateway on the upstream gateway: syncs the tree from the
 /// local cache, runs it there, and copies the reported sync-back contents into the local
 /// cache before passing the report on.
-pub async fn forward(
+pub(crate) async fn forward(
     remote: &RemoteExecutor,
     spec: ExecSpec,
     run: crate::workspace::WorkspaceRun,

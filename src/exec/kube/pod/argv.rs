@@ -25,13 +25,13 @@ use std::collections::BTreeMap;
 
 /// The first line of the header: names the format, so that a wrapper and a gateway of
 /// different versions fail clearly rather than misread each other.
-pub const HEADER_MAGIC: &str = "mcp-run/1";
+pub(crate) const HEADER_MAGIC: &str = "mcp-run/1";
 
 /// The script that applies `cwd` and `env` in the container without any shell parsing of
 /// the request: it is a constant, the argv is its positional parameters (`sh -c SCRIPT
 /// mcp-run EXE ARGS...`), and the rest comes from the header on stdin. Failures are reported
 /// exactly as the local backend reports them (exit 125, 126, 127).
-pub const WRAPPER: &str = r#"IFS= read -r __mr_l || { echo 'mcp-run: no exec header on stdin' >&2; exit 125; }
+pub(crate) const WRAPPER: &str = r#"IFS= read -r __mr_l || { echo 'mcp-run: no exec header on stdin' >&2; exit 125; }
 [ "$__mr_l" = mcp-run/1 ] || { echo 'mcp-run: unknown exec header' >&2; exit 125; }
 __mr_d=; __mr_s=1
 while IFS= read -r __mr_l; do
@@ -62,7 +62,7 @@ exec "$@"
 
 /// How a command is exec'd: the argv, and the header its stdin starts with (if any).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ExecCommand {
+pub(crate) struct ExecCommand {
     pub argv: Vec<String>,
     /// The wrapper's header, sent on stdin before the user's input.
     pub header: Option<Vec<u8>>,
@@ -70,7 +70,7 @@ pub struct ExecCommand {
 
 impl ExecCommand {
     /// Whether the exec needs a stdin stream at all.
-    pub fn wants_stdin(&self, user_stdin: bool) -> bool {
+    pub(crate) fn wants_stdin(&self, user_stdin: bool) -> bool {
         self.header.is_some() || user_stdin
     }
 }
@@ -78,7 +78,7 @@ impl ExecCommand {
 /// The command exec'd in the runner container: the command itself when it needs neither a
 /// working directory nor variables (then the image needs no shell), else the wrapper with
 /// its header. `user_stdin`: whether the caller sends input after the header.
-pub fn exec_command(
+pub(crate) fn exec_command(
     shell: &str,
     executable: &str,
     args: &[String],
@@ -108,7 +108,7 @@ pub fn exec_command(
 
 /// The first argument of a kept runner's call (its `$0`): `mcp-run-call=ID`, by which the
 /// kill of that call finds the call's wrapper among the pod's processes (see [`KILL_CALL`]).
-pub fn call_tag(id: &str) -> String {
+pub(crate) fn call_tag(id: &str) -> String {
     format!("mcp-run-call={id}")
 }
 
@@ -117,7 +117,7 @@ pub fn call_tag(id: &str) -> String {
 /// instead of `exec`ing it, then exits with its status: a command killed by signal N ends
 /// with 128+N, as the runtime reports it). So [`KILL_CALL`] can find the call's processes
 /// and kill them without touching the pod or the session's other state.
-pub fn kept_exec_command(
+pub(crate) fn kept_exec_command(
     shell: &str,
     call: &str,
     executable: &str,
@@ -151,7 +151,7 @@ pub fn kept_exec_command(
 /// (by the parent pid in `/proc/PID/stat`) and kills them. Needs only a POSIX shell, `cat`
 /// and `/proc`: no pid file, so it works with a read-only root filesystem. The pod, and
 /// whatever else runs in it, stays.
-pub const KILL_CALL: &str = r#"id=$1; me=$$; pids=
+pub(crate) const KILL_CALL: &str = r#"id=$1; me=$$; pids=
 for d in /proc/[0-9]*; do
   p=${d#/proc/}; [ "$p" = "$me" ] && continue
   { c=$(cat "$d/cmdline"); } 2>/dev/null || continue
@@ -172,7 +172,11 @@ exit 0
 "#;
 
 /// The header the wrapper reads (see the module docs).
-pub fn header(cwd: Option<&str>, env: &BTreeMap<String, String>, user_stdin: bool) -> Vec<u8> {
+pub(crate) fn header(
+    cwd: Option<&str>,
+    env: &BTreeMap<String, String>,
+    user_stdin: bool,
+) -> Vec<u8> {
     let mut h = Vec::with_capacity(64);
     h.extend_from_slice(HEADER_MAGIC.as_bytes());
     h.push(b'\n');

@@ -1,9 +1,9 @@
 //! The runner pod built from a profile: a pure function, so that its hardening, labels and
 //! overrides are unit-tested without a cluster.
 
-pub mod argv;
+pub(crate) mod argv;
 
-pub mod workspace;
+pub(crate) mod workspace;
 
 use std::collections::BTreeMap;
 
@@ -17,31 +17,31 @@ use k8s_openapi::jiff::Timestamp;
 use super::config::Profile;
 
 /// The runner container's name.
-pub const CONTAINER: &str = "runner";
+pub(crate) const CONTAINER: &str = "runner";
 
-pub const LABEL_NAME: &str = "app.kubernetes.io/name";
-pub const LABEL_COMPONENT: &str = "app.kubernetes.io/component";
-pub const LABEL_MANAGED_BY: &str = "app.kubernetes.io/managed-by";
+pub(crate) const LABEL_NAME: &str = "app.kubernetes.io/name";
+pub(crate) const LABEL_COMPONENT: &str = "app.kubernetes.io/component";
+pub(crate) const LABEL_MANAGED_BY: &str = "app.kubernetes.io/managed-by";
 /// The installation (`kubernetes.instance`): the reaper's boundary.
-pub const LABEL_INSTANCE: &str = "mcp-run.dev/instance";
+pub(crate) const LABEL_INSTANCE: &str = "mcp-run.dev/instance";
 /// The gateway process lineage that created the pod (its pod name in-cluster, else the host).
-pub const LABEL_GATEWAY: &str = "mcp-run.dev/gateway";
-pub const LABEL_PROFILE: &str = "mcp-run.dev/profile";
+pub(crate) const LABEL_GATEWAY: &str = "mcp-run.dev/gateway";
+pub(crate) const LABEL_PROFILE: &str = "mcp-run.dev/profile";
 /// Warm pool pods: the profile whose pool they are in.
-pub const LABEL_POOL: &str = "mcp-run.dev/pool";
+pub(crate) const LABEL_POOL: &str = "mcp-run.dev/pool";
 /// Warm pool pods: `idle` until a request claims it, then `claimed`.
-pub const LABEL_STATE: &str = "mcp-run.dev/state";
+pub(crate) const LABEL_STATE: &str = "mcp-run.dev/state";
 /// A kept runner's (a session's) pod: a hash of its owner's identity (never the identity).
-pub const LABEL_SESSION_OWNER: &str = "mcp-run.dev/session-owner";
+pub(crate) const LABEL_SESSION_OWNER: &str = "mcp-run.dev/session-owner";
 /// A kept runner's pod: a hash of the session's owner and name (never the name).
-pub const LABEL_SESSION: &str = "mcp-run.dev/session";
+pub(crate) const LABEL_SESSION: &str = "mcp-run.dev/session";
 /// When the pod is past any use (creation + its active deadline), RFC 3339.
-pub const ANNOTATION_EXPIRES: &str = "mcp-run.dev/expires-at";
+pub(crate) const ANNOTATION_EXPIRES: &str = "mcp-run.dev/expires-at";
 
 /// Who creates runner pods: written into every pod so that the reaper and Kubernetes'
 /// garbage collector can tell whose it is.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Identity {
+pub(crate) struct Identity {
     pub instance: String,
     pub gateway: String,
     /// The gateway's own Pod, when it runs in-cluster in the runner namespace.
@@ -50,7 +50,7 @@ pub struct Identity {
 
 impl Identity {
     /// The label selector of every runner pod of this installation.
-    pub fn instance_selector(&self) -> String {
+    pub(crate) fn instance_selector(&self) -> String {
         format!(
             "{LABEL_MANAGED_BY}=mcp-run,{LABEL_COMPONENT}=runner,{LABEL_INSTANCE}={}",
             self.instance
@@ -58,7 +58,7 @@ impl Identity {
     }
 
     /// The label selector of the runner pods this gateway (or its previous run) created.
-    pub fn gateway_selector(&self) -> String {
+    pub(crate) fn gateway_selector(&self) -> String {
         format!(
             "{},{LABEL_GATEWAY}={}",
             self.instance_selector(),
@@ -90,7 +90,7 @@ pub fn label_value(s: &str) -> String {
 
 /// A fresh pod name: `mcp-run-` and 10 random characters (the name is chosen here rather
 /// than by `generateName`, so that a pod whose create response was lost can still be deleted).
-pub fn pod_name() -> String {
+pub(crate) fn pod_name() -> String {
     use rand::RngExt as _;
     // No vowels: no words in names.
     const ALPHABET: &[u8] = b"bcdfghjklmnpqrstvwxz2456789";
@@ -102,7 +102,7 @@ pub fn pod_name() -> String {
 }
 
 /// Everything that varies per pod.
-pub struct PodRequest<'a> {
+pub(crate) struct PodRequest<'a> {
     pub name: &'a str,
     pub namespace: &'a str,
     pub profile_name: &'a str,
@@ -113,7 +113,7 @@ pub struct PodRequest<'a> {
 }
 
 /// The runner pod: hardened, labelled, owned.
-pub fn build(req: &PodRequest<'_>, id: &Identity) -> Pod {
+pub(crate) fn build(req: &PodRequest<'_>, id: &Identity) -> Pod {
     let p = req.profile;
     let mut labels: BTreeMap<String, String> = p.labels.clone();
     for (k, v) in [
@@ -223,7 +223,7 @@ pub fn build(req: &PodRequest<'_>, id: &Identity) -> Pod {
 /// The owner reference to the gateway's own Pod (downward API: `MCP_RUN_POD_NAME`,
 /// `MCP_RUN_POD_NAMESPACE`, `MCP_RUN_POD_UID`). Owner references cannot cross namespaces, so
 /// there is none when the runners live elsewhere.
-pub fn owner_from_env(
+pub(crate) fn owner_from_env(
     get: impl Fn(&str) -> Option<String>,
     runner_namespace: &str,
 ) -> Option<OwnerReference> {

@@ -7,7 +7,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use crate::exec::kube::config::Profile;
 
 /// The name of the `emptyDir` volume holding a pod's workspace.
-pub const VOLUME: &str = "mcp-run-workspace";
+pub(crate) const VOLUME: &str = "mcp-run-workspace";
 
 /// Whether the profile gets its own workspace volume (none of its mounts is at the path).
 fn own_volume(p: &Profile) -> Option<&str> {
@@ -20,7 +20,7 @@ fn own_volume(p: &Profile) -> Option<&str> {
 }
 
 /// The pod's volumes: the profile's, and the workspace `emptyDir` when it has a path.
-pub fn volumes(p: &Profile) -> Option<Vec<Volume>> {
+pub(crate) fn volumes(p: &Profile) -> Option<Vec<Volume>> {
     let mut v = p.volumes.clone();
     if own_volume(p).is_some() {
         v.push(Volume {
@@ -40,7 +40,7 @@ pub fn volumes(p: &Profile) -> Option<Vec<Volume>> {
 }
 
 /// The container's mounts: the profile's, and the workspace volume at its path.
-pub fn volume_mounts(p: &Profile) -> Option<Vec<VolumeMount>> {
+pub(crate) fn volume_mounts(p: &Profile) -> Option<Vec<VolumeMount>> {
     let mut m = p.volume_mounts.clone();
     if let Some(path) = own_volume(p) {
         m.push(VolumeMount {
@@ -54,7 +54,7 @@ pub fn volume_mounts(p: &Profile) -> Option<Vec<VolumeMount>> {
 
 /// The ephemeral storage a runner container may use unless its profile says otherwise
 /// (`resources.limits.ephemeral-storage`): its writable layer, logs and the workspace.
-pub const DEFAULT_EPHEMERAL_STORAGE: &str = "4Gi";
+pub(crate) const DEFAULT_EPHEMERAL_STORAGE: &str = "4Gi";
 
 fn storage_limit(p: &Profile) -> Option<&str> {
     p.resources
@@ -68,7 +68,7 @@ fn storage_limit(p: &Profile) -> Option<&str> {
 /// The profile's resources with an `ephemeral-storage` limit of
 /// [`DEFAULT_EPHEMERAL_STORAGE`] when it sets none (and a request of 0 then, so that the
 /// scheduler does not reserve the whole limit per pod, which a limit alone would imply).
-pub fn resources(p: &Profile) -> Option<ResourceRequirements> {
+pub(crate) fn resources(p: &Profile) -> Option<ResourceRequirements> {
     let mut r = p.resources.clone().unwrap_or_default();
     let limits = r.limits.get_or_insert_with(Default::default);
     if !limits.contains_key("ephemeral-storage") {
