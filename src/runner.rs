@@ -13,7 +13,7 @@ use crate::contract::{ErrorBody, ErrorCode, Event, RunRequest};
 use crate::exec::{ExecSpec, Execution, Executor, Progress, StartOptions};
 use crate::limits::Limits;
 use crate::metrics::Metrics;
-use crate::policy::{Policy, PolicyConfig, Subject};
+use crate::policy::{Policy, Subject};
 use crate::rate_limit::RateLimiter;
 use crate::redact::{RedactFilter, Redactor};
 use tokio::sync::Semaphore;
@@ -70,7 +70,7 @@ impl Runner {
     pub(crate) fn new(executor: Arc<dyn Executor>, limits: Limits) -> Self {
         Self {
             executor,
-            policy: Policy::new(PolicyConfig::default(), limits.clone()),
+            policy: Policy::unrestricted(limits.clone()),
             slots: limits
                 .max_concurrent_executions
                 .map(|n| Arc::new(Semaphore::new(n))),
