@@ -480,9 +480,11 @@ pub(crate) async fn serve(config: Config) -> anyhow::Result<()> {
             header_timeout: Duration::from_secs(config.server.header_timeout_secs),
             auth_on,
         },
-        bounded_shutdown_signal(exit_bound(&config)),
-        config.shutdown_grace(),
-        drained,
+        server::Shutdown {
+            signal: bounded_shutdown_signal(exit_bound(&config)),
+            grace: config.shutdown_grace(),
+            drained,
+        },
     )
     .await?;
     tracing::info!("stopped");
