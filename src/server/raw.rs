@@ -124,7 +124,7 @@ pub(super) async fn raw(
         Err(Ok(execution)) => {
             tracing::debug!(%command, context = ?execution.context(), "started");
             // Phases the backend reported on its way to a quick start go first.
-            Start::Done(execution)
+            Start::Done(Box::new(execution))
         }
         Err(Err(e)) => {
             tracing::info!(%command, code = %e.code, message = %e.message, "rejected");
@@ -364,7 +364,7 @@ async fn drain(mut body: BodyDataStream) {
 /// Where the start was when the stream began.
 enum Start {
     /// Started; phases it reported on the way may still be queued.
-    Done(Execution),
+    Done(Box<Execution>),
     /// Under way, with the first phase (or a keep-alive, at the client's EOF) to send.
     Pending(Option<Event>, BoxFuture<'static, Result<Execution, ErrorBody>>),
 }
@@ -404,7 +404,7 @@ fn events(run: Run) -> impl Stream<Item = Result<Bytes, Infallible>> + Send {
     let events = async_stream::stream! {
         let _watching = _watching;
         let started = match start {
-            Start::Done(execution) => Ok(execution),
+            Start::Done(execution) => Ok(*execution),
             Start::Pending(first, mut start) => {
                 if let Some(first) = first {
                     yield first;
