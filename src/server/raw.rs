@@ -120,19 +120,16 @@ pub(super) async fn raw(
     };
     let peer_eof = eof.is_cancelled();
     watching.cancel();
-    let start = match first {
-        Err(Ok(execution)) => {
-            tracing::debug!(%command, context = ?execution.context(), "started");
-            // Phases the backend reported on its way to a quick start go first.
-            Start::Done(Box::new(execution))
-        }
+    let (first, start) = match first {
+        // Phases the backend reported on its way to a quick start still go first.
+        Err(Ok(execution)) => (None, Box::pin(std::future::ready(Ok(execution))) as _),
         Err(Err(e)) => {
             tracing::info!(%command, code = %e.code, message = %e.message, "rejected");
             return e.into_response();
         }
         Ok(phase) => {
             tracing::debug!(%command, ?phase, "preparing");
-            Start::Pending(Some(phase), start)
+            (Some(phase), start)
         }
     };
     // Watched while the stream lives: the client's EOF starts probing (see `KeepAlive`).
@@ -141,6 +138,7 @@ pub(super) async fn raw(
         .and_then(|p| p.0.watch(streaming.clone()))
         .unwrap_or_default();
     let run = Run {
+        first,
         start,
         phases,
         keepalive: state.keepalive,
@@ -361,16 +359,11 @@ async fn drain(mut body: BodyDataStream) {
     }
 }
 
-/// Where the start was when the stream began.
-enum Start {
-    /// Started; phases it reported on the way may still be queued.
-    Done(Box<Execution>),
-    /// Under way, with the first phase (or a keep-alive, at the client's EOF) to send.
-    Pending(Option<Event>, BoxFuture<'static, Result<Execution, ErrorBody>>),
-}
-
 struct Run {
-    start: Start,
+    /// The first phase (or a keep-alive, at the client's EOF) to send.
+    first: Option<Event>,
+    /// The start, under way or done.
+    start: BoxFuture<'static, Result<Execution, ErrorBody>>,
     /// The backend's phases (progress), sent before `started`.
     phases: mpsc::Receiver<Event>,
     keepalive: Duration,
@@ -392,7 +385,8 @@ const CLOSED_PEER_PROBE: Duration = Duration::from_millis(200);
 /// away drops it, and dropping it kills the command.
 fn events(run: Run) -> impl Stream<Item = Result<Bytes, Infallible>> + Send {
     let Run {
-        start,
+        first,
+        mut start,
         mut phases,
         keepalive,
         mut stdin,
@@ -403,26 +397,20 @@ fn events(run: Run) -> impl Stream<Item = Result<Bytes, Infallible>> + Send {
     } = run;
     let events = async_stream::stream! {
         let _watching = _watching;
-        let started = match start {
-            Start::Done(execution) => Ok(*execution),
-            Start::Pending(first, mut start) => {
-                if let Some(first) = first {
-                    yield first;
-                }
-                let started = loop {
-                    let phase = tokio::select! {
-                        biased;
-                        Some(phase) = phases.recv() => phase,
-                        started = &mut start => break started,
-                    };
-                    yield phase;
-                };
-                if let Ok(execution) = &started {
-                    tracing::debug!(%command, context = ?execution.context(), "started");
-                }
-                started
-            }
+        if let Some(first) = first {
+            yield first;
+        }
+        let started = loop {
+            let phase = tokio::select! {
+                biased;
+                Some(phase) = phases.recv() => phase,
+                started = &mut start => break started,
+            };
+            yield phase;
         };
+        if let Ok(execution) = &started {
+            tracing::debug!(%command, context = ?execution.context(), "started");
+        }
         // Phases still queued go before what the start came to.
         while let Ok(phase) = phases.try_recv() {
             yield phase;
@@ -557,7 +545,8 @@ mod tests {
         phases: mpsc::Receiver<Event>,
     ) -> Run {
         Run {
-            start: Start::Pending(None, Box::pin(start)),
+            first: None,
+            start: Box::pin(start),
             phases,
             keepalive: Duration::from_secs(60),
             stdin: None,
