@@ -67,9 +67,7 @@ impl KubeExecutor {
                     node,
                     budget_end,
                 };
-                return self
-                    .exec_in(spec, opts, pod, &profile_name, &profile)
-                    .await;
+                return self.exec_in(spec, opts, pod, &profile_name, &profile).await;
             }
         }
         let deadline =

@@ -530,11 +530,23 @@ mod tests {
     fn how_a_run_ended_follows_from_its_frames() {
         let ok = serde_json::json!({"metadata": {}, "status": "Success"});
         let exit = |code, signal| Ended::Exit { code, signal };
-        assert_eq!(how_it_ended(&seen(Some(ok), false, None), "x", false), exit(Some(0), None));
-        assert_eq!(how_it_ended(&seen(Some(exit_code(3)), true, None), "x", false), exit(Some(3), None));
-        assert_eq!(how_it_ended(&seen(Some(exit_code(143)), true, None), "x", false), exit(None, Some(15)));
+        assert_eq!(
+            how_it_ended(&seen(Some(ok), false, None), "x", false),
+            exit(Some(0), None)
+        );
+        assert_eq!(
+            how_it_ended(&seen(Some(exit_code(3)), true, None), "x", false),
+            exit(Some(3), None)
+        );
+        assert_eq!(
+            how_it_ended(&seen(Some(exit_code(143)), true, None), "x", false),
+            exit(None, Some(15))
+        );
         // 137: a kubelet says so for every process it kills with the pod; the pod decides.
-        assert_eq!(how_it_ended(&seen(Some(exit_code(137)), true, None), "x", false), Ended::Killed);
+        assert_eq!(
+            how_it_ended(&seen(Some(exit_code(137)), true, None), "x", false),
+            Ended::Killed
+        );
 
         let missing = refused("exec: \"nope\": executable file not found in $PATH");
         assert_eq!(
@@ -545,11 +557,15 @@ mod tests {
             }
         );
         // Through the wrapper, what was not found is the shell.
-        assert_eq!(how_it_ended(&seen(Some(missing), false, None), "nope", true), Ended::NoShell);
+        assert_eq!(
+            how_it_ended(&seen(Some(missing), false, None), "nope", true),
+            Ended::NoShell
+        );
 
         // Words no pattern knows: before any output the pod is asked whether the program exists.
         let odd = refused("runtime said no");
-        let failed = |first_byte| how_it_ended(&seen(Some(odd.clone()), first_byte, None), "x", false);
+        let failed =
+            |first_byte| how_it_ended(&seen(Some(odd.clone()), first_byte, None), "x", false);
         assert_eq!(
             failed(false),
             Ended::Failed {
@@ -558,7 +574,13 @@ mod tests {
                 ask_if_missing: true
             }
         );
-        assert!(matches!(failed(true), Ended::Failed { ask_if_missing: false, .. }));
+        assert!(matches!(
+            failed(true),
+            Ended::Failed {
+                ask_if_missing: false,
+                ..
+            }
+        ));
 
         // A broken stream without a status: the break is named and the pod's fate awaited.
         assert_eq!(
