@@ -227,6 +227,14 @@ pub trait Executor: Send + Sync + 'static {
         false
     }
 
+    /// Whether any gateway replica can serve a session of this backend: its state lives in
+    /// objects every replica reaches (a session pod's labels and annotations), not only in
+    /// the memory of the replica that opened it. When false (local: a directory on one
+    /// host), a session's calls must reach the replica that holds it (forwarding).
+    fn sessions_shared(&self) -> bool {
+        false
+    }
+
     /// Whether sessions are the backend's to keep (a remote gateway keeps them: the session
     /// name goes along in [`ExecSpec::session`]) rather than this gateway's.
     fn forwards_sessions(&self) -> bool {

@@ -119,6 +119,11 @@ impl Executor for KubeExecutor {
         true
     }
 
+    /// A session's state is on its pod (labels, annotations), which every replica finds.
+    fn sessions_shared(&self) -> bool {
+        true
+    }
+
     fn keep(
         &self,
         spec: &ExecSpec,
