@@ -18,6 +18,7 @@ mod cache;
 pub(crate) mod config;
 mod guard;
 mod kept;
+mod kept_tree;
 pub(crate) mod pod;
 mod pool;
 mod reaper;
