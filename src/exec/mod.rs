@@ -70,6 +70,11 @@ pub struct ExecSpec {
     /// as a [`KeptRunner`] instead.
     pub session: Option<String>,
     pub session_busy: Option<crate::contract::SessionBusy>,
+    /// Only for a backend that [`Executor::forwards_sessions`]: a multi-step run's steps
+    /// (each checked by this gateway already), run there in one runner; `executable` and
+    /// `args` are then unused. Other backends run steps in a [`KeptRunner`].
+    pub steps: Vec<crate::contract::Step>,
+    pub continue_on_error: bool,
 }
 
 /// What a caller hands a backend besides the spec: the cancellation token, where to report
