@@ -373,6 +373,15 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     s
 }
 
+/// The upstream request's `timeout_secs`: the spec's, or with steps (each with its own
+/// timeout) the longest step's, which the upstream's limits accept as they accepted ours.
+pub(crate) fn request_timeout(spec: &ExecSpec) -> u64 {
+    match spec.steps.iter().filter_map(|s| s.timeout_secs).max() {
+        Some(t) => t,
+        None => spec.timeout.as_secs().max(1),
+    }
+}
+
 impl Executor for RemoteExecutor {
     fn name(&self) -> &'static str {
         "remote"
@@ -387,16 +396,19 @@ impl Executor for RemoteExecutor {
             if let Some(run) = spec.workspace.clone() {
                 return workspace::forward(self, spec, run, opts).await;
             }
+            let timeout = request_timeout(&spec);
             let req = RunRequest {
                 executable: spec.executable,
                 args: spec.args,
                 cwd: spec.cwd,
                 env: spec.env,
-                timeout_secs: Some(spec.timeout.as_secs().max(1)),
+                timeout_secs: Some(timeout),
                 profile: spec.profile,
                 cache_scope: spec.cache_scope,
                 session: spec.session,
                 session_busy: spec.session_busy,
+                steps: spec.steps,
+                continue_on_error: spec.continue_on_error,
                 ..RunRequest::default()
             };
             self.run_with(&req, opts).await

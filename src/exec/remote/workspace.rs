@@ -150,12 +150,15 @@ pub(crate) async fn forward(
         hashed: 0,
     };
     let client = remote.workspace_client();
+    let timeout = super::request_timeout(&spec);
     let mut req = RunRequest {
         executable: spec.executable,
         args: spec.args,
         cwd: (!run.cwd.is_empty()).then(|| run.cwd.clone()),
         env: spec.env,
-        timeout_secs: Some(spec.timeout.as_secs().max(1)),
+        timeout_secs: Some(timeout),
+        steps: spec.steps,
+        continue_on_error: spec.continue_on_error,
         profile: spec.profile,
         workspace: Some(client.sync(&walked).await?.workspace),
         sync_back: run.sync_back.clone(),
