@@ -369,6 +369,24 @@ async fn three_replicas_behind_a_round_robin_proxy_serve_mcp_and_kept_outputs() 
         r.structured_content.as_ref().unwrap()["outputs"][0]["stdout"],
         "still here\n"
     );
+    // And through the proxy, which skips the dead replica as a balancer does.
+    for i in 0..3 {
+        let r = c
+            .call_tool(
+                CallToolRequestParams::new("run_network_tool").with_arguments(
+                    json!({"executable": "echo", "args": [format!("via the proxy {i}")]})
+                        .as_object()
+                        .cloned()
+                        .unwrap(),
+                ),
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            r.structured_content.as_ref().unwrap()["outputs"][0]["stdout"],
+            format!("via the proxy {i}\n")
+        );
+    }
     for gw in gws.iter().chain([&dead]) {
         assert!(!gw.log_text().contains(SECRET), "the secret is in a log");
     }
