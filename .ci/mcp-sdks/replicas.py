@@ -8,6 +8,7 @@ proxy picks), a search, six calls of one session (one runner, on the caller's ho
 the SDK must not warn. Exits 1 with the reason on the first failure.
 """
 
+import json as _json
 import logging
 import sys
 
@@ -96,6 +97,24 @@ async def main(url):
                 check(count == str(n), f"session call {n} saw {count} earlier calls: {o}")
                 ppids.add(ppid)
             check(len(ppids) == 1, f"the session's calls ran on {ppids}")
+            # The session is listed, and ended, through any replica.
+            for _ in range(3):
+                r = await session.read_resource("mcp-run://sessions")
+                names = [x["name"] for x in _json.loads(r.contents[0].text)["sessions"]]
+                check(names == ["sdk"], f"mcp-run://sessions lists {names}")
+            r = await session.call_tool("end_session", {"name": "sdk"})
+            check(not r.is_error, f"end_session failed: {r}")
+            for _ in range(3):
+                r = await session.read_resource("mcp-run://sessions")
+                names = [x["name"] for x in _json.loads(r.contents[0].text)["sessions"]]
+                check(names == [], f"after end_session, mcp-run://sessions lists {names}")
+            r = await session.call_tool(
+                "run_network_tool",
+                {"executable": "sh", "session": "sdk",
+                 "args": ["-c", "echo x >> calls; wc -l < calls"]},
+            )
+            count = r.structured_content["outputs"][0]["stdout"].strip()
+            check(count == "1", f"after end_session the session kept its runner: {count}")
     check(not SDK_WARNINGS.seen, f"the SDK warned: {SDK_WARNINGS.seen}")
     print(f"replicas (python sdk): ok ({pages} pages)")
 

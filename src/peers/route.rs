@@ -329,6 +329,51 @@ impl Peers {
             }))
     }
 
+    /// A bodiless request (`GET /sessions`, `DELETE /sessions/{name}`) for `caller`'s state,
+    /// answered by its home: `None` when that is this replica, else the status and body of
+    /// the home's answer (a home found gone is replaced by the next, once).
+    pub(crate) async fn call_home(
+        self: &std::sync::Arc<Self>,
+        caller: &Caller,
+        method: axum::http::Method,
+        path: &str,
+    ) -> Option<Result<(u16, bytes::Bytes), ErrorBody>> {
+        for _ in 0..2 {
+            let Home::There(tag) = self.home(caller).await else {
+                return None;
+            };
+            let Some(base) = self.url_of(&tag) else {
+                continue;
+            };
+            let Ok(url) = base.join(&format!("{HTTP_PREFIX}{path}")) else {
+                return Some(Err(Self::home_gone(&tag, "bad path")));
+            };
+            let sent = self
+                .client
+                .request(method.clone(), url)
+                .bearer_auth(&self.secret)
+                .header(CALLER_HEADER, encode_caller(caller))
+                .send()
+                .await;
+            match sent {
+                Ok(resp) => {
+                    let status = resp.status().as_u16();
+                    return Some(
+                        resp.bytes()
+                            .await
+                            .map(|b| (status, b))
+                            .map_err(|e| Self::home_gone(&tag, &super::without_url(e))),
+                    );
+                }
+                Err(e) => {
+                    self.lost(&tag);
+                    tracing::warn!(replica = %tag, error = %super::without_url(e), "a caller's home replica did not answer");
+                }
+            }
+        }
+        None
+    }
+
     /// Adds the tags of live replicas to the view (asking every peer), keeping the rest.
     pub(super) fn merge_view(&self, found: Vec<(String, usize)>) {
         if let Ok(mut known) = self.known.lock() {
