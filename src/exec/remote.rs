@@ -54,6 +54,8 @@ pub struct RemoteExecutor {
     client: reqwest::Client,
     url: reqwest::Url,
     token: Option<String>,
+    /// Sent with every run (a replica forwarding a run names the caller it acts for).
+    headers: reqwest::header::HeaderMap,
 }
 
 /// Checks that `server` is a full `http(s)://host[:port]/path` URL.
@@ -95,7 +97,28 @@ impl RemoteExecutor {
             .user_agent(concat!("mcp-run/", env!("CARGO_PKG_VERSION")))
             .build()
             .map_err(|e| format!("cannot build the HTTP client: {e}"))?;
-        Ok(Self { client, url, token })
+        Ok(Self {
+            client,
+            url,
+            token,
+            headers: reqwest::header::HeaderMap::new(),
+        })
+    }
+
+    /// Another replica of this gateway (`crate::peers`): `url` is its forwarded-run path,
+    /// `secret` the peer secret, `headers` go with every run; `client` is shared.
+    pub(crate) fn for_peer(
+        client: reqwest::Client,
+        url: reqwest::Url,
+        secret: String,
+        headers: reqwest::header::HeaderMap,
+    ) -> Self {
+        Self {
+            client,
+            url,
+            token: Some(secret),
+            headers,
+        }
     }
 
     pub fn url(&self) -> &reqwest::Url {
@@ -199,6 +222,7 @@ impl RemoteExecutor {
         let mut builder = self
             .client
             .post(self.url.clone())
+            .headers(self.headers.clone())
             .header(reqwest::header::ACCEPT, "application/x-ndjson");
         builder = match stdin {
             None => builder
