@@ -427,7 +427,9 @@ impl Patterns {
             set.add(glob);
         }
         Ok(Self {
-            set: set.build().map_err(|e| config_error(field, e.to_string()))?,
+            set: set
+                .build()
+                .map_err(|e| config_error(field, e.to_string()))?,
             entries: entries.iter().map(|e| e.as_ref().to_owned()).collect(),
         })
     }

@@ -335,12 +335,17 @@ async fn pump(mut lines: Lines, tx: mpsc::Sender<Event>, cancel: CancellationTok
 }
 
 /// The gateway's response body, split into NDJSON events.
-struct Lines(FramedRead<StreamReader<BoxStream<'static, std::io::Result<Bytes>>, Bytes>, LineDecoder>);
+struct Lines(
+    FramedRead<StreamReader<BoxStream<'static, std::io::Result<Bytes>>, Bytes>, LineDecoder>,
+);
 
 impl Lines {
     fn new(resp: reqwest::Response) -> Self {
         let body = resp.bytes_stream().map_err(std::io::Error::other).boxed();
-        Self(FramedRead::new(StreamReader::new(body), LineDecoder::new(MAX_LINE)))
+        Self(FramedRead::new(
+            StreamReader::new(body),
+            LineDecoder::new(MAX_LINE),
+        ))
     }
 
     async fn next(&mut self) -> Result<Option<Event>, ErrorBody> {
