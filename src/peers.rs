@@ -21,6 +21,12 @@ use std::time::Duration;
 
 use subtle::ConstantTimeEq as _;
 
+mod route;
+pub(crate) use route::{
+    Forwarded, HTTP_PREFIX, Home, REPLAYABLE_BYTES, Relayed, decode_caller, needs_home,
+    path_needs_home,
+};
+
 /// The environment variable holding the peer secret (wins over `server.peer_secret_file`).
 pub(crate) const SECRET_ENV: &str = "MCP_RUN_PEER_SECRET";
 /// The shortest secret accepted: 32 characters (e.g. `openssl rand -hex 16`).
@@ -109,6 +115,10 @@ pub(crate) struct Peers {
     client: reqwest::Client,
     /// Replica tag → index in `urls`, learnt from the peers' answers.
     known: Mutex<HashMap<String, usize>>,
+    /// When `known` was last asked for ([`route`]: callers' homes).
+    view: Mutex<route::View>,
+    /// The client of forwarded requests (made on first use).
+    streams: std::sync::OnceLock<reqwest::Client>,
 }
 
 impl std::fmt::Debug for Peers {
@@ -142,6 +152,8 @@ impl Peers {
             secret,
             client,
             known: Mutex::default(),
+            view: Mutex::default(),
+            streams: std::sync::OnceLock::new(),
         })
     }
 
@@ -207,6 +219,16 @@ impl Peers {
         if let Some(i) = self.known.lock().ok().and_then(|k| k.get(replica).copied()) {
             return Ok(i);
         }
+        self.refresh().await;
+        self.known
+            .lock()
+            .ok()
+            .and_then(|k| k.get(replica).copied())
+            .ok_or_else(|| PeerError::Unknown(replica.into()))
+    }
+
+    /// Asks every peer for its tag; the answers replace what was known.
+    async fn refresh(&self) {
         let asks = self.urls.iter().enumerate().map(|(i, url)| async move {
             let url = url.join(REPLICA_PATH).ok()?;
             let resp = self
@@ -229,18 +251,7 @@ impl Peers {
             Some((v["replica"].as_str()?.to_owned(), i))
         });
         let found = futures_util::future::join_all(asks).await;
-        let mut known = self
-            .known
-            .lock()
-            .map_err(|_| PeerError::Unknown(replica.into()))?;
-        known.clear();
-        for (tag, i) in found.into_iter().flatten() {
-            known.insert(tag, i);
-        }
-        known
-            .get(replica)
-            .copied()
-            .ok_or_else(|| PeerError::Unknown(replica.into()))
+        self.merge_view(found.into_iter().flatten().collect());
     }
 
     fn forget(&self, replica: &str) {

@@ -381,7 +381,7 @@ pub async fn app(config: &Config) -> anyhow::Result<App> {
         runner,
         templates,
         capabilities,
-    } = prepare(config, false).await?;
+    } = prepare(config, false, peers(config)?).await?;
     let drained = tokio_util::sync::CancellationToken::new();
     let state = AppState {
         runner: runner.clone(),
@@ -402,7 +402,7 @@ pub async fn app(config: &Config) -> anyhow::Result<App> {
             .with_body_timeout(Duration::from_secs(config.server.body_timeout_secs))
             .with_metrics(runner.metrics().clone()),
         ),
-        peers: peers(config)?,
+        peers: runner.peers().cloned(),
     };
     check_exposure(config, state.auth.is_some())?;
     if let Some(auth) = &state.auth {
@@ -443,7 +443,7 @@ fn peers(config: &Config) -> anyhow::Result<Option<Arc<crate::peers::Peers>>> {
     tracing::info!(
         replica = peers.tag(),
         peers = peers.len(),
-        "replica of a gateway with peers: MCP is stateless, kept outputs are read through any replica"
+        "replica of a gateway with peers: MCP is stateless; kept outputs, workspaces and sessions are served through any replica"
     );
     Ok(Some(Arc::new(peers)))
 }
@@ -594,11 +594,15 @@ struct Prepared {
 
 /// Builds the backend, the runner, the template store (`discover`: also the repository's
 /// `.mcp-run/config.yaml`, for `stdio`) and the capabilities document.
-async fn prepare(config: &Config, discover: bool) -> anyhow::Result<Prepared> {
+async fn prepare(
+    config: &Config,
+    discover: bool,
+    peers: Option<Arc<crate::peers::Peers>>,
+) -> anyhow::Result<Prepared> {
     // One registry per gateway, handed to whoever records (served on /metrics).
     let metrics = crate::metrics::Metrics::new();
     let executor = build_executor(config, &metrics).await?;
-    let runner = Arc::new(build_runner(config, executor, metrics)?);
+    let runner = Arc::new(build_runner(config, executor, metrics)?.with_peers(peers));
     let templates = template_store(config, discover)?;
     let mut capabilities = capabilities(config, &runner).await;
     capabilities.templates = templates.names(&working_dir());
@@ -695,7 +699,7 @@ pub(crate) async fn stdio_with(config: Config, session: Option<String>) -> anyho
         runner,
         templates,
         capabilities,
-    } = prepare(&config, true).await?;
+    } = prepare(&config, true, None).await?;
     let service = McpService::new(runner.clone(), capabilities, &config.mcp)
         .with_tools(Arc::new(config.tools.clone()))
         .with_templates(templates, working_dir())

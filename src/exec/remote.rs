@@ -54,6 +54,8 @@ pub struct RemoteExecutor {
     client: reqwest::Client,
     url: reqwest::Url,
     token: Option<String>,
+    /// Sent with every run (a replica forwarding a run names the caller it acts for).
+    headers: reqwest::header::HeaderMap,
 }
 
 /// Why the remote backend cannot be set up.
@@ -118,7 +120,28 @@ impl RemoteExecutor {
             .user_agent(concat!("mcp-run/", env!("CARGO_PKG_VERSION")))
             .build()
             .map_err(SetupError::Client)?;
-        Ok(Self { client, url, token })
+        Ok(Self {
+            client,
+            url,
+            token,
+            headers: reqwest::header::HeaderMap::new(),
+        })
+    }
+
+    /// Another replica of this gateway (`crate::peers`): `url` is its forwarded-run path,
+    /// `secret` the peer secret, `headers` go with every run; `client` is shared.
+    pub(crate) fn for_peer(
+        client: reqwest::Client,
+        url: reqwest::Url,
+        secret: String,
+        headers: reqwest::header::HeaderMap,
+    ) -> Self {
+        Self {
+            client,
+            url,
+            token: Some(secret),
+            headers,
+        }
     }
 
     pub fn url(&self) -> &reqwest::Url {
@@ -222,6 +245,7 @@ impl RemoteExecutor {
         let mut builder = self
             .client
             .post(self.url.clone())
+            .headers(self.headers.clone())
             .header(reqwest::header::ACCEPT, "application/x-ndjson");
         builder = match stdin {
             None => builder
@@ -401,6 +425,15 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     s
 }
 
+/// The upstream request's `timeout_secs`: the spec's, or with steps (each with its own
+/// timeout) the longest step's, which the upstream's limits accept as they accepted ours.
+pub(crate) fn request_timeout(spec: &ExecSpec) -> u64 {
+    match spec.steps.iter().filter_map(|s| s.timeout_secs).max() {
+        Some(t) => t,
+        None => spec.timeout.as_secs().max(1),
+    }
+}
+
 impl Executor for RemoteExecutor {
     fn name(&self) -> &'static str {
         "remote"
@@ -415,16 +448,19 @@ impl Executor for RemoteExecutor {
             if let Some(run) = spec.workspace.clone() {
                 return workspace::forward(self, spec, run, opts).await;
             }
+            let timeout = request_timeout(&spec);
             let req = RunRequest {
                 executable: spec.executable,
                 args: spec.args,
                 cwd: spec.cwd,
                 env: spec.env,
-                timeout_secs: Some(spec.timeout.as_secs().max(1)),
+                timeout_secs: Some(timeout),
                 profile: spec.profile,
                 cache_scope: spec.cache_scope,
                 session: spec.session,
                 session_busy: spec.session_busy,
+                steps: spec.steps,
+                continue_on_error: spec.continue_on_error,
                 ..RunRequest::default()
             };
             self.run_with(&req, opts).await

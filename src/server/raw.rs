@@ -54,6 +54,7 @@ pub(super) async fn raw(
     caller: Option<axum::Extension<Caller>>,
     peer_closed: Option<axum::Extension<crate::server::connections::PeerClosed>>,
     axum::Extension(HeadLimit(head_limit)): axum::Extension<HeadLimit>,
+    forwarded: Option<axum::Extension<crate::peers::Forwarded>>,
     request: Request,
 ) -> Response {
     let headers = request.headers().clone();
@@ -99,8 +100,11 @@ pub(super) async fn raw(
         progress: sink,
         stdin: stdin_rx,
     };
-    let mut start: BoxFuture<'static, Result<Execution, ErrorBody>> =
-        Box::pin(async move { runner.start_with(req, &caller, io).await });
+    // A run another replica forwarded (this is the caller's home) runs here.
+    let mut start: BoxFuture<'static, Result<Execution, ErrorBody>> = match forwarded {
+        Some(_) => Box::pin(async move { runner.start_forwarded(req, &caller, io).await }),
+        None => Box::pin(async move { runner.start_with(req, &caller, io).await }),
+    };
     // Until the backend reports a phase, the answer is what it always was: an HTTP error if
     // the start fails, the stream from `started` on if it succeeds.
     // A client gone during a long start (a pod that waits for a node) must not keep the
