@@ -402,6 +402,9 @@ impl Runner {
                 "the gateway is shutting down",
             ));
         }
+        // A start under way counts as running for the shutdown's grace: its command may run
+        // already (a local process is spawned before the start returns and is tracked).
+        let _starting = self.tracker.token();
         // Every attempt costs a token, allowed or not, so that probing the policy is limited too.
         if let Some(rate) = &self.rate {
             rate.take(caller)?;
