@@ -42,7 +42,7 @@ use tokio_util::task::TaskTracker;
 
 use self::config::{KubernetesConfig, Profile};
 use self::pod::Identity;
-pub(crate) use self::setup::KubeSetupError;
+pub(crate) use self::setup::{KubeSetupError, client_config};
 use super::{ExecSpec, Execution, Executor, StartOptions};
 use crate::contract::{ErrorBody, ErrorCode};
 
