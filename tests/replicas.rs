@@ -844,3 +844,128 @@ async fn kube_replicas_find_each_other_from_endpointslices_behind_a_round_robin_
     });
     assert!(clean, "pods left: {:?}", double.pod_names("default"));
 }
+
+/// Idle warm-pool pods of the double, per gateway (by the pods' `mcp-run.dev/gateway` label).
+fn idle_by_gateway(
+    double: &crate::kube_double::KubeDouble,
+) -> std::collections::BTreeMap<String, usize> {
+    let mut by = std::collections::BTreeMap::new();
+    for p in double.pods("default") {
+        let labels = p.metadata.labels.clone().unwrap_or_default();
+        let idle = labels.get("mcp-run.dev/state").map(String::as_str) == Some("idle");
+        if idle && p.metadata.deletion_timestamp.is_none() {
+            *by.entry(labels["mcp-run.dev/gateway"].clone()).or_default() += 1;
+        }
+    }
+    by
+}
+
+/// Two replicas on the kube backend, one API server, a warm pool of 3 and reapers that sweep
+/// every second with no minimum age: once the replicas find each other (EndpointSlices),
+/// the installation holds 3 idle pods (2 + 1), not 3 per replica, and the surplus goes;
+/// concurrent runs through both never share a pod, and no reaper deletes a pod that the
+/// other replica runs in (every run ends with its own output and exit 0); the pool refills
+/// to 3.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kube_replicas_share_one_warm_pool_and_never_take_or_reap_each_others_pods() {
+    let double = crate::kube_double::KubeDouble::start();
+    let dir = tempfile::tempdir().unwrap();
+    let config = support::config_file(
+        &dir,
+        "server:\n  peer_service: mcp-run-peers\n\
+         kubernetes:\n  reaper_interval_secs: 1\n  reaper_min_age_secs: 0\n\
+         profiles:\n  default:\n    image: busybox:1.36\n    warm_pool:\n      size: 3\n",
+    );
+    let kubeconfig = double.kubeconfig();
+    let pods = ["gw-a", "gw-b"];
+    let peer_ports: Vec<u16> = pods.iter().map(|_| free_port()).collect();
+    let gws: Vec<Gateway> = pods
+        .iter()
+        .zip(&peer_ports)
+        .map(|(pod, port)| {
+            let peer_listen = format!("127.0.0.1:{port}");
+            Gateway::start_with_env(
+                &[
+                    "--backend",
+                    "kube",
+                    "--kubeconfig",
+                    kubeconfig.to_str().unwrap(),
+                    "--config",
+                    config.to_str().unwrap(),
+                    "--peer-listen",
+                    &peer_listen,
+                ],
+                &[("MCP_RUN_PEER_SECRET", SECRET), ("MCP_RUN_POD_NAME", pod)],
+            )
+        })
+        .collect();
+    // Alone (no EndpointSlice lists the other), each keeps the whole pool.
+    let both_full = support::wait_until(Duration::from_secs(30), || {
+        idle_by_gateway(&double)
+            .values()
+            .copied()
+            .collect::<Vec<_>>()
+            == [3, 3]
+    });
+    assert!(both_full, "{:?}", idle_by_gateway(&double));
+    // Listed together: 3 in all, split by the sorted pod names; the surplus is deleted.
+    for (pod, port) in pods.iter().zip(&peer_ports) {
+        double.put_endpoint_slice("default", peer_slice(pod, *port));
+    }
+    let want: std::collections::BTreeMap<String, usize> =
+        [("gw-a".to_string(), 2), ("gw-b".to_string(), 1)].into();
+    let shared = support::wait_until(Duration::from_secs(30), || idle_by_gateway(&double) == want);
+    assert!(shared, "{:?}", idle_by_gateway(&double));
+
+    let runs = (0..12).map(|i| {
+        let gw = &gws[i % 2];
+        async move {
+            support::raw(
+                gw,
+                json!({"executable": "sh", "args": ["-c", "echo $X; sleep 2; echo done"], "env": {"X": format!("run{i}")}}),
+            )
+            .await
+        }
+    });
+    let results = futures_util::future::join_all(runs).await;
+    let mut used = Vec::new();
+    for (i, r) in results.iter().enumerate() {
+        let pod = r
+            .context
+            .as_ref()
+            .and_then(|c| c.pod.clone())
+            .unwrap_or_default();
+        let said: Vec<String> = gws
+            .iter()
+            .flat_map(|g| {
+                g.log_text()
+                    .lines()
+                    .filter(|l| l.contains(&pod))
+                    .map(|l| format!("{}: {l}", g.base))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        assert_eq!(r.code(), Some(0), "run {i}: {r:?}\n{}", said.join("\n"));
+        assert_eq!(r.stdout_str(), format!("run{i}\ndone\n"), "run {i}");
+        used.push(r.context.as_ref().and_then(|c| c.pod.clone()).expect("pod"));
+    }
+    let mut unique = used.clone();
+    unique.sort();
+    unique.dedup();
+    assert_eq!(unique.len(), used.len(), "a pod ran two runs: {used:?}");
+    // Refilled to the shared size, not to a pool per replica.
+    let refilled =
+        support::wait_until(Duration::from_secs(30), || idle_by_gateway(&double) == want);
+    assert!(refilled, "{:?}", idle_by_gateway(&double));
+    let total: usize = idle_by_gateway(&double).values().sum();
+    assert_eq!(total, 3);
+    // Stopped (SIGTERM), each replica deletes its idle pods.
+    for gw in gws {
+        let (status, _) = support::terminate(gw).await;
+        assert!(status.is_some_and(|s| s.success()));
+    }
+    let clean = support::wait_until(Duration::from_secs(20), || {
+        double.pod_names("default").is_empty()
+    });
+    assert!(clean, "pods left: {:?}", double.pod_names("default"));
+}

@@ -273,6 +273,7 @@ pub(crate) fn load_config(path: Option<&std::path::Path>) -> anyhow::Result<Conf
 pub(crate) async fn build_executor(
     config: &Config,
     metrics: &crate::metrics::Metrics,
+    replicas: Option<tokio::sync::watch::Receiver<Vec<String>>>,
 ) -> anyhow::Result<Arc<dyn Executor>> {
     Ok(match config.server.backend {
         BackendKind::Local => Arc::new(
@@ -320,7 +321,8 @@ pub(crate) async fn build_executor(
             let kube = KubeExecutor::connect(config.kubernetes.clone(), profiles, metrics.clone())
                 .await
                 .map_err(kube_setup_error)?
-                .with_caches(&config.caches);
+                .with_caches(&config.caches)
+                .with_replicas(replicas);
             kube.prepare(Duration::from_secs(config.limits.max_timeout_secs))
                 .await;
             Arc::new(kube)
@@ -387,11 +389,20 @@ pub struct App {
 /// Builds the whole gateway from its configuration: backend, runner, auth, router. `serve`
 /// binds it to a listener; tests drive the router in-process.
 pub async fn app(config: &Config) -> anyhow::Result<App> {
+    // First: the warm pools share their size among the replicas it finds.
+    let discovery = match &config.server.peer_service {
+        Some(service) => Some(
+            crate::peers::discovery::Discovery::start(&config.kubernetes, service, pod_name())
+                .await
+                .map_err(anyhow::Error::msg)?,
+        ),
+        None => None,
+    };
     let Prepared {
         runner,
         templates,
         capabilities,
-    } = prepare(config, false).await?;
+    } = prepare(config, false, discovery.as_ref().map(|d| d.replicas())).await?;
     let drained = tokio_util::sync::CancellationToken::new();
     let state = AppState {
         runner: runner.clone(),
@@ -414,7 +425,7 @@ pub async fn app(config: &Config) -> anyhow::Result<App> {
             .with_body_timeout(Duration::from_secs(config.server.body_timeout_secs))
             .with_metrics(runner.metrics().clone()),
         ),
-        peers: peers(config).await?,
+        peers: peers(config, discovery)?,
     };
     check_exposure(config, state.auth.is_some())?;
     if let Some(auth) = &state.auth {
@@ -444,8 +455,11 @@ pub async fn app(config: &Config) -> anyhow::Result<App> {
 
 /// The other replicas (`server.peers`, and those `server.peer_service` lists) with the peer
 /// secret, or `None` without peers.
-async fn peers(config: &Config) -> anyhow::Result<Option<Arc<crate::peers::Peers>>> {
-    if config.server.peers.is_empty() && config.server.peer_service.is_none() {
+fn peers(
+    config: &Config,
+    discovery: Option<crate::peers::discovery::Discovery>,
+) -> anyhow::Result<Option<Arc<crate::peers::Peers>>> {
+    if config.server.peers.is_empty() && discovery.is_none() {
         if config.server.peer_listen.is_some() {
             anyhow::bail!(
                 "server.peer_listen (--peer-listen) serves the replicas' peer channel: it needs server.peers (--peer) or server.peer_service"
@@ -465,12 +479,8 @@ async fn peers(config: &Config) -> anyhow::Result<Option<Arc<crate::peers::Peers
     })?;
     let mut peers =
         crate::peers::Peers::new(&config.server.peers, secret).map_err(anyhow::Error::msg)?;
-    if let Some(service) = &config.server.peer_service {
-        peers = peers.with_discovery(
-            crate::peers::discovery::Discovery::start(&config.kubernetes, service, pod_name())
-                .await
-                .map_err(anyhow::Error::msg)?,
-        );
+    if let Some(discovery) = discovery {
+        peers = peers.with_discovery(discovery);
     }
     tracing::info!(
         replica = peers.tag(),
@@ -679,10 +689,14 @@ struct Prepared {
 
 /// Builds the backend, the runner, the template store (`discover`: also the repository's
 /// `.mcp-run/config.yaml`, for `stdio`) and the capabilities document.
-async fn prepare(config: &Config, discover: bool) -> anyhow::Result<Prepared> {
+async fn prepare(
+    config: &Config,
+    discover: bool,
+    replicas: Option<tokio::sync::watch::Receiver<Vec<String>>>,
+) -> anyhow::Result<Prepared> {
     // One registry per gateway, handed to whoever records (served on /metrics).
     let metrics = crate::metrics::Metrics::new();
-    let executor = build_executor(config, &metrics).await?;
+    let executor = build_executor(config, &metrics, replicas).await?;
     let runner = Arc::new(build_runner(config, executor, metrics)?);
     let templates = template_store(config, discover)?;
     let mut capabilities = capabilities(config, &runner).await;
@@ -780,7 +794,7 @@ pub(crate) async fn stdio_with(config: Config, session: Option<String>) -> anyho
         runner,
         templates,
         capabilities,
-    } = prepare(&config, true).await?;
+    } = prepare(&config, true, None).await?;
     let service = McpService::new(runner.clone(), capabilities, &config.mcp)
         .with_tools(Arc::new(config.tools.clone()))
         .with_templates(templates, working_dir())

@@ -52,6 +52,9 @@ pub(crate) fn parse_service(s: &str) -> Result<(Option<String>, String), String>
 pub(crate) struct Discovery {
     store: Store<EndpointSlice>,
     me: Option<String>,
+    /// The pods of every replica, this one included, sorted (what the warm pool shares its
+    /// size by).
+    replicas: tokio::sync::watch::Receiver<Vec<String>>,
 }
 
 impl std::fmt::Debug for Discovery {
@@ -88,7 +91,12 @@ impl Discovery {
         )
         .default_backoff()
         .touched_objects();
-        let discovery = Self { store, me };
+        let (replicas_tx, replicas) = tokio::sync::watch::channel(Vec::new());
+        let discovery = Self {
+            store,
+            me,
+            replicas,
+        };
         let (watched, me) = (discovery.store.clone(), discovery.me.clone());
         tokio::spawn(async move {
             let mut events = std::pin::pin!(events);
@@ -96,6 +104,12 @@ impl Discovery {
             while let Some(ev) = events.next().await {
                 match ev {
                     Ok(_) => {
+                        let pods = pods_of(&watched.state());
+                        replicas_tx.send_if_modified(|old| {
+                            let changed = *old != pods;
+                            *old = pods;
+                            changed
+                        });
                         let now: BTreeSet<String> = urls_of(&watched.state(), me.as_deref())
                             .iter()
                             .map(|u| u.to_string())
@@ -120,12 +134,27 @@ impl Discovery {
         Ok(discovery)
     }
 
+    /// The pods of all replicas (this one included once listed), sorted, as they change.
+    pub(crate) fn replicas(&self) -> tokio::sync::watch::Receiver<Vec<String>> {
+        self.replicas.clone()
+    }
+
     /// The other replicas' peer URLs now; waits for the first list if it has not come yet
     /// (at most a few seconds: then none).
     pub(crate) async fn urls(&self) -> Vec<reqwest::Url> {
         let _ = tokio::time::timeout(FIRST_LIST, self.store.wait_until_ready()).await;
         urls_of(&self.store.state(), self.me.as_deref())
     }
+}
+
+/// The pods that `slices` list (by their endpoints' `targetRef`), sorted.
+fn pods_of(slices: &[Arc<EndpointSlice>]) -> Vec<String> {
+    let pods: BTreeSet<String> = slices
+        .iter()
+        .flat_map(|s| &s.endpoints)
+        .filter_map(|ep| ep.target_ref.as_ref()?.name.clone())
+        .collect();
+    pods.into_iter().collect()
 }
 
 /// The peer URLs listed by `slices`, without the endpoint of the pod named `me`.
@@ -221,5 +250,6 @@ mod tests {
             .collect();
         assert_eq!(urls, ["http://10.0.0.2:8081/", "http://[fd00::3]:9000/"]);
         assert_eq!(urls_of(&slices, None).len(), 3);
+        assert_eq!(pods_of(&slices), ["gw-1", "gw-2", "gw-3"]);
     }
 }

@@ -70,6 +70,9 @@ pub struct KubeExecutor {
     pools: std::sync::OnceLock<BTreeMap<String, Arc<pool::WarmPool>>>,
     /// The profiles' cache claims (docs/caches.md), when a profile declares caches.
     caches: Option<Arc<cache::KubeCaches>>,
+    /// The pods of this gateway's replicas (`server.peer_service`): the warm pools share
+    /// their size among them.
+    replicas: Option<tokio::sync::watch::Receiver<Vec<String>>>,
 }
 
 /// What pod guards need after the request that armed them is gone.

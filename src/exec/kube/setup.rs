@@ -59,6 +59,16 @@ pub(crate) async fn client_config(
 }
 
 impl KubeExecutor {
+    /// Shares the warm pools' sizes among the replicas that `replicas` lists (their pods),
+    /// so that the installation keeps `warm_pool.size` idle pods, not that many per replica.
+    pub(crate) fn with_replicas(
+        mut self,
+        replicas: Option<tokio::sync::watch::Receiver<Vec<String>>>,
+    ) -> Self {
+        self.replicas = replicas;
+        self
+    }
+
     /// Connects with the in-cluster account, else the kubeconfig (`KUBECONFIG` or
     /// `~/.kube/config`); `kubernetes.kubeconfig` / `kubernetes.context` pick one explicitly.
     pub async fn connect(
@@ -124,6 +134,7 @@ impl KubeExecutor {
             missing: Mutex::new(None),
             pools: std::sync::OnceLock::new(),
             caches: None,
+            replicas: None,
         })
     }
 
@@ -159,6 +170,7 @@ impl KubeExecutor {
                     longest_request + Duration::from_secs(self.config.pod_start_timeout_secs),
                     Duration::from_secs(self.config.pod_start_timeout_secs),
                     self.reaper.child_token(),
+                    self.replicas.clone(),
                 );
                 tracing::info!(profile = name, size = pool.size(), "warm pool started");
                 (name.clone(), pool)
