@@ -197,17 +197,6 @@ impl Config {
             crate::peers::discovery::parse_service(service)
                 .map_err(|m| invalid("server.peer_service", m))?;
         }
-        if let Some(peer) = self.server.peer_listen
-            && peer.port() != 0
-            && peer == self.server.listen
-        {
-            return Err(invalid(
-                "server.peer_listen",
-                format!(
-                    "must differ from server.listen ({peer}): the peer channel needs its own port"
-                ),
-            ));
-        }
         if self.server.max_body_bytes < 1024 {
             return Err(invalid(
                 "server.max_body_bytes",

@@ -466,6 +466,48 @@ fn peers_need_the_secret() {
         !out.status.success() && err.contains("too short") && !err.contains("short\""),
         "{err}"
     );
+    // A peer port without peers, the peer port on the users' port, a Service name that is
+    // not one: refused with the key named.
+    let dir = tempfile::tempdir().unwrap();
+    for (args, yaml, says) in [
+        (
+            vec!["--peer-listen", "127.0.0.1:0"],
+            "",
+            "server.peer_listen",
+        ),
+        (
+            vec![
+                "--peer",
+                "http://127.0.0.1:9",
+                "--listen",
+                "127.0.0.1:18099",
+            ],
+            "server:\n  peer_listen: 127.0.0.1:18099\n",
+            "must differ from server.listen",
+        ),
+        (
+            vec![],
+            "server:\n  peer_service: Not_A_Service\n",
+            "server.peer_service",
+        ),
+    ] {
+        let config = support::config_file(&dir, yaml);
+        let mut cmd = std::process::Command::new(support::gateway_bin());
+        cmd.args(["serve", "--config", config.to_str().unwrap()]);
+        if !args.contains(&"--listen") {
+            cmd.args(["--listen", "127.0.0.1:0"]);
+        }
+        let out = cmd
+            .args(&args)
+            .env("MCP_RUN_PEER_SECRET", SECRET)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(says),
+            "{args:?} {yaml}: {err}"
+        );
+    }
 }
 
 /// The JSON-RPC answer in a streamable-HTTP response (JSON, or the SSE event carrying it).

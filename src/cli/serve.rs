@@ -459,6 +459,14 @@ fn peers(
     config: &Config,
     discovery: Option<crate::peers::discovery::Discovery>,
 ) -> anyhow::Result<Option<Arc<crate::peers::Peers>>> {
+    if let Some(peer) = config.server.peer_listen
+        && peer.port() != 0
+        && peer == config.server.listen
+    {
+        anyhow::bail!(
+            "server.peer_listen (--peer-listen) must differ from server.listen ({peer}): the peer channel needs its own port"
+        );
+    }
     if config.server.peers.is_empty() && discovery.is_none() {
         if config.server.peer_listen.is_some() {
             anyhow::bail!(
