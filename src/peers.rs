@@ -22,6 +22,11 @@ use std::time::Duration;
 use subtle::ConstantTimeEq as _;
 
 pub(crate) mod discovery;
+mod route;
+pub(crate) use route::{
+    Forwarded, HTTP_PREFIX, Home, REPLAYABLE_BYTES, Relayed, decode_caller, needs_home,
+    path_needs_home,
+};
 
 /// The environment variable holding the peer secret (wins over `server.peer_secret_file`).
 pub(crate) const SECRET_ENV: &str = "MCP_RUN_PEER_SECRET";
@@ -114,6 +119,10 @@ pub(crate) struct Peers {
     client: reqwest::Client,
     /// Replica tag → its base URL, learnt from the peers' answers.
     known: Mutex<HashMap<String, reqwest::Url>>,
+    /// When `known` was last asked for ([`route`]: callers' homes).
+    view: Mutex<route::View>,
+    /// The client of forwarded requests (made on first use).
+    streams: std::sync::OnceLock<reqwest::Client>,
 }
 
 impl std::fmt::Debug for Peers {
@@ -149,6 +158,8 @@ impl Peers {
             secret,
             client,
             known: Mutex::default(),
+            view: Mutex::default(),
+            streams: std::sync::OnceLock::new(),
         })
     }
 
@@ -238,6 +249,17 @@ impl Peers {
         if let Some(url) = self.known.lock().ok().and_then(|k| k.get(replica).cloned()) {
             return Ok(url);
         }
+        self.refresh().await;
+        self.known
+            .lock()
+            .ok()
+            .and_then(|k| k.get(replica).cloned())
+            .ok_or_else(|| PeerError::Unknown(replica.into()))
+    }
+
+    /// Asks every peer (`server.peers` and the discovered ones) for its tag; the answers
+    /// replace what was known.
+    async fn refresh(&self) {
         let urls = self.urls().await;
         let asks = urls.iter().map(|base| async move {
             let url = base.join(REPLICA_PATH).ok()?;
@@ -261,18 +283,7 @@ impl Peers {
             Some((v["replica"].as_str()?.to_owned(), base.clone()))
         });
         let found = futures_util::future::join_all(asks).await;
-        let mut known = self
-            .known
-            .lock()
-            .map_err(|_| PeerError::Unknown(replica.into()))?;
-        known.clear();
-        for (tag, url) in found.into_iter().flatten() {
-            known.insert(tag, url);
-        }
-        known
-            .get(replica)
-            .cloned()
-            .ok_or_else(|| PeerError::Unknown(replica.into()))
+        self.merge_view(found.into_iter().flatten().collect());
     }
 
     fn forget(&self, replica: &str) {

@@ -147,12 +147,33 @@ pub(crate) fn routers(
         Some(store) => workspace::routes(store.clone(), state.runner.metrics().clone()),
         None => Router::new(),
     };
-    let app = Router::new()
+    // The endpoints that may need the caller's state. With peers, the caller's home replica
+    // serves them (`crate::peers`, "homes"): relayed there, or forwarded here by a peer.
+    let homed = Router::new()
         .merge(workspaces)
-        .merge(peer_routes)
         .route("/raw", post(raw::raw))
         .route("/sessions", get(sessions::list))
-        .route("/sessions/{name}", axum::routing::delete(sessions::end))
+        .route("/sessions/{name}", axum::routing::delete(sessions::end));
+    let (homed, forwarded) = match &state.peers {
+        Some(p) => (
+            homed.clone().layer(axum::middleware::from_fn_with_state(
+                p.clone(),
+                peers::to_home,
+            )),
+            Router::new().nest(
+                crate::peers::HTTP_PREFIX,
+                homed.layer(axum::middleware::from_fn_with_state(
+                    p.clone(),
+                    peers::from_peer,
+                )),
+            ),
+        ),
+        None => (homed, Router::new()),
+    };
+    let app = Router::new()
+        .merge(homed)
+        .merge(forwarded)
+        .merge(peer_routes)
         .route("/capabilities", get(capabilities))
         .nest_service("/mcp", mcp)
         .route("/healthz", get(healthz))

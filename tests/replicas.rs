@@ -24,7 +24,9 @@ use support::Gateway;
 
 const SECRET: &str = "replica-test-secret-0123456789abcdef";
 
-/// Sends each request to the next backend in turn; counts what each got.
+/// Sends each request to the next backend in turn; counts what each got. A backend that
+/// refuses the connection (a dead replica) is skipped for the next, as nginx's
+/// `proxy_next_upstream error` does.
 struct Proxy {
     backends: Vec<String>,
     next: AtomicUsize,
@@ -33,8 +35,6 @@ struct Proxy {
 }
 
 async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
-    let i = p.next.fetch_add(1, Ordering::SeqCst) % p.backends.len();
-    p.hits[i].fetch_add(1, Ordering::SeqCst);
     let path = req
         .uri()
         .path_and_query()
@@ -42,30 +42,37 @@ async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
         .unwrap_or_default();
     let (parts, body) = req.into_parts();
     let body = axum::body::to_bytes(body, 64 << 20).await.unwrap();
-    let mut out = p
-        .client
-        .request(parts.method, format!("{}{path}", p.backends[i]))
-        .body(body);
-    for (k, v) in &parts.headers {
-        if !matches!(k.as_str(), "host" | "content-length" | "connection") {
-            out = out.header(k, v);
-        }
-    }
-    match out.send().await {
-        Ok(resp) => {
-            let mut b = Response::builder().status(resp.status());
-            for (k, v) in resp.headers() {
-                if !matches!(
-                    k.as_str(),
-                    "content-length" | "transfer-encoding" | "connection"
-                ) {
-                    b = b.header(k, v);
-                }
+    let mut last = String::new();
+    for _ in 0..p.backends.len() {
+        let i = p.next.fetch_add(1, Ordering::SeqCst) % p.backends.len();
+        let mut out = p
+            .client
+            .request(parts.method.clone(), format!("{}{path}", p.backends[i]))
+            .body(body.clone());
+        for (k, v) in &parts.headers {
+            if !matches!(k.as_str(), "host" | "content-length" | "connection") {
+                out = out.header(k, v);
             }
-            b.body(Body::from_stream(resp.bytes_stream())).unwrap()
         }
-        Err(e) => (axum::http::StatusCode::BAD_GATEWAY, e.to_string()).into_response(),
+        match out.send().await {
+            Ok(resp) => {
+                p.hits[i].fetch_add(1, Ordering::SeqCst);
+                let mut b = Response::builder().status(resp.status());
+                for (k, v) in resp.headers() {
+                    if !matches!(
+                        k.as_str(),
+                        "content-length" | "transfer-encoding" | "connection"
+                    ) {
+                        b = b.header(k, v);
+                    }
+                }
+                return b.body(Body::from_stream(resp.bytes_stream())).unwrap();
+            }
+            Err(e) if e.is_connect() => last = e.to_string(),
+            Err(e) => return (axum::http::StatusCode::BAD_GATEWAY, e.to_string()).into_response(),
+        }
     }
+    (axum::http::StatusCode::BAD_GATEWAY, last).into_response()
 }
 
 /// Starts the proxy in front of `backends`; its base URL.
@@ -362,6 +369,24 @@ async fn three_replicas_behind_a_round_robin_proxy_serve_mcp_and_kept_outputs() 
         r.structured_content.as_ref().unwrap()["outputs"][0]["stdout"],
         "still here\n"
     );
+    // And through the proxy, which skips the dead replica as a balancer does.
+    for i in 0..3 {
+        let r = c
+            .call_tool(
+                CallToolRequestParams::new("run_network_tool").with_arguments(
+                    json!({"executable": "echo", "args": [format!("via the proxy {i}")]})
+                        .as_object()
+                        .cloned()
+                        .unwrap(),
+                ),
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            r.structured_content.as_ref().unwrap()["outputs"][0]["stdout"],
+            format!("via the proxy {i}\n")
+        );
+    }
     for gw in gws.iter().chain([&dead]) {
         assert!(!gw.log_text().contains(SECRET), "the secret is in a log");
     }
@@ -634,6 +659,225 @@ async fn closing_a_calls_stream_stops_its_command() {
     .unwrap();
     assert!(gone, "the command outlived its closed stream");
     eprintln!("stopped {:?} after the close", closed.elapsed());
+}
+
+/// `run-remote` through `front` (the proxy), in `cwd`, with its own hash cache in `cache`.
+async fn run_remote(
+    front: &Gateway,
+    cache: &std::path::Path,
+    cwd: &std::path::Path,
+    args: &[&str],
+) -> std::process::Output {
+    let mut cmd = front.run_remote();
+    cmd.env("XDG_CACHE_HOME", cache).current_dir(cwd).args(args);
+    tokio::process::Command::from(cmd).output().await.unwrap()
+}
+
+fn json_of(out: &std::process::Output) -> Value {
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "not JSON ({e}): {}\nstderr: {}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })
+}
+
+/// The gateway process that ran a command printing `$PPID` on its last line.
+fn ppid_of(stdout: &str) -> u32 {
+    stdout
+        .trim_end()
+        .lines()
+        .last()
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// Workspaces and sessions through the round-robin proxy: a caller's workspaces and local
+/// sessions live on its home replica, and whichever replica gets a request sends it there.
+/// An unchanged `run-remote --workspace` rerun uploads nothing wherever it lands, sync-back
+/// brings results home, six calls of one session share one runner, `GET /sessions` lists it
+/// from any replica. Then the home is killed (SIGKILL) during a session call: the call ends
+/// with a clear error, and the next calls work on the caller's new home.
+#[tokio::test(flavor = "multi_thread")]
+async fn workspaces_and_sessions_follow_the_callers_home_replica() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let (mut gws, urls) = replicas(&[]);
+    let (base, p) = proxy(urls.clone()).await;
+    let front = Gateway::external(&format!("{base}/raw"), "local");
+    let pids: Vec<u32> = gws.iter().map(|g| g.pid().unwrap()).collect();
+
+    // A tree, run in four times: uploaded once, then nothing, whichever replica answers.
+    let cache = tempfile::tempdir().unwrap();
+    let tree = tempfile::tempdir().unwrap();
+    std::fs::create_dir(tree.path().join("sub")).unwrap();
+    std::fs::write(tree.path().join("a.txt"), "alpha\n").unwrap();
+    std::fs::write(tree.path().join("sub/b.txt"), "beta\n").unwrap();
+    let cat = ["--workspace", "--output-format", "json", "--", "sh", "-c"];
+    let script = "cat a.txt sub/b.txt; echo $PPID";
+    let mut homes = std::collections::HashSet::new();
+    for i in 0..4 {
+        let out = run_remote(
+            &front,
+            cache.path(),
+            tree.path(),
+            &[&cat[..], &[script]].concat(),
+        )
+        .await;
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "run {i}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v = json_of(&out);
+        let uploaded = &v["workspace"]["uploaded_files"];
+        assert_eq!(*uploaded, if i == 0 { 2 } else { 0 }, "run {i}: {v}");
+        let stdout = v["outputs"][0]["stdout"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{v}"));
+        assert!(stdout.starts_with("alpha\nbeta\n"), "{stdout}");
+        homes.insert(ppid_of(stdout));
+    }
+    assert_eq!(homes.len(), 1, "the workspace runs ran on {homes:?}");
+    let home = *homes.iter().next().unwrap();
+    assert!(pids.contains(&home), "{home} is none of {pids:?}");
+    // Sync-back downloads the results from the home too.
+    let out = run_remote(
+        &front,
+        cache.path(),
+        tree.path(),
+        &[
+            "--workspace",
+            "--output-format",
+            "json",
+            "--sync-back",
+            "out/*",
+            "--",
+            "sh",
+            "-c",
+            "mkdir -p out && echo made > out/r.txt",
+        ],
+    )
+    .await;
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        std::fs::read_to_string(tree.path().join("out/r.txt")).unwrap(),
+        "made\n"
+    );
+
+    // Six calls of one session, through the proxy: one runner (its directory keeps the
+    // count), on the home, whichever replica got each call.
+    let call = json!({"executable": "sh", "args": ["-c", "echo x >> calls; wc -l < calls; echo $PPID"],
+                      "session": "loop"});
+    for n in 1..=6u64 {
+        let r = support::raw(&front, call.clone()).await;
+        assert_eq!(r.code(), Some(0), "call {n}: {r:?}");
+        let out = r.stdout_str();
+        assert_eq!(out.lines().next().unwrap().trim(), n.to_string(), "{out}");
+        assert_eq!(ppid_of(&out), home, "call {n} ran elsewhere");
+        let ctx = r.context.unwrap();
+        assert_eq!(ctx.session.as_deref(), Some("loop"));
+        assert_eq!(ctx.session_call, Some(n));
+    }
+    for _ in 0..3 {
+        let list = support::get_json(&front, "/sessions").await;
+        let names: Vec<&str> = list["sessions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(names, ["loop"], "{list}");
+    }
+    let hits: Vec<usize> = p.hits.iter().map(|h| h.load(Ordering::SeqCst)).collect();
+    assert!(hits.iter().all(|&h| h >= 3), "{hits:?}");
+
+    // A session call sent to another replica, relayed to the home; the home dies mid-call.
+    let h = pids.iter().position(|&p| p == home).unwrap();
+    let other = (h + 1) % 3;
+    let http = support::http();
+    let resp = http
+        .post(gws[other].raw_url())
+        .header("content-type", "application/json")
+        .body(json!({"executable": "sh", "args": ["-c", "echo begun; exec sleep 120"], "session": "loop"}).to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.bytes_stream();
+    let mut seen = String::new();
+    use futures_util::StreamExt as _;
+    while !seen.contains("\"stdout\"") {
+        let chunk = body.next().await.expect("the call's stream").unwrap();
+        seen.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    sigkill(home);
+    let mut dead = gws.remove(h);
+    let _ = dead.terminate();
+    let rest = tokio::time::timeout(Duration::from_secs(30), async {
+        while let Some(chunk) = body.next().await {
+            match chunk {
+                Ok(c) => seen.push_str(&String::from_utf8_lossy(&c)),
+                Err(_) => break,
+            }
+        }
+        seen
+    })
+    .await
+    .expect("the relayed call ends when its home dies");
+    let last: Value = serde_json::from_str(rest.trim_end().lines().last().unwrap()).unwrap();
+    assert_eq!(last["type"], "error", "{rest}");
+    assert_eq!(last["code"], "gateway_unreachable", "{rest}");
+    assert!(
+        last["message"]
+            .as_str()
+            .unwrap()
+            .contains("stopped answering"),
+        "{rest}"
+    );
+
+    // The others carry on: the session starts afresh on the caller's new home, and the
+    // workspace is posted there again (run-remote uploads what the new home lacks).
+    let r = support::raw(&front, call.clone()).await;
+    assert_eq!(r.code(), Some(0), "{r:?}");
+    let out = r.stdout_str();
+    assert_eq!(out.lines().next().unwrap().trim(), "1", "{out}");
+    let new_home = ppid_of(&out);
+    assert!(new_home != home && pids.contains(&new_home), "{new_home}");
+    for i in 0..3 {
+        let out = run_remote(
+            &front,
+            cache.path(),
+            tree.path(),
+            &[&cat[..], &[script]].concat(),
+        )
+        .await;
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "after the kill, run {i}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v = json_of(&out);
+        assert_eq!(
+            ppid_of(v["outputs"][0]["stdout"].as_str().unwrap()),
+            new_home
+        );
+        if i > 0 {
+            assert_eq!(v["workspace"]["uploaded_files"], 0, "{v}");
+        }
+    }
+    for gw in gws.iter().chain([&dead]) {
+        assert!(!gw.log_text().contains(SECRET), "the secret is in a log");
+    }
 }
 
 /// The EndpointSlice of one replica, as the EndpointSlice controller writes it for the

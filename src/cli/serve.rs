@@ -402,7 +402,10 @@ pub async fn app(config: &Config) -> anyhow::Result<App> {
         runner,
         templates,
         capabilities,
-    } = prepare(config, false, discovery.as_ref().map(|d| d.replicas())).await?;
+    } = {
+        let replicas = discovery.as_ref().map(|d| d.replicas());
+        prepare(config, false, peers(config, discovery)?, replicas).await?
+    };
     let drained = tokio_util::sync::CancellationToken::new();
     let state = AppState {
         runner: runner.clone(),
@@ -425,7 +428,7 @@ pub async fn app(config: &Config) -> anyhow::Result<App> {
             .with_body_timeout(Duration::from_secs(config.server.body_timeout_secs))
             .with_metrics(runner.metrics().clone()),
         ),
-        peers: peers(config, discovery)?,
+        peers: runner.peers().cloned(),
     };
     check_exposure(config, state.auth.is_some())?;
     if let Some(auth) = &state.auth {
@@ -494,7 +497,7 @@ fn peers(
         replica = peers.tag(),
         peers = peers.len(),
         discovered = peers.discovers(),
-        "replica of a gateway with peers: MCP is stateless, kept outputs are read through any replica"
+        "replica of a gateway with peers: MCP is stateless; kept outputs, workspaces and sessions are served through any replica"
     );
     Ok(Some(Arc::new(peers)))
 }
@@ -684,7 +687,7 @@ pub(crate) fn build_runner(
         .with_policy(crate::policy::Policy::new(
             config.policy.clone(),
             config.limits.clone(),
-        ))
+        )?)
         .with_redactor(redactor))
 }
 
@@ -700,12 +703,13 @@ struct Prepared {
 async fn prepare(
     config: &Config,
     discover: bool,
+    peers: Option<Arc<crate::peers::Peers>>,
     replicas: Option<tokio::sync::watch::Receiver<Vec<String>>>,
 ) -> anyhow::Result<Prepared> {
     // One registry per gateway, handed to whoever records (served on /metrics).
     let metrics = crate::metrics::Metrics::new();
     let executor = build_executor(config, &metrics, replicas).await?;
-    let runner = Arc::new(build_runner(config, executor, metrics)?);
+    let runner = Arc::new(build_runner(config, executor, metrics)?.with_peers(peers));
     let templates = template_store(config, discover)?;
     let mut capabilities = capabilities(config, &runner).await;
     capabilities.templates = templates.names(&working_dir());
@@ -802,7 +806,7 @@ pub(crate) async fn stdio_with(config: Config, session: Option<String>) -> anyho
         runner,
         templates,
         capabilities,
-    } = prepare(&config, true, None).await?;
+    } = prepare(&config, true, None, None).await?;
     let service = McpService::new(runner.clone(), capabilities, &config.mcp)
         .with_tools(Arc::new(config.tools.clone()))
         .with_templates(templates, working_dir())

@@ -157,7 +157,7 @@ impl McpService {
         tool
     }
 
-    fn end_session(
+    async fn end_session(
         &self,
         arguments: Option<Map<String, Value>>,
         context: &RequestContext<RoleServer>,
@@ -172,6 +172,15 @@ impl McpService {
             .to_owned();
         if let Err(e) = crate::contract::check_session_name(&name) {
             return error_result(&e);
+        }
+        // With peers, the session lives on the caller's home replica.
+        if let Some(ended) = forward::end_session_at_home(self, &caller, &name).await {
+            return match ended {
+                Ok(()) => CallToolResult::success(vec![rmcp::model::ContentBlock::text(format!(
+                    "session {name:?} ended"
+                ))]),
+                Err(e) => error_result(&e),
+            };
         }
         let Some(sessions) = self.runner.sessions() else {
             return error_result(&ErrorBody::new(
@@ -188,9 +197,18 @@ impl McpService {
     }
 
     /// The caller's open sessions as JSON.
-    fn sessions_json(&self, context: &RequestContext<RoleServer>) -> String {
+    async fn sessions_json(
+        &self,
+        context: &RequestContext<RoleServer>,
+    ) -> Result<String, McpError> {
         let caller = crate::auth::mcp_caller(&context.extensions)
             .unwrap_or_else(|| crate::auth::Caller::local("stdio"));
+        // With peers, the sessions live on the caller's home replica.
+        match forward::sessions_at_home(self, &caller).await {
+            Some(Ok(list)) => return Ok(serde_json::to_string_pretty(&list).unwrap_or_default()),
+            Some(Err(e)) => return Err(McpError::internal_error(e.message, None)),
+            None => {}
+        }
         let list = crate::contract::SessionList {
             sessions: self
                 .runner
@@ -198,7 +216,7 @@ impl McpService {
                 .map(|s| s.list(&caller))
                 .unwrap_or_default(),
         };
-        serde_json::to_string_pretty(&list).unwrap_or_default()
+        Ok(serde_json::to_string_pretty(&list).unwrap_or_default())
     }
 
     /// Takes output templates from this store, configured for this directory (the
@@ -628,7 +646,7 @@ impl ServerHandler for McpService {
             return Ok(self.redact_error(r).into());
         }
         if request.name == END_SESSION_TOOL && self.runner.sessions().is_some() {
-            return Ok(self.end_session(request.arguments, &context).into());
+            return Ok(self.end_session(request.arguments, &context).await.into());
         }
         if request.name != TOOL {
             return Err(self.redact_mcp_error(McpError::invalid_params(
@@ -710,7 +728,10 @@ impl ServerHandler for McpService {
                 .map_err(|e| self.redact_mcp_error(e));
         }
         if request.uri == SESSIONS_URI && self.runner.sessions().is_some() {
-            let text = self.sessions_json(&context);
+            let text = self
+                .sessions_json(&context)
+                .await
+                .map_err(|e| self.redact_mcp_error(e))?;
             return Ok(
                 ReadResourceResult::new(vec![ResourceContents::text(text, SESSIONS_URI)]).into(),
             );
