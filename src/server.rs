@@ -21,6 +21,7 @@ use crate::runner::Runner;
 pub(crate) mod connections;
 pub(crate) mod guard;
 pub(crate) mod mcp_http;
+mod peer_port;
 mod peers;
 mod raw;
 mod sessions;
@@ -80,8 +81,14 @@ impl IntoResponse for ErrorBody {
     }
 }
 
-/// The router with every endpoint; `max_body_bytes` bounds request bodies.
-pub(crate) fn router(state: AppState, max_body_bytes: usize) -> Router {
+/// The router with every endpoint (`max_body_bytes` bounds request bodies) and, with
+/// `peer_port` (`server.peer_listen`), the peer port's router: the peer channel is then
+/// served there only.
+pub(crate) fn routers(
+    state: AppState,
+    max_body_bytes: usize,
+    peer_port: bool,
+) -> (Router, Option<Router>) {
     let peer_routes;
     let mcp = {
         use rmcp::transport::streamable_http_server::{
@@ -129,6 +136,12 @@ pub(crate) fn router(state: AppState, max_body_bytes: usize) -> Router {
                 sessions,
                 config,
             ))
+    };
+    let (peer_routes, peer_app) = if peer_port {
+        let app = peer_port::app(peer_routes, state.clone(), max_body_bytes);
+        (peer_port::refused_here(), Some(app))
+    } else {
+        (peer_routes, None)
     };
     let workspaces = match state.runner.workspaces() {
         Some(store) => workspace::routes(store.clone(), state.runner.metrics().clone()),
@@ -194,9 +207,10 @@ pub(crate) fn router(state: AppState, max_body_bytes: usize) -> Router {
         ))
         .with_state(state);
     // Around the whole router: a route's `Allow` header is set outside its own layers.
-    Router::new()
+    let app = Router::new()
         .fallback_service(app)
-        .layer(axum::middleware::map_response(name_allowed_methods))
+        .layer(axum::middleware::map_response(name_allowed_methods));
+    (app, peer_app)
 }
 
 /// Serves `router` on `listener` until `shutdown` fires, then drains: the listener stays

@@ -188,8 +188,7 @@ impl Peers {
 
     /// The base URL of the replica tagged `tag`, when it is known.
     fn url_of(&self, tag: &str) -> Option<reqwest::Url> {
-        let i = self.known.lock().ok()?.get(tag).copied()?;
-        self.urls.get(i).cloned()
+        self.known.lock().ok()?.get(tag).cloned()
     }
 
     /// A client for forwarded requests: unlike the peer channel's, no overall timeout (a
@@ -375,12 +374,12 @@ impl Peers {
     }
 
     /// Adds the tags of live replicas to the view (asking every peer), keeping the rest.
-    pub(super) fn merge_view(&self, found: Vec<(String, usize)>) {
+    pub(super) fn merge_view(&self, found: Vec<(String, reqwest::Url)>) {
         if let Ok(mut known) = self.known.lock() {
             known.clear();
-            for (tag, i) in found {
+            for (tag, url) in found {
                 if let Entry::Vacant(e) = known.entry(tag) {
-                    e.insert(i);
+                    e.insert(url);
                 }
             }
         }
