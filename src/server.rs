@@ -213,22 +213,34 @@ pub(crate) fn routers(
     (app, peer_app)
 }
 
-/// Serves `router` on `listener` until `shutdown` fires, then drains: the listener stays
-/// open (new executions get `503 shutting_down`), running commands get `grace` to finish,
-/// then they are killed, and connections are closed (see [`crate::connections`]).
-#[allow(clippy::too_many_arguments)] // each is a distinct piece of the start-up; no bundle reads better
+/// How a served gateway stops.
+pub(crate) struct Shutdown<F> {
+    /// Starts the drain when it completes.
+    pub(crate) signal: F,
+    /// How long running commands get to finish before they are killed.
+    pub(crate) grace: Duration,
+    /// Cancelled when they are done: long-lived connections (MCP sessions) end then.
+    pub(crate) drained: tokio_util::sync::CancellationToken,
+}
+
+/// Serves `router` on `listener` until the shutdown signal fires, then drains: the listener
+/// stays open (new executions get `503 shutting_down`), running commands get the grace to
+/// finish, then they are killed, and connections are closed (see [`connections`]).
 pub(crate) async fn serve(
     listener: TcpListener,
     router: Router,
     runner: Arc<Runner>,
     limits: crate::server::connections::ConnectionLimits,
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-    grace: Duration,
-    drained: tokio_util::sync::CancellationToken,
+    shutdown: Shutdown<impl std::future::Future<Output = ()> + Send + 'static>,
 ) -> std::io::Result<()> {
     let metrics = runner.metrics().clone();
+    let Shutdown {
+        signal,
+        grace,
+        drained,
+    } = shutdown;
     let drain = async move {
-        shutdown.await;
+        signal.await;
         tracing::info!(running = runner.in_flight(), "shutting down");
         runner.shutdown(grace).await;
         // Long-lived connections (MCP sessions) end now, so that the server can stop.

@@ -306,12 +306,11 @@ pub(crate) async fn build_executor(
             let token = std::env::var("RUN_REMOTE_TOKEN")
                 .ok()
                 .filter(|t| !t.is_empty());
-            let remote = RemoteExecutor::new(url, token).map_err(anyhow::Error::msg)?;
+            let remote = RemoteExecutor::new(url, token)?;
             match &config.remote.workspace {
-                Some(dir) => Arc::new(
-                    crate::exec::remote::workspace::SyncedRemote::new(remote, dir)
-                        .map_err(anyhow::Error::msg)?,
-                ),
+                Some(dir) => Arc::new(crate::exec::remote::workspace::SyncedRemote::new(
+                    remote, dir,
+                )?),
                 None => Arc::new(remote),
             }
         }
@@ -417,9 +416,7 @@ pub async fn app(config: &Config) -> anyhow::Result<App> {
             tools: Arc::new(config.tools.clone()),
             templates,
         },
-        auth: crate::auth::Auth::load(&config.auth, |k| std::env::var(k).ok())
-            .map_err(anyhow::Error::msg)?
-            .map(Arc::new),
+        auth: crate::auth::Auth::load(&config.auth, |k| std::env::var(k).ok())?.map(Arc::new),
         guard: Arc::new(
             crate::server::guard::Guard::new(
                 &config.server.allowed_hosts,
@@ -549,9 +546,11 @@ pub(crate) async fn serve(config: Config) -> anyhow::Result<()> {
         router,
         runner,
         limits,
-        bounded_shutdown_signal(exit_bound(&config)),
-        config.shutdown_grace(),
-        drained,
+        server::Shutdown {
+            signal: bounded_shutdown_signal(exit_bound(&config)),
+            grace: config.shutdown_grace(),
+            drained,
+        },
     )
     .await?;
     tracing::info!("stopped");
