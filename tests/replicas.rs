@@ -758,10 +758,47 @@ async fn workspaces_and_sessions_follow_the_callers_home_replica() {
     let hits: Vec<usize> = p.hits.iter().map(|h| h.load(Ordering::SeqCst)).collect();
     assert!(hits.iter().all(|&h| h >= 3), "{hits:?}");
 
-    // A session call sent to another replica, relayed to the home; the home dies mid-call.
+    // A session call sent to another replica, relayed to the home: a client that goes away
+    // stops the command on the home.
     let h = pids.iter().position(|&p| p == home).unwrap();
     let other = (h + 1) % 3;
     let http = support::http();
+    let pidfile = tree.path().join("relayed.pid");
+    let sleeper = format!(
+        "echo $$ > {0}.tmp; mv {0}.tmp {0}; echo begun; exec sleep 300",
+        pidfile.display()
+    );
+    let resp = http
+        .post(gws[other].raw_url())
+        .header("content-type", "application/json")
+        .body(json!({"executable": "sh", "args": ["-c", sleeper], "session": "loop"}).to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let pid: i32 = tokio::task::spawn_blocking({
+        let pidfile = pidfile.clone();
+        move || {
+            assert!(support::wait_until(Duration::from_secs(30), || pidfile.exists()));
+            std::fs::read_to_string(&pidfile)
+                .unwrap()
+                .trim()
+                .parse()
+                .unwrap()
+        }
+    })
+    .await
+    .unwrap();
+    assert!(support::pid_alive(pid));
+    drop(resp);
+    let gone = tokio::task::spawn_blocking(move || {
+        support::wait_until(Duration::from_secs(20), || !support::pid_alive(pid))
+    })
+    .await
+    .unwrap();
+    assert!(gone, "the relayed command outlived its client");
+
+    // Another one; the home dies mid-call.
     let resp = http
         .post(gws[other].raw_url())
         .header("content-type", "application/json")
