@@ -144,7 +144,7 @@ pub(crate) fn router(state: AppState, max_body_bytes: usize) -> Router {
     let (homed, forwarded) = match &state.peers {
         Some(p) => (
             homed.clone().layer(axum::middleware::from_fn_with_state(
-                p.clone(),
+                (p.clone(), state.runner.executor().shares_sessions()),
                 peers::to_home,
             )),
             Router::new().nest(

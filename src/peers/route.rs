@@ -69,12 +69,11 @@ pub(crate) fn needs_home(req: &RunRequest, shared_sessions: bool) -> bool {
     req.workspace.is_some() || (req.session.is_some() && !shared_sessions)
 }
 
-/// Whether a request to one of the users' endpoints needs its caller's home.
-pub(crate) fn path_needs_home(path: &str) -> bool {
-    path == "/workspaces"
-        || path.starts_with("/workspaces/")
-        || path == "/sessions"
-        || path.starts_with("/sessions/")
+/// Whether a request to one of the users' endpoints needs its caller's home: the
+/// workspace endpoints, and the session endpoints unless sessions are shared.
+pub(crate) fn path_needs_home(path: &str, shared_sessions: bool) -> bool {
+    let sessions = path == "/sessions" || path.starts_with("/sessions/");
+    path == "/workspaces" || path.starts_with("/workspaces/") || (sessions && !shared_sessions)
 }
 
 /// The caller header's value for `caller`.
@@ -480,8 +479,9 @@ mod tests {
         assert!(needs_home(&session, false));
         assert!(!needs_home(&session, true));
         assert!(!needs_home(&RunRequest::default(), false));
-        assert!(path_needs_home("/workspaces/ws_1/blobs"));
-        assert!(path_needs_home("/sessions"));
-        assert!(!path_needs_home("/workspacesx"));
+        assert!(path_needs_home("/workspaces/ws_1/blobs", true));
+        assert!(path_needs_home("/sessions", false));
+        assert!(!path_needs_home("/sessions/build", true));
+        assert!(!path_needs_home("/workspacesx", false));
     }
 }

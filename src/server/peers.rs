@@ -81,15 +81,15 @@ fn refused(peers: &Peers, conn: Conn, headers: &HeaderMap) -> Option<Response> {
     )
 }
 
-/// Around the users' endpoints that need the caller's state (`/workspaces...`,
-/// `/sessions...`): a request whose caller's home is another replica is relayed there
+/// Around the users' endpoints that need the caller's state (`/workspaces...`, and
+/// `/sessions...` unless the backend's sessions are shared): a request whose caller's home is another replica is relayed there
 /// (`crate::peers`, "homes"); the rest go on here.
 pub(super) async fn to_home(
-    axum::extract::State(peers): axum::extract::State<Arc<Peers>>,
+    axum::extract::State((peers, shared_sessions)): axum::extract::State<(Arc<Peers>, bool)>,
     req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    if !crate::peers::path_needs_home(req.uri().path())
+    if !crate::peers::path_needs_home(req.uri().path(), shared_sessions)
         || req.extensions().get::<crate::peers::Forwarded>().is_some()
     {
         return next.run(req).await;
