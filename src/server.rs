@@ -119,7 +119,9 @@ pub(crate) fn router(state: AppState, max_body_bytes: usize) -> Router {
             state.mcp.config.max_sessions_per_client,
             max_body_bytes,
         ));
+        let watch = state.peers.is_some();
         tower::ServiceBuilder::new()
+            .option_layer(watch.then(|| axum::middleware::from_fn(peers::watch_mcp_close)))
             .layer(axum::middleware::from_fn_with_state(
                 guard,
                 crate::server::mcp_http::middleware,

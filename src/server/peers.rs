@@ -167,3 +167,30 @@ pub(super) async fn from_peer(
     req.extensions_mut().insert(crate::peers::Forwarded);
     next.run(req).await
 }
+
+/// Around `/mcp` with peers: a POST's handlers learn when the client's connection reaches EOF
+/// ([`crate::mcp::ConnectionClosed`]), watched as long as the answer streams.
+pub(super) async fn watch_mcp_close(
+    mut req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if req.method() != axum::http::Method::POST {
+        return next.run(req).await;
+    }
+    let until = tokio_util::sync::CancellationToken::new();
+    let closed = req
+        .extensions()
+        .get::<crate::server::connections::PeerClosed>()
+        .and_then(|p| p.watch(until.clone()));
+    if let Some(c) = closed {
+        req.extensions_mut().insert(crate::mcp::ConnectionClosed(c));
+    }
+    let guard = until.drop_guard();
+    next.run(req).await.map(move |body| {
+        use futures_util::StreamExt as _;
+        axum::body::Body::from_stream(body.into_data_stream().map(move |chunk| {
+            let _watching = &guard;
+            chunk
+        }))
+    })
+}
