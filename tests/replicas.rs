@@ -830,7 +830,7 @@ async fn workspaces_and_sessions_follow_the_callers_home_replica() {
     .expect("the relayed call ends when its home dies");
     let last: Value = serde_json::from_str(rest.trim_end().lines().last().unwrap()).unwrap();
     assert_eq!(last["type"], "error", "{rest}");
-    assert_eq!(last["code"], "gateway_unreachable", "{rest}");
+    assert_eq!(last["code"], "backend_unavailable", "{rest}");
     assert!(
         last["message"]
             .as_str()

@@ -208,7 +208,7 @@ impl Peers {
     /// The error of a home that does not answer.
     fn home_gone(tag: &str, why: &str) -> ErrorBody {
         ErrorBody::new(
-            ErrorCode::GatewayUnreachable,
+            ErrorCode::BackendUnavailable,
             format!(
                 "replica {tag} of this gateway, which holds this caller's workspaces and sessions, did not answer ({why}); retry: the next replica takes over (its workspaces are posted again, its sessions start afresh)"
             ),
@@ -246,6 +246,8 @@ impl Peers {
                 tracing::warn!(replica = tag, error = %e.message, "a run's home replica did not answer");
                 Err(Self::home_gone(tag, "connection failed"))
             }
+            // The relay's own client-side codes never reach the caller as such.
+            Err(e) if e.code == ErrorCode::ProtocolError => Err(Self::home_gone(tag, &e.message)),
             Err(e) => Err(e),
             Ok(execution) => Ok(execution.filtered(HomeLost(tag.to_owned()))),
         }
@@ -413,7 +415,7 @@ impl crate::exec::EventFilter for HomeLost {
                 code: ErrorCode::ProtocolError,
                 message,
             } => Event::Error {
-                code: ErrorCode::GatewayUnreachable,
+                code: ErrorCode::BackendUnavailable,
                 message: format!(
                     "replica {} of this gateway, which ran this command for this caller's workspace or session, stopped answering ({message}); its outcome is unknown: run it again",
                     self.0
