@@ -667,6 +667,26 @@ async fn workspaces_and_sessions_follow_the_callers_home_replica() {
     let front = Gateway::external(&format!("{base}/raw"), "local");
     let pids: Vec<u32> = gws.iter().map(|g| g.pid().unwrap()).collect();
 
+    // Forwarded requests take the peer secret only, and need the caller they act for.
+    let http = support::http();
+    for path in ["/peer/v1/http/raw", "/peer/v1/http/workspaces"] {
+        let url = format!("{}{path}", urls[0]);
+        let body = json!({"executable": "true"}).to_string();
+        let resp = http.post(&url).body(body.clone()).send().await.unwrap();
+        assert_eq!(resp.status(), 401, "{path}");
+        let resp = http
+            .post(&url)
+            .bearer_auth(SECRET)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 400, "{path}");
+        let text = resp.text().await.unwrap();
+        assert!(text.contains("x-mcp-run-peer-caller"), "{text}");
+    }
+
     // A tree, run in four times: uploaded once, then nothing, whichever replica answers.
     let cache = tempfile::tempdir().unwrap();
     let tree = tempfile::tempdir().unwrap();
@@ -762,7 +782,6 @@ async fn workspaces_and_sessions_follow_the_callers_home_replica() {
     // stops the command on the home.
     let h = pids.iter().position(|&p| p == home).unwrap();
     let other = (h + 1) % 3;
-    let http = support::http();
     let pidfile = tree.path().join("relayed.pid");
     let sleeper = format!(
         "echo $$ > {0}.tmp; mv {0}.tmp {0}; echo begun; exec sleep 300",
