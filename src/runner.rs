@@ -13,7 +13,7 @@ use crate::contract::{ErrorBody, ErrorCode, Event, RunRequest};
 use crate::exec::{ExecSpec, Execution, Executor, Progress, StartOptions};
 use crate::limits::Limits;
 use crate::metrics::Metrics;
-use crate::policy::{Policy, PolicyConfig, Subject};
+use crate::policy::{Policy, Subject};
 use crate::rate_limit::RateLimiter;
 use crate::redact::{RedactFilter, Redactor};
 use tokio::sync::Semaphore;
@@ -73,7 +73,7 @@ impl Runner {
     pub(crate) fn new(executor: Arc<dyn Executor>, limits: Limits) -> Self {
         Self {
             executor,
-            policy: Policy::new(PolicyConfig::default(), limits.clone()),
+            policy: Policy::unrestricted(limits.clone()),
             slots: limits
                 .max_concurrent_executions
                 .map(|n| Arc::new(Semaphore::new(n))),
@@ -230,6 +230,8 @@ impl Runner {
             cache_scope: req.cache_scope,
             session: None,
             session_busy: None,
+            steps: Vec::new(),
+            continue_on_error: false,
         };
         self.executor.check(&spec)?;
         Ok(spec)
@@ -554,15 +556,6 @@ impl Runner {
                 "a run with `steps` takes no stdin",
             ));
         }
-        if self.executor.forwards_sessions() {
-            return Err(ErrorBody::new(
-                ErrorCode::InvalidRequest,
-                format!(
-                    "the {} backend does not run `steps` (run them on the gateway it forwards to)",
-                    self.executor.name()
-                ),
-            ));
-        }
         let (session, busy) = (req.session.clone(), req.session_busy.unwrap_or_default());
         let continue_on_error = req.continue_on_error;
         let mut steps = Vec::with_capacity(req.steps.len());
@@ -578,6 +571,11 @@ impl Runner {
         let call = self
             .session_call(session, busy, caller, &mut first, &io.progress)
             .await?;
+        if self.executor.forwards_sessions() {
+            return self
+                .forward_steps(first, steps, continue_on_error, caller, io)
+                .await;
+        }
         let slot = self.slot()?;
         let (runner, cancel, close) = match &call {
             Some(c) => (c.runner().clone(), c.cancel(), false),
@@ -621,6 +619,60 @@ impl Runner {
             cancel,
         );
         Ok(self.wrap(execution, caller, &audited, timeout, slot, call))
+    }
+
+    /// A multi-step run on a backend that forwards it whole (a remote gateway runs the steps
+    /// in one runner of its own): each step as this gateway checked it.
+    async fn forward_steps(
+        &self,
+        mut first: ExecSpec,
+        steps: Vec<(ExecSpec, String)>,
+        continue_on_error: bool,
+        caller: &Caller,
+        io: RunIo,
+    ) -> Result<Execution, ErrorBody> {
+        let timeout = steps.iter().map(|(s, _)| s.timeout).sum::<Duration>();
+        first.steps = steps
+            .iter()
+            .map(|(s, _)| crate::contract::Step {
+                executable: s.executable.clone(),
+                args: s.args.clone(),
+                // A workspace run's directory is relative to the workspace root.
+                cwd: match &s.workspace {
+                    Some(w) => (!w.cwd.is_empty()).then(|| w.cwd.clone()),
+                    None => s.cwd.clone(),
+                },
+                env: s.env.clone(),
+                timeout_secs: Some(s.timeout.as_secs().max(1)),
+            })
+            .collect();
+        first.continue_on_error = continue_on_error;
+        first.timeout = timeout;
+        // Each step carries its own command, directory and environment.
+        first.executable.clear();
+        first.args.clear();
+        first.cwd = None;
+        first.env.clear();
+        let audited = ExecSpec {
+            executable: "steps".into(),
+            args: steps.iter().map(|(_, c)| c.clone()).collect(),
+            steps: Vec::new(),
+            ..first.clone()
+        };
+        let slot = self.slot()?;
+        let execution = self
+            .executor
+            .start(
+                first,
+                StartOptions {
+                    cancel: self.shutdown.child_token(),
+                    progress: io.progress,
+                    stdin: None,
+                },
+            )
+            .await?;
+        let timeout = timeout + self.executor.timeout_slack();
+        Ok(self.wrap(execution, caller, &audited, timeout, slot, None))
     }
 
     /// How many executions are running.

@@ -582,7 +582,7 @@ pub(crate) fn build_runner(
         .with_policy(crate::policy::Policy::new(
             config.policy.clone(),
             config.limits.clone(),
-        ))
+        )?)
         .with_redactor(redactor))
 }
 

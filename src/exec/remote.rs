@@ -6,15 +6,19 @@ pub(crate) mod workspace;
 
 use std::time::{Duration, Instant};
 
-use bytes::{Buf, Bytes, BytesMut};
-use futures_util::StreamExt;
+use bytes::Bytes;
 use futures_util::future::BoxFuture;
+use futures_util::stream::BoxStream;
+use futures_util::{StreamExt, TryStreamExt};
 use tokio::sync::mpsc;
+use tokio_util::codec::FramedRead;
+use tokio_util::io::StreamReader;
 use tokio_util::sync::CancellationToken;
 
 use super::{EVENT_BUFFER, ExecSpec, Execution, Executor, StartOptions};
 use crate::contract::{
-    ErrorBody, ErrorCode, Event, ExitInfo, PROGRESS_HEADER, RunRequest, STDIN_CONTENT_TYPE,
+    ErrorBody, ErrorCode, Event, ExitInfo, LineDecoder, LineError, PROGRESS_HEADER, RunRequest,
+    STDIN_CONTENT_TYPE,
 };
 
 /// The remote backend's section of the configuration (`remote:`).
@@ -259,11 +263,7 @@ impl RemoteExecutor {
                 &resp.text().await.unwrap_or_default(),
             ));
         }
-        let mut lines = Lines {
-            body: Box::pin(resp.bytes_stream()),
-            buf: BytesMut::new(),
-            scanned: 0,
-        };
+        let mut lines = Lines::new(resp);
         // Phases (and keep-alives) may come first when they were asked for.
         let context = loop {
             let next = tokio::select! {
@@ -334,56 +334,58 @@ async fn pump(mut lines: Lines, tx: mpsc::Sender<Event>, cancel: CancellationTok
     }
 }
 
-/// Splits a byte stream into NDJSON events.
-struct Lines {
-    body: std::pin::Pin<Box<dyn futures_util::Stream<Item = reqwest::Result<Bytes>> + Send>>,
-    buf: BytesMut,
-    /// How much of `buf` is known to hold no newline (lines span many network reads).
-    scanned: usize,
-}
+/// The gateway's response body, split into NDJSON events.
+struct Lines(
+    FramedRead<StreamReader<BoxStream<'static, std::io::Result<Bytes>>, Bytes>, LineDecoder>,
+);
 
 impl Lines {
+    fn new(resp: reqwest::Response) -> Self {
+        let body = resp.bytes_stream().map_err(std::io::Error::other).boxed();
+        Self(FramedRead::new(
+            StreamReader::new(body),
+            LineDecoder::new(MAX_LINE),
+        ))
+    }
+
     async fn next(&mut self) -> Result<Option<Event>, ErrorBody> {
         loop {
-            if let Some(pos) =
-                memchr::memchr(b'\n', &self.buf[self.scanned..]).map(|p| p + self.scanned)
-            {
-                let mut line = self.buf.split_to(pos + 1);
-                self.scanned = 0;
-                line.truncate(pos);
-                if line.iter().all(u8::is_ascii_whitespace) {
-                    continue;
-                }
-                return Event::from_line_mut(line).map(Some).map_err(|e| {
-                    ErrorBody::new(
-                        ErrorCode::ProtocolError,
-                        format!("malformed event from the gateway: {e}"),
-                    )
-                });
-            }
-            self.scanned = self.buf.len();
-            if self.buf.len() > MAX_LINE {
-                return Err(ErrorBody::new(
-                    ErrorCode::ProtocolError,
-                    "an event line from the gateway is too long",
-                ));
-            }
-            match self.body.next().await {
-                Some(Ok(chunk)) => self.buf.extend_from_slice(chunk.chunk()),
-                Some(Err(e)) => {
+            let line = match self.0.next().await {
+                Some(Ok(line)) => line,
+                None => return Ok(None),
+                Some(Err(LineError::TooLong(_))) => {
                     return Err(ErrorBody::new(
                         ErrorCode::ProtocolError,
-                        format!("the connection to the gateway broke: {}", error_chain(&e)),
+                        "an event line from the gateway is too long",
                     ));
                 }
-                None if self.buf.is_empty() => return Ok(None),
-                None => {
+                Some(Err(LineError::Unterminated(_))) => {
                     return Err(ErrorBody::new(
                         ErrorCode::ProtocolError,
                         "the gateway's stream ended mid-line",
                     ));
                 }
+                Some(Err(LineError::Io(e))) => {
+                    // The reqwest error inside: its message and causes, as before the wrapping.
+                    let chain = match e.get_ref() {
+                        Some(inner) => error_chain(inner),
+                        None => error_chain(&e),
+                    };
+                    return Err(ErrorBody::new(
+                        ErrorCode::ProtocolError,
+                        format!("the connection to the gateway broke: {chain}"),
+                    ));
+                }
+            };
+            if line.iter().all(u8::is_ascii_whitespace) {
+                continue;
             }
+            return Event::from_line_mut(line).map(Some).map_err(|e| {
+                ErrorBody::new(
+                    ErrorCode::ProtocolError,
+                    format!("malformed event from the gateway: {e}"),
+                )
+            });
         }
     }
 }
@@ -400,6 +402,15 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     s
 }
 
+/// The upstream request's `timeout_secs`: the spec's, or with steps (each with its own
+/// timeout) the longest step's, which the upstream's limits accept as they accepted ours.
+pub(crate) fn request_timeout(spec: &ExecSpec) -> u64 {
+    match spec.steps.iter().filter_map(|s| s.timeout_secs).max() {
+        Some(t) => t,
+        None => spec.timeout.as_secs().max(1),
+    }
+}
+
 impl Executor for RemoteExecutor {
     fn name(&self) -> &'static str {
         "remote"
@@ -414,16 +425,19 @@ impl Executor for RemoteExecutor {
             if let Some(run) = spec.workspace.clone() {
                 return workspace::forward(self, spec, run, opts).await;
             }
+            let timeout = request_timeout(&spec);
             let req = RunRequest {
                 executable: spec.executable,
                 args: spec.args,
                 cwd: spec.cwd,
                 env: spec.env,
-                timeout_secs: Some(spec.timeout.as_secs().max(1)),
+                timeout_secs: Some(timeout),
                 profile: spec.profile,
                 cache_scope: spec.cache_scope,
                 session: spec.session,
                 session_busy: spec.session_busy,
+                steps: spec.steps,
+                continue_on_error: spec.continue_on_error,
                 ..RunRequest::default()
             };
             self.run_with(&req, opts).await

@@ -17,16 +17,18 @@ use axum::body::{Body, BodyDataStream, Bytes};
 use axum::extract::{FromRequest, Request, State};
 use axum::http::{HeaderMap, HeaderValue, header};
 use axum::response::{IntoResponse, Response};
-use bytes::BytesMut;
 use futures_util::future::BoxFuture;
-use futures_util::stream::{self, Stream, StreamExt};
+use futures_util::stream::{self, Stream, StreamExt, TryStreamExt};
 use tokio::sync::{mpsc, oneshot};
+use tokio_util::codec::FramedRead;
+use tokio_util::io::StreamReader;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use super::AppState;
 use crate::auth::Caller;
 use crate::contract::{
-    ErrorBody, ErrorCode, Event, PROGRESS_HEADER, RunRequest, STDIN_CONTENT_TYPE,
+    ErrorBody, ErrorCode, Event, LineDecoder, LineError, PROGRESS_HEADER, RunRequest,
+    STDIN_CONTENT_TYPE,
 };
 use crate::exec::{Execution, Progress};
 use crate::runner::RunIo;
@@ -197,7 +199,7 @@ async fn with_stdin(
     head_limit: usize,
 ) -> Result<(RunRequest, Option<Stdin>), ErrorBody> {
     let limits = state.runner.limits();
-    let mut body = body.into_data_stream();
+    let body = body.into_data_stream();
     // A refused request's body is still read for a moment (see `drain`).
     let refuse = |body: BodyDataStream, e: ErrorBody| {
         tokio::spawn(drain(body));
@@ -212,7 +214,8 @@ async fn with_stdin(
             ),
         );
     }
-    let (head, rest) = match read_head(&mut body, head_limit).await {
+    let (body, head) = read_head(body, head_limit).await;
+    let (head, rest) = match head {
         Ok(h) => h,
         Err(e) => return refuse(body, e),
     };
@@ -257,34 +260,33 @@ fn too_large(max: u64) -> ErrorBody {
 }
 
 /// Splits the first line (the request JSON) off the body; what follows it is stdin. A body
-/// without a newline is all request, with empty stdin.
-async fn read_head(body: &mut BodyDataStream, limit: usize) -> Result<(Bytes, Bytes), ErrorBody> {
-    let mut buf = BytesMut::new();
-    let mut scanned = 0;
-    loop {
-        if let Some(pos) = memchr::memchr(b'\n', &buf[scanned..]).map(|p| p + scanned) {
-            let mut head = buf.split_to(pos + 1);
-            head.truncate(pos);
-            return Ok((head.freeze(), buf.freeze()));
-        }
-        scanned = buf.len();
-        if buf.len() > limit {
-            return Err(ErrorBody::new(
-                ErrorCode::PayloadTooLarge,
-                "the request line is larger than the server accepts",
-            ));
-        }
-        match body.next().await {
-            Some(Ok(chunk)) => buf.extend_from_slice(&chunk),
-            Some(Err(e)) => {
-                return Err(ErrorBody::new(
-                    ErrorCode::InvalidRequest,
-                    format!("cannot read the request body: {e}"),
-                ));
-            }
-            None => return Ok((buf.freeze(), Bytes::new())),
-        }
+/// without a newline is all request, with empty stdin. The body comes back for what follows.
+async fn read_head(
+    body: BodyDataStream,
+    limit: usize,
+) -> (BodyDataStream, Result<(Bytes, Bytes), ErrorBody>) {
+    let reader = StreamReader::new(body.map_err(std::io::Error::other));
+    let mut lines = FramedRead::new(reader, LineDecoder::new(limit));
+    let head = match lines.next().await {
+        Some(Ok(head) | Err(LineError::Unterminated(head))) => Ok(head.freeze()),
+        None => Ok(Bytes::new()),
+        Some(Err(LineError::TooLong(_))) => Err(ErrorBody::new(
+            ErrorCode::PayloadTooLarge,
+            "the request line is larger than the server accepts",
+        )),
+        Some(Err(LineError::Io(e))) => Err(ErrorBody::new(
+            ErrorCode::InvalidRequest,
+            format!("cannot read the request body: {e}"),
+        )),
+    };
+    // Stdin begins with what was read past the newline, then the rest of a chunk read in part.
+    let parts = lines.into_parts();
+    let (body, chunk) = parts.io.into_inner_with_chunk();
+    let mut rest = parts.read_buf;
+    if let Some(chunk) = chunk {
+        rest.extend_from_slice(&chunk);
     }
+    (body.into_inner(), head.map(|head| (head, rest.freeze())))
 }
 
 /// Moves the body into the command's stdin, awaiting the channel (that is the back-pressure

@@ -18,6 +18,7 @@ mod cache;
 pub(crate) mod config;
 mod guard;
 mod kept;
+mod kept_tree;
 pub(crate) mod pod;
 mod pool;
 mod reaper;
@@ -116,6 +117,11 @@ impl Executor for KubeExecutor {
 
     /// One pod across calls ([`kept`]).
     fn keeps_runners(&self) -> bool {
+        true
+    }
+
+    /// A session's state is on its pod (labels, annotations), which every replica finds.
+    fn sessions_shared(&self) -> bool {
         true
     }
 

@@ -271,7 +271,11 @@ impl KubeExecutor {
         let mut cwd = spec.cwd.clone();
         if let Some(run) = &spec.workspace {
             let path = super::workspace::workspace_path(profile_name, profile)?;
-            cwd = Some(self.place_workspace(&name, run, path, &opts.cancel).await?);
+            cwd = Some(
+                self.shared
+                    .place_workspace(&name, run, path, None, &opts.cancel)
+                    .await?,
+            );
             timings.mark("workspace placed");
         }
         let command = pod::argv::exec_command(
@@ -295,16 +299,9 @@ impl KubeExecutor {
             workspace_version: spec.workspace.as_ref().map(|w| w.workspace.digest.clone()),
             ..Default::default()
         };
-        let before_exit = match (&spec.workspace, profile.workspace_path.clone()) {
-            (Some(run), Some(path)) if !run.sync_back.is_empty() => {
-                let (pods, pod, run) = (self.shared.pods.clone(), guard.name.clone(), run.clone());
-                let shell = profile.shell().to_owned();
-                let hook: SyncBack = Box::new(move |cancel: CancellationToken| {
-                    Box::pin(async move {
-                        super::workspace::sync_back(&pods, &pod, &path, &shell, &run, &cancel).await
-                    })
-                });
-                Some(hook)
+        let before_exit = match (&spec.workspace, &profile.workspace_path) {
+            (Some(run), Some(path)) => {
+                sync_back_hook(&self.shared, &guard.name, path, profile.shell(), run)
             }
             _ => None,
         };
@@ -400,6 +397,27 @@ impl KubeExecutor {
 
 /// What runs before a successful `exit` is reported (workspace sync-back), given the
 /// call's cancellation token.
+/// The sync-back after a command in `pod` that ran in `run` below `path`, when the run asked
+/// for one.
+pub(super) fn sync_back_hook(
+    shared: &super::Shared,
+    pod: &str,
+    path: &str,
+    shell: &str,
+    run: &crate::workspace::WorkspaceRun,
+) -> Option<SyncBack> {
+    if run.sync_back.is_empty() {
+        return None;
+    }
+    let (pods, pod, run) = (shared.pods.clone(), pod.to_owned(), run.clone());
+    let (path, shell) = (path.to_owned(), shell.to_owned());
+    Some(Box::new(move |cancel: CancellationToken| {
+        Box::pin(async move {
+            super::workspace::sync_back(&pods, &pod, &path, &shell, &run, &cancel).await
+        })
+    }))
+}
+
 pub(super) type SyncBack = Box<
     dyn FnOnce(
             CancellationToken,

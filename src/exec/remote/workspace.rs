@@ -150,19 +150,21 @@ pub(crate) async fn forward(
         hashed: 0,
     };
     let client = remote.workspace_client();
+    let timeout = super::request_timeout(&spec);
     let mut req = RunRequest {
         executable: spec.executable,
         args: spec.args,
         cwd: (!run.cwd.is_empty()).then(|| run.cwd.clone()),
         env: spec.env,
-        timeout_secs: Some(spec.timeout.as_secs().max(1)),
+        timeout_secs: Some(timeout),
+        steps: spec.steps,
+        continue_on_error: spec.continue_on_error,
         profile: spec.profile,
         workspace: Some(client.sync(&walked).await?.workspace),
         sync_back: run.sync_back.clone(),
         cache_scope: spec.cache_scope,
         session: spec.session,
         session_busy: spec.session_busy,
-        ..RunRequest::default()
     };
     let inner = match remote.run_with(&req, opts).await {
         // Evicted upstream between the sync and the run: once more (the first attempt took
