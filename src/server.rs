@@ -126,7 +126,9 @@ pub(crate) fn routers(
             state.mcp.config.max_sessions_per_client,
             max_body_bytes,
         ));
+        let watch = state.peers.is_some();
         tower::ServiceBuilder::new()
+            .option_layer(watch.then(|| axum::middleware::from_fn(peers::watch_mcp_close)))
             .layer(axum::middleware::from_fn_with_state(
                 guard,
                 crate::server::mcp_http::middleware,
@@ -157,7 +159,7 @@ pub(crate) fn routers(
     let (homed, forwarded) = match &state.peers {
         Some(p) => (
             homed.clone().layer(axum::middleware::from_fn_with_state(
-                p.clone(),
+                (p.clone(), state.runner.executor().shares_sessions()),
                 peers::to_home,
             )),
             Router::new().nest(

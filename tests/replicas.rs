@@ -709,6 +709,26 @@ async fn workspaces_and_sessions_follow_the_callers_home_replica() {
     let front = Gateway::external(&format!("{base}/raw"), "local");
     let pids: Vec<u32> = gws.iter().map(|g| g.pid().unwrap()).collect();
 
+    // Forwarded requests take the peer secret only, and need the caller they act for.
+    let http = support::http();
+    for path in ["/peer/v1/http/raw", "/peer/v1/http/workspaces"] {
+        let url = format!("{}{path}", urls[0]);
+        let body = json!({"executable": "true"}).to_string();
+        let resp = http.post(&url).body(body.clone()).send().await.unwrap();
+        assert_eq!(resp.status(), 401, "{path}");
+        let resp = http
+            .post(&url)
+            .bearer_auth(SECRET)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 400, "{path}");
+        let text = resp.text().await.unwrap();
+        assert!(text.contains("x-mcp-run-peer-caller"), "{text}");
+    }
+
     // A tree, run in four times: uploaded once, then nothing, whichever replica answers.
     let cache = tempfile::tempdir().unwrap();
     let tree = tempfile::tempdir().unwrap();
@@ -800,10 +820,46 @@ async fn workspaces_and_sessions_follow_the_callers_home_replica() {
     let hits: Vec<usize> = p.hits.iter().map(|h| h.load(Ordering::SeqCst)).collect();
     assert!(hits.iter().all(|&h| h >= 3), "{hits:?}");
 
-    // A session call sent to another replica, relayed to the home; the home dies mid-call.
+    // A session call sent to another replica, relayed to the home: a client that goes away
+    // stops the command on the home.
     let h = pids.iter().position(|&p| p == home).unwrap();
     let other = (h + 1) % 3;
-    let http = support::http();
+    let pidfile = tree.path().join("relayed.pid");
+    let sleeper = format!(
+        "echo $$ > {0}.tmp; mv {0}.tmp {0}; echo begun; exec sleep 300",
+        pidfile.display()
+    );
+    let resp = http
+        .post(gws[other].raw_url())
+        .header("content-type", "application/json")
+        .body(json!({"executable": "sh", "args": ["-c", sleeper], "session": "loop"}).to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let pid: i32 = tokio::task::spawn_blocking({
+        let pidfile = pidfile.clone();
+        move || {
+            assert!(support::wait_until(Duration::from_secs(30), || pidfile.exists()));
+            std::fs::read_to_string(&pidfile)
+                .unwrap()
+                .trim()
+                .parse()
+                .unwrap()
+        }
+    })
+    .await
+    .unwrap();
+    assert!(support::pid_alive(pid));
+    drop(resp);
+    let gone = tokio::task::spawn_blocking(move || {
+        support::wait_until(Duration::from_secs(20), || !support::pid_alive(pid))
+    })
+    .await
+    .unwrap();
+    assert!(gone, "the relayed command outlived its client");
+
+    // Another one; the home dies mid-call.
     let resp = http
         .post(gws[other].raw_url())
         .header("content-type", "application/json")
@@ -835,7 +891,7 @@ async fn workspaces_and_sessions_follow_the_callers_home_replica() {
     .expect("the relayed call ends when its home dies");
     let last: Value = serde_json::from_str(rest.trim_end().lines().last().unwrap()).unwrap();
     assert_eq!(last["type"], "error", "{rest}");
-    assert_eq!(last["code"], "gateway_unreachable", "{rest}");
+    assert_eq!(last["code"], "backend_unavailable", "{rest}");
     assert!(
         last["message"]
             .as_str()
