@@ -139,12 +139,6 @@ pub(crate) fn routers(
                 config,
             ))
     };
-    let (peer_routes, peer_app) = if peer_port {
-        let app = peer_port::app(peer_routes, state.clone(), max_body_bytes);
-        (peer_port::refused_here(), Some(app))
-    } else {
-        (peer_routes, None)
-    };
     let workspaces = match state.runner.workspaces() {
         Some(store) => workspace::routes(store.clone(), state.runner.metrics().clone()),
         None => Router::new(),
@@ -171,6 +165,15 @@ pub(crate) fn routers(
             ),
         ),
         None => (homed, Router::new()),
+    };
+    // With a peer port, everything under /peer/ (the peer routes and the forwarded users'
+    // requests) is served there only.
+    let (peer_routes, forwarded, peer_app) = if peer_port {
+        let routes = peer_routes.merge(forwarded);
+        let app = peer_port::app(routes, state.clone(), max_body_bytes);
+        (peer_port::refused_here(), Router::new(), Some(app))
+    } else {
+        (peer_routes, forwarded, None)
     };
     let app = Router::new()
         .merge(homed)

@@ -974,9 +974,14 @@ async fn kube_replicas_find_each_other_from_endpointslices_behind_a_round_robin_
     let _ = rustls::crypto::ring::default_provider().install_default();
     let double = crate::kube_double::KubeDouble::start();
     let dir = tempfile::tempdir().unwrap();
+    let ws = tempfile::tempdir().unwrap();
     let config = support::config_file(
         &dir,
-        "server:\n  peer_service: mcp-run-peers\nmcp:\n  result_chars: 4000\n",
+        &format!(
+            "server:\n  peer_service: mcp-run-peers\nmcp:\n  result_chars: 4000\n\
+             profiles:\n  default:\n    workspace_path: {}\n",
+            ws.path().display()
+        ),
     );
     let kubeconfig = double.kubeconfig();
     let pods = ["gw-0", "gw-1", "gw-2"];
@@ -1082,6 +1087,51 @@ async fn kube_replicas_find_each_other_from_endpointslices_behind_a_round_robin_
             assert_eq!(text_of(&r).trim_end(), "1\n2", "{u}");
         }
     }
+    // Workspace runs through the proxy, forwarded over the peer ports to the caller's home:
+    // the tree is uploaded once, an unchanged rerun uploads nothing whichever replica
+    // answers, and each run sees the tree in its pod.
+    let front = Gateway::external(&format!("{base}/raw"), "kubernetes");
+    let cache = tempfile::tempdir().unwrap();
+    let tree = tempfile::tempdir().unwrap();
+    std::fs::create_dir(tree.path().join("sub")).unwrap();
+    std::fs::write(tree.path().join("a.txt"), "alpha\n").unwrap();
+    std::fs::write(tree.path().join("sub/b.txt"), "beta\n").unwrap();
+    let created = double.created_pods().len();
+    for i in 0..3 {
+        let out = run_remote(
+            &front,
+            cache.path(),
+            tree.path(),
+            &[
+                "--workspace",
+                "--output-format",
+                "json",
+                "--",
+                "sh",
+                "-c",
+                "cat a.txt sub/b.txt",
+            ],
+        )
+        .await;
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "workspace run {i}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v = json_of(&out);
+        assert_eq!(
+            v["workspace"]["uploaded_files"],
+            if i == 0 { 2 } else { 0 },
+            "workspace run {i}: {v}"
+        );
+        assert_eq!(v["outputs"][0]["stdout"], "alpha\nbeta\n", "{v}");
+    }
+    assert_eq!(
+        double.created_pods().len(),
+        created + 3,
+        "a pod per workspace run"
+    );
     let hits: Vec<usize> = p.hits.iter().map(|h| h.load(Ordering::SeqCst)).collect();
     assert!(hits.iter().all(|&h| h > 3), "{hits:?}");
 

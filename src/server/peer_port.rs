@@ -1,5 +1,6 @@
-//! The peer channel on its own port (`server.peer_listen`): only `/peer/v1/` is served there,
-//! and the gateway's own port refuses it. Replicas then reach each other on a port that a
+//! The peer channel on its own port (`server.peer_listen`): only `/peer/v1/` (the peer routes
+//! and the users' requests other replicas forward to a caller's home) is served there, and
+//! the gateway's own port refuses it. Replicas then reach each other on a port that a
 //! NetworkPolicy can admit from the gateway's pods only, while users (and anything else that
 //! reaches the user port, such as a runner pod allowed to call the gateway) never get to try
 //! the peer secret.
@@ -21,6 +22,8 @@ pub(crate) fn app(routes: Router<AppState>, state: AppState, max_body_bytes: usi
             )
         })
         .layer(DefaultBodyLimit::max(max_body_bytes))
+        // Forwarded `/raw` requests read their head within the same bound.
+        .layer(axum::Extension(super::HeadLimit(max_body_bytes)))
         // Peer paths skip the user bearer gate (the routes check the peer secret); the gate
         // still records the caller's address.
         .layer(axum::middleware::from_fn_with_state(
