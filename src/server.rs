@@ -153,7 +153,7 @@ pub(crate) fn routers(
     let (homed, forwarded) = match &state.peers {
         Some(p) => (
             homed.clone().layer(axum::middleware::from_fn_with_state(
-                (p.clone(), state.runner.executor().shares_sessions()),
+                (p.clone(), state.runner.sessions_shared()),
                 peers::to_home,
             )),
             Router::new().nest(

@@ -132,7 +132,7 @@ fn session_peers(service: &McpService) -> Option<&std::sync::Arc<Peers>> {
     service
         .peers
         .as_ref()
-        .filter(|_| !service.runner.executor().shares_sessions())
+        .filter(|_| !service.runner.sessions_shared())
 }
 
 /// Ends `caller`'s session `name` on its home replica: `None` when that is this one.

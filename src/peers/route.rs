@@ -10,7 +10,7 @@
 //! owner checks. A forwarded request is served where it arrives, never forwarded again.
 //!
 //! - runs (`/raw`, MCP tool calls) that name a workspace, or a session of a backend whose
-//!   sessions live in one process ([`crate::exec::Executor::shares_sessions`] is false): the
+//!   sessions live in one process (`Runner::sessions_shared` is false): the
 //!   runner forwards them with [`Peers::start_at`] to `/peer/v1/http/raw`, streaming stdin
 //!   and events both ways;
 //! - `/workspaces/...` and `/sessions...`: [`Peers::proxy`] relays the HTTP request and its
