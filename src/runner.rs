@@ -137,6 +137,13 @@ impl Runner {
         self
     }
 
+    /// Whether any replica serves a session's calls: its state lives where every replica
+    /// reaches it (a Kubernetes session's pod), or the remote gateway keeps it. When false,
+    /// a session lives in one replica's process and its calls go there (`crate::peers`).
+    pub(crate) fn sessions_shared(&self) -> bool {
+        self.executor.sessions_shared() || self.executor.forwards_sessions()
+    }
+
     /// The other replicas, when the gateway has peers.
     pub(crate) fn peers(&self) -> Option<&Arc<crate::peers::Peers>> {
         self.peers.as_ref()
@@ -348,9 +355,7 @@ impl Runner {
         let Some(peers) = self.peers.as_ref().filter(|_| !forwarded) else {
             return Err(io);
         };
-        if !crate::peers::needs_home(req, self.executor.shares_sessions())
-            || self.tracker.is_closed()
-        {
+        if !crate::peers::needs_home(req, self.sessions_shared()) || self.tracker.is_closed() {
             return Err(io);
         }
         let crate::peers::Home::There(tag) = peers.home(caller).await else {
@@ -366,7 +371,7 @@ impl Runner {
         // A home that is gone (nothing ran there) is left out of the next pick: once more,
         // at the caller's new home (not with stdin, which the first attempt took).
         if let Err(e) = &started
-            && e.code == ErrorCode::GatewayUnreachable
+            && e.code == ErrorCode::BackendUnavailable
             && retry
         {
             match peers.home(caller).await {

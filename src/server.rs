@@ -21,6 +21,7 @@ use crate::runner::Runner;
 pub(crate) mod connections;
 pub(crate) mod guard;
 pub(crate) mod mcp_http;
+mod peer_port;
 mod peers;
 mod raw;
 mod sessions;
@@ -80,8 +81,14 @@ impl IntoResponse for ErrorBody {
     }
 }
 
-/// The router with every endpoint; `max_body_bytes` bounds request bodies.
-pub(crate) fn router(state: AppState, max_body_bytes: usize) -> Router {
+/// The router with every endpoint (`max_body_bytes` bounds request bodies) and, with
+/// `peer_port` (`server.peer_listen`), the peer port's router: the peer channel is then
+/// served there only.
+pub(crate) fn routers(
+    state: AppState,
+    max_body_bytes: usize,
+    peer_port: bool,
+) -> (Router, Option<Router>) {
     let peer_routes;
     let mcp = {
         use rmcp::transport::streamable_http_server::{
@@ -119,7 +126,9 @@ pub(crate) fn router(state: AppState, max_body_bytes: usize) -> Router {
             state.mcp.config.max_sessions_per_client,
             max_body_bytes,
         ));
+        let watch = state.peers.is_some();
         tower::ServiceBuilder::new()
+            .option_layer(watch.then(|| axum::middleware::from_fn(peers::watch_mcp_close)))
             .layer(axum::middleware::from_fn_with_state(
                 guard,
                 crate::server::mcp_http::middleware,
@@ -144,7 +153,7 @@ pub(crate) fn router(state: AppState, max_body_bytes: usize) -> Router {
     let (homed, forwarded) = match &state.peers {
         Some(p) => (
             homed.clone().layer(axum::middleware::from_fn_with_state(
-                p.clone(),
+                (p.clone(), state.runner.sessions_shared()),
                 peers::to_home,
             )),
             Router::new().nest(
@@ -156,6 +165,15 @@ pub(crate) fn router(state: AppState, max_body_bytes: usize) -> Router {
             ),
         ),
         None => (homed, Router::new()),
+    };
+    // With a peer port, everything under /peer/ (the peer routes and the forwarded users'
+    // requests) is served there only.
+    let (peer_routes, forwarded, peer_app) = if peer_port {
+        let routes = peer_routes.merge(forwarded);
+        let app = peer_port::app(routes, state.clone(), max_body_bytes);
+        (peer_port::refused_here(), Router::new(), Some(app))
+    } else {
+        (peer_routes, forwarded, None)
     };
     let app = Router::new()
         .merge(homed)
@@ -194,9 +212,10 @@ pub(crate) fn router(state: AppState, max_body_bytes: usize) -> Router {
         ))
         .with_state(state);
     // Around the whole router: a route's `Allow` header is set outside its own layers.
-    Router::new()
+    let app = Router::new()
         .fallback_service(app)
-        .layer(axum::middleware::map_response(name_allowed_methods))
+        .layer(axum::middleware::map_response(name_allowed_methods));
+    (app, peer_app)
 }
 
 /// How a served gateway stops.
@@ -211,7 +230,7 @@ pub(crate) struct Shutdown<F> {
 
 /// Serves `router` on `listener` until the shutdown signal fires, then drains: the listener
 /// stays open (new executions get `503 shutting_down`), running commands get the grace to
-/// finish, then they are killed, and connections are closed (see [`crate::connections`]).
+/// finish, then they are killed, and connections are closed (see [`connections`]).
 pub(crate) async fn serve(
     listener: TcpListener,
     router: Router,

@@ -246,14 +246,6 @@ pub trait Executor: Send + Sync + 'static {
         false
     }
 
-    /// Whether a session's state lives where every replica of the gateway reaches it (a
-    /// Kubernetes session's pod), so that any replica serves its calls. When false, a
-    /// session lives in one replica's process and its calls go to that replica
-    /// (`crate::peers`).
-    fn shares_sessions(&self) -> bool {
-        false
-    }
-
     /// Called once at shutdown after every execution was cancelled: release what is left.
     fn shutdown(&self) -> BoxFuture<'_, ()> {
         Box::pin(async {})

@@ -38,7 +38,9 @@ use crate::templates::{AUTO, RAW};
 
 pub(crate) use config::McpConfig;
 use execute::{Call, Stopped, execute};
-pub(crate) use forward::{READ_PATH as READ_OUTPUT_PATH, answer as answer_peer_read};
+pub(crate) use forward::{
+    ConnectionClosed, READ_PATH as READ_OUTPUT_PATH, answer as answer_peer_read,
+};
 use reply::error_result;
 use store::{Missing, OutputStore, StoreLimits};
 
