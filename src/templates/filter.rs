@@ -44,6 +44,9 @@ const ERROR_SHAPED: &str = concat!(
     r"|: command not found",
     r"|No such file or directory",
     r"|(?i:could not|cannot|can't|unable to) (?:find|open|load|resolve|access|read|connect)",
+    // A command that failed, as the tool that ran it says (docker, pnpm, make, CI scripts).
+    r"|(?-u:\b)exit(?:ed)?(?: with)?(?: exit)? (?:code|status):? [1-9]",
+    r"|returned a non-zero (?:code|exit status)|did not complete successfully",
 );
 
 /// Diagnostics, kept whatever the exit code (a warning-only lint run exits 0): compiler and
@@ -92,6 +95,9 @@ const SUMMARY: &str = concat!(
     r"|BUILD (?:SUCCESS|FAILURE|SUCCESSFUL|FAILED)",
     r"|^\[\w+\] Tests run: \d+, Failures: \d+, Errors: \d+, Skipped: \d+\s*$",
     r"|^\s*Finished `\w+` profile",
+    r"|^Successfully (?:built|tagged|installed) \S",
+    r"|^Success! The configuration is valid",
+    r"|^(?:Error: )?\d+ chart\(s\) linted, \d+ chart\(s\) failed",
 );
 
 /// A caret line under a source line in a code frame (`   |     ^^^`, `  ~~~~`): the line it

@@ -65,8 +65,9 @@ pub struct Template {
     include: regex::bytes::Regex,
     exclude: Option<regex::bytes::Regex>,
     /// The union of `include` and the generic rules, built on first use (see
-    /// [`filter::any_pattern`]).
-    any: OnceLock<regex::bytes::Regex>,
+    /// [`filter::any_pattern`]). Shared by the clones (each run filters with a clone of the
+    /// catalog's template), so that it is compiled once per template, not once per run.
+    any: Arc<OnceLock<regex::bytes::Regex>>,
     /// How this template was chosen (for the note).
     pub picked: Picked,
     /// For `auto`: the templates it picks from.
@@ -117,7 +118,7 @@ impl Template {
             exclude_regex: spec.exclude_regex,
             include,
             exclude,
-            any: OnceLock::new(),
+            any: Arc::new(OnceLock::new()),
             picked: Picked::Named,
             auto: None,
         })
@@ -411,17 +412,19 @@ impl Catalog {
 mod tests {
     use super::*;
 
-    const BUILTINS: [&str; 27] = [
+    const BUILTINS: [&str; 30] = [
         "auto",
         "cargo-build",
         "cargo-test",
         "ctest",
+        "docker-build",
         "eslint",
         "flake8",
         "generic",
         "go-build",
         "go-test",
         "gradle",
+        "helm",
         "jest",
         "make",
         "maven-build",
@@ -436,6 +439,7 @@ mod tests {
         "ruff",
         "rustc",
         "shellcheck",
+        "terraform",
         "tsc",
         "unittest",
         "vitest",
