@@ -217,7 +217,10 @@ const SIGNATURES: &[(&str, &str)] = &[
     (r"^> Task :|^BUILD (SUCCESSFUL|FAILED) in \d", "gradle"),
     (r"^Test project /", "ctest"),
     (r"^In \S+ line \d+:$", "shellcheck"),
-    (r"^npm (ERR!|error) |^(Error: )?ERR_PNPM_|^yarn (install|add) v\d", "npm"),
+    (
+        r"^npm (ERR!|error) |^(Error: )?ERR_PNPM_|^yarn (install|add) v\d",
+        "npm",
+    ),
     (
         r"^Sending build context to Docker daemon|^Step 1/\d+ : FROM |^#\d+ \[internal\] load build definition",
         "docker-build",
@@ -334,10 +337,7 @@ mod tests {
             Some("docker-build")
         );
         assert_eq!(by_line(b"==> Linting charts/web"), Some("helm"));
-        assert_eq!(
-            by_line(b"Error: ERR_PNPM_NO_MATCHING_VERSION"),
-            Some("npm")
-        );
+        assert_eq!(by_line(b"Error: ERR_PNPM_NO_MATCHING_VERSION"), Some("npm"));
         assert_eq!(by_line(b"hello"), None);
     }
 }
