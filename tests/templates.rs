@@ -238,7 +238,10 @@ fn every_failure_line_survives_and_the_output_shrinks() {
     // `helm` is the one built-in without a real log, and says so here.
     for untested in NO_REAL_LOG {
         println!("skipped: built-in {untested:?} has no fixture (no real log can be made)");
-        assert!(covered.insert((*untested).into()), "{untested} has a fixture now");
+        assert!(
+            covered.insert((*untested).into()),
+            "{untested} has a fixture now"
+        );
     }
     assert_eq!(
         covered,

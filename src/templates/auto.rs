@@ -164,13 +164,11 @@ fn by_command_depth(argv: &[String], depth: usize) -> Option<&'static str> {
         }
         "gradle" | "gradlew" | "gradlew.bat" => "gradle",
         "shellcheck" => "shellcheck",
-        "docker" | "podman" | "buildah" | "nerdctl" => {
-            // `docker build`, `docker buildx build`, `docker image build`, `podman build`.
-            if rest.iter().any(|a| a == "build" || a == "bud") {
-                "docker-build"
-            } else {
-                return None;
-            }
+        // `docker build`, `docker buildx build`, `docker image build`, `podman build`.
+        "docker" | "podman" | "buildah" | "nerdctl"
+            if rest.iter().any(|a| a == "build" || a == "bud") =>
+        {
+            "docker-build"
         }
         "terraform" | "tofu" | "terragrunt" => match sub? {
             "validate" | "plan" | "apply" | "init" | "destroy" | "fmt" | "run-all" => "terraform",
