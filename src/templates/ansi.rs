@@ -4,7 +4,7 @@
 
 use std::borrow::Cow;
 
-const ESC: u8 = 0x1b;
+pub(super) const ESC: u8 = 0x1b;
 
 /// `bytes` without escape sequences: CSI (`ESC [ ... final`), OSC (`ESC ] ... BEL` or
 /// `ESC ] ... ESC \`) and two-byte escapes. Borrowed when there are none.

@@ -164,6 +164,20 @@ fn by_command_depth(argv: &[String], depth: usize) -> Option<&'static str> {
         }
         "gradle" | "gradlew" | "gradlew.bat" => "gradle",
         "shellcheck" => "shellcheck",
+        // `docker build`, `docker buildx build`, `docker image build`, `podman build`.
+        "docker" | "podman" | "buildah" | "nerdctl"
+            if rest.iter().any(|a| a == "build" || a == "bud") =>
+        {
+            "docker-build"
+        }
+        "terraform" | "tofu" | "terragrunt" => match sub? {
+            "validate" | "plan" | "apply" | "init" | "destroy" | "fmt" | "run-all" => "terraform",
+            _ => return None,
+        },
+        "helm" => match sub? {
+            "lint" | "template" | "install" | "upgrade" | "package" | "dependency" => "helm",
+            _ => return None,
+        },
         _ => return None,
     })
 }
@@ -201,7 +215,19 @@ const SIGNATURES: &[(&str, &str)] = &[
     (r"^> Task :|^BUILD (SUCCESSFUL|FAILED) in \d", "gradle"),
     (r"^Test project /", "ctest"),
     (r"^In \S+ line \d+:$", "shellcheck"),
-    (r"^npm (ERR!|error) ", "npm"),
+    (
+        r"^npm (ERR!|error) |^(Error: )?ERR_PNPM_|^yarn (install|add) v\d",
+        "npm",
+    ),
+    (
+        r"^Sending build context to Docker daemon|^Step 1/\d+ : FROM |^#\d+ \[internal\] load build definition",
+        "docker-build",
+    ),
+    (
+        r"^Success! The configuration is valid|^Terraform (has been successfully initialized|v\d)",
+        "terraform",
+    ),
+    (r"^==> Linting ", "helm"),
     (
         r"^(Collecting|Looking in indexes:|Looking in links:|Requirement already satisfied:) ",
         "pip",
@@ -278,6 +304,16 @@ mod tests {
                 Some("cargo-test"),
             ),
             ("shellcheck a.sh", Some("shellcheck")),
+            ("docker build -q -t x .", Some("docker-build")),
+            ("docker buildx build .", Some("docker-build")),
+            ("docker run x", None),
+            ("podman build .", Some("docker-build")),
+            ("terraform validate -no-color", Some("terraform")),
+            ("env TF_LOG=INFO tofu plan", Some("terraform")),
+            ("terraform output", None),
+            ("helm lint charts/x", Some("helm")),
+            ("pnpm install --store-dir s", Some("npm")),
+            ("yarn install --verbose", Some("npm")),
         ] {
             assert_eq!(pick(cmd), want, "{cmd}");
         }
@@ -294,6 +330,12 @@ mod tests {
         assert_eq!(by_line(b"running 12 tests"), Some("cargo-test"));
         assert_eq!(by_line(b"TAP version 13"), Some("node-test"));
         assert_eq!(by_line(b"Test project /src/build"), Some("ctest"));
+        assert_eq!(
+            by_line(b"Sending build context to Docker daemon  5.6kB"),
+            Some("docker-build")
+        );
+        assert_eq!(by_line(b"==> Linting charts/web"), Some("helm"));
+        assert_eq!(by_line(b"Error: ERR_PNPM_NO_MATCHING_VERSION"), Some("npm"));
         assert_eq!(by_line(b"hello"), None);
     }
 }

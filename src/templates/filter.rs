@@ -44,6 +44,9 @@ const ERROR_SHAPED: &str = concat!(
     r"|: command not found",
     r"|No such file or directory",
     r"|(?i:could not|cannot|can't|unable to) (?:find|open|load|resolve|access|read|connect)",
+    // A command that failed, as the tool that ran it says (docker, pnpm, make, CI scripts).
+    r"|(?-u:\b)exit(?:ed)?(?: with)?(?: exit)? (?:code|status):? [1-9]",
+    r"|returned a non-zero (?:code|exit status)|did not complete successfully",
 );
 
 /// Diagnostics, kept whatever the exit code (a warning-only lint run exits 0): compiler and
@@ -92,6 +95,9 @@ const SUMMARY: &str = concat!(
     r"|BUILD (?:SUCCESS|FAILURE|SUCCESSFUL|FAILED)",
     r"|^\[\w+\] Tests run: \d+, Failures: \d+, Errors: \d+, Skipped: \d+\s*$",
     r"|^\s*Finished `\w+` profile",
+    r"|^Successfully (?:built|tagged|installed) \S",
+    r"|^Success! The configuration is valid",
+    r"|^(?:Error: )?\d+ chart\(s\) linted, \d+ chart\(s\) failed",
 );
 
 /// A caret line under a source line in a code frame (`   |     ^^^`, `  ~~~~`): the line it
@@ -332,6 +338,9 @@ pub struct StreamFilter {
     shrink_only: bool,
     /// A summary line was seen (see [`StreamFilter::finish`] for `auto`'s generic pick).
     saw_summary: bool,
+    /// Quiet lines are taken many at once ([`StreamFilter::skip_quiet`]); off only in the
+    /// test that checks it changes nothing.
+    skip: bool,
 }
 
 impl StreamFilter {
@@ -376,6 +385,7 @@ impl StreamFilter {
             raw_bytes: 0,
             shrink_only: true,
             saw_summary: false,
+            skip: true,
         }
     }
 
@@ -425,8 +435,26 @@ impl StreamFilter {
         self.feed(&s.held);
     }
 
+    /// No failure is open: the next line is judged by the patterns alone.
+    fn busy(&self) -> bool {
+        self.window > 0
+            || self.block > 0
+            || self.after_failure
+            || self.want_message
+            || self.after_location
+            || self.title > 0
+            || self.traceback
+    }
+
     fn feed(&mut self, mut data: &[u8]) {
         while !data.is_empty() {
+            if self.skip && self.partial.is_empty() && !self.busy() {
+                let n = self.skip_quiet(data);
+                data = &data[n..];
+                if data.is_empty() {
+                    break;
+                }
+            }
             let room = MAX_LINE - self.partial.len();
             let (n, complete) = match memchr::memchr(b'\n', &data[..data.len().min(room)]) {
                 Some(i) => (i + 1, true),
@@ -445,6 +473,64 @@ impl StreamFilter {
             }
             data = &data[n..];
         }
+    }
+
+    /// Takes the whole lines at the start of `data` that no pattern matches, with one
+    /// search over all of them instead of one per line (most lines of a log), and does for
+    /// them what [`StreamFilter::line`] does for such a line; returns the bytes taken.
+    fn skip_quiet(&mut self, data: &[u8]) -> usize {
+        let Some(last) = memchr::memrchr(b'\n', data) else {
+            return 0;
+        };
+        let Some(re) = self.template.any_lines() else {
+            return 0;
+        };
+        let region = &data[..=last];
+        // The first match ends on or after the start of the first line that matches:
+        // everything before that line is quiet.
+        let mut stop = match re.shortest_match(region) {
+            Some(end) => memchr::memrchr(b'\n', &region[..end]).map_or(0, |i| i + 1),
+            None => region.len(),
+        };
+        // Patterns see lines without colour: a line with an escape goes the long way.
+        if let Some(e) = memchr::memchr(super::ansi::ESC, &region[..stop]) {
+            stop = memchr::memrchr(b'\n', &region[..e]).map_or(0, |i| i + 1);
+        }
+        let region = &region[..stop];
+        let tail = self.template.tail_paragraphs > 0;
+        let mut start = 0;
+        let mut previous = None;
+        for end in memchr::memchr_iter(b'\n', region) {
+            if end + 1 - start > MAX_LINE {
+                // Split by `feed` into pieces of MAX_LINE: the long way.
+                break;
+            }
+            let line = &region[start..=end];
+            let no = self.lines;
+            self.lines += 1;
+            if self.first.len() <= SHORT_STREAM_LINES {
+                self.first.push(line.to_vec());
+            }
+            if tail {
+                self.paragraph(no, line, is_blank(line));
+            }
+            previous = Some((no, start));
+            start = end + 1;
+        }
+        let taken = &region[..start];
+        self.raw_bytes += taken.len();
+        if self.raw_whole {
+            if self.raw.len() + taken.len() <= RAW_HOLD {
+                self.raw.extend_from_slice(taken);
+            } else {
+                self.raw_whole = false;
+                self.raw = Vec::new();
+            }
+        }
+        if let Some((no, at)) = previous {
+            self.remember_previous(no, &region[at..start]);
+        }
+        start
     }
 
     fn candidate(&mut self, no: usize, why: Why, line: &[u8]) {
@@ -505,13 +591,7 @@ impl StreamFilter {
         }
         self.paragraph(no, line, blank);
 
-        let busy = self.window > 0
-            || self.block > 0
-            || self.after_failure
-            || self.want_message
-            || self.after_location
-            || self.title > 0
-            || self.traceback;
+        let busy = self.busy();
         if !busy && !blank && !self.template.any().is_match(text) {
             // Most lines: no rule applies and no failure is open.
             self.remember_previous(no, line);
@@ -1047,6 +1127,79 @@ mod tests {
         spec.suppress_on_success = false;
         let tpl = Template::new("s", spec).unwrap();
         assert_eq!(body(&apply(&tpl, out, Some(0))), "HIT\nsummary\n");
+    }
+}
+
+#[cfg(test)]
+mod skip_tests {
+    use super::*;
+    use crate::templates::Catalog;
+
+    fn run(t: &Template, log: &[u8], chunk: usize, code: Option<i32>, skip: bool) -> Filtered {
+        let mut f = StreamFilter::new(t);
+        f.skip = skip;
+        for c in log.chunks(chunk) {
+            f.push(c);
+        }
+        f.finish(code, None)
+    }
+
+    /// Taking quiet lines many at once gives what judging them one by one gives: on every
+    /// real log of the fixtures, with every built-in, both exit codes, in small and large
+    /// chunks, and with CRLF line ends, colour and long lines mixed in.
+    #[test]
+    fn skipping_quiet_lines_changes_nothing() {
+        let root =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/templates");
+        let mut logs = Vec::new();
+        for dir in [root.clone(), root.join("holdout")] {
+            for entry in std::fs::read_dir(dir).unwrap() {
+                let path = entry.unwrap().path();
+                let Ok(template) = std::fs::read_to_string(path.join("template")) else {
+                    continue;
+                };
+                for stream in ["stdout", "stderr"] {
+                    if let Ok(log) = std::fs::read(path.join(stream)) {
+                        logs.push((template.trim().to_owned(), log));
+                    }
+                }
+            }
+        }
+        assert!(logs.len() > 100, "{}", logs.len());
+        let mut mixed = Vec::new();
+        for (i, (_, log)) in logs.iter().take(40).enumerate() {
+            mixed.extend(log.iter().flat_map(|b| {
+                if *b == b'\n' {
+                    b"\r\n".to_vec()
+                } else {
+                    vec![*b]
+                }
+            }));
+            mixed.extend_from_slice(b"\x1b[31mplain words in red\x1b[0m\n");
+            if i % 10 == 0 {
+                mixed.extend(std::iter::repeat_n(b'x', MAX_LINE + 10));
+            }
+            mixed.extend_from_slice(b"\n\n");
+        }
+        logs.push(("pytest".into(), mixed));
+        let catalog = Catalog::builtin();
+        // Each log with its tool's template, `generic` and `auto` (debug builds are slow).
+        for (tool, log) in &logs {
+            for name in [tool.as_str(), "generic", "auto"] {
+                let Some(t) = catalog.get(name) else {
+                    continue;
+                };
+                for code in [Some(0), Some(1)] {
+                    for chunk in [61, 32 * 1024] {
+                        assert_eq!(
+                            run(t, log, chunk, code, true),
+                            run(t, log, chunk, code, false),
+                            "{name}, exit {code:?}, chunks of {chunk}"
+                        );
+                    }
+                }
+            }
+        }
     }
 }
 

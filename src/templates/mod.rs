@@ -65,8 +65,12 @@ pub struct Template {
     include: regex::bytes::Regex,
     exclude: Option<regex::bytes::Regex>,
     /// The union of `include` and the generic rules, built on first use (see
-    /// [`filter::any_pattern`]).
-    any: OnceLock<regex::bytes::Regex>,
+    /// [`filter::any_pattern`]). Shared by the clones (each run filters with a clone of the
+    /// catalog's template), so that it is compiled once per template, not once per run.
+    any: Arc<OnceLock<regex::bytes::Regex>>,
+    /// The same union over many lines at once (multi-line mode), to skip the lines that
+    /// match none of it in one search (see [`filter::StreamFilter`]); `None` when too large.
+    any_lines: Arc<OnceLock<Option<regex::bytes::Regex>>>,
     /// How this template was chosen (for the note).
     pub picked: Picked,
     /// For `auto`: the templates it picks from.
@@ -117,7 +121,8 @@ impl Template {
             exclude_regex: spec.exclude_regex,
             include,
             exclude,
-            any: OnceLock::new(),
+            any: Arc::new(OnceLock::new()),
+            any_lines: Arc::new(OnceLock::new()),
             picked: Picked::Named,
             auto: None,
         })
@@ -160,6 +165,23 @@ impl Template {
                     regex::bytes::Regex::new("").unwrap_or_else(|e| unreachable!("{e}"))
                 })
         })
+    }
+
+    /// [`Template::any`] in multi-line, CRLF-aware mode: a match in a run of lines starts
+    /// on or before the first line that `any` matches (`^` and `$` hold at each line's ends;
+    /// a class such as `\s` may only carry a match across lines, which stops the skip
+    /// early, never late).
+    fn any_lines(&self) -> Option<&regex::bytes::Regex> {
+        self.any_lines
+            .get_or_init(|| {
+                regex::bytes::RegexBuilder::new(&filter::any_pattern(&self.include_regex))
+                    .multi_line(true)
+                    .crlf(true)
+                    .size_limit(1 << 24)
+                    .build()
+                    .ok()
+            })
+            .as_ref()
     }
 
     /// Whether a line is excluded (see [`TemplateSpec::exclude_regex`]).
@@ -411,17 +433,19 @@ impl Catalog {
 mod tests {
     use super::*;
 
-    const BUILTINS: [&str; 27] = [
+    const BUILTINS: [&str; 30] = [
         "auto",
         "cargo-build",
         "cargo-test",
         "ctest",
+        "docker-build",
         "eslint",
         "flake8",
         "generic",
         "go-build",
         "go-test",
         "gradle",
+        "helm",
         "jest",
         "make",
         "maven-build",
@@ -436,6 +460,7 @@ mod tests {
         "ruff",
         "rustc",
         "shellcheck",
+        "terraform",
         "tsc",
         "unittest",
         "vitest",
