@@ -432,7 +432,7 @@ async fn kube_runs_of_one_key_race_to_one_claim_and_take_turns() {
     let dir = tempfile::tempdir().unwrap();
     let mount = dir.path().join("cache");
     let yaml = format!(
-        "caches:\n  busy_wait_secs: 2\n  max_per_identity: 2\n\
+        "caches:\n  busy_wait_secs: 8\n  max_per_identity: 2\n\
          profiles:\n  default:\n    caches:\n      - {{name: build, path: {}, env: {{C: .}}}}\n  \
          skipping:\n    caches:\n      - {{name: build2, path: {}2, env: {{C: .}}, when_busy: skip}}\n  \
          third:\n    caches:\n      - {{name: build3, path: {}3, env: {{C: .}}}}\n",
@@ -510,7 +510,7 @@ async fn kube_runs_of_one_key_race_to_one_claim_and_take_turns() {
     assert_eq!(events[0]["phase"], "queued", "{text}");
     assert_eq!(
         events[0]["message"],
-        "cache build is in use by the run in pod mcp-run-elsewhere; waiting up to 2s",
+        "cache build is in use by the run in pod mcp-run-elsewhere; waiting up to 8s",
         "{text}"
     );
     let last = events.last().unwrap();
@@ -523,7 +523,7 @@ async fn kube_runs_of_one_key_race_to_one_claim_and_take_turns() {
         rejection
             .error
             .message
-            .contains("cache build stayed in use by another run for 2s"),
+            .contains("cache build stayed in use by another run for 8s"),
         "{rejection:?}"
     );
     assert_eq!(
