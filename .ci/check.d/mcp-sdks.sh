@@ -26,7 +26,7 @@ bin="$(cargo test --locked --quiet --test integration --no-run --message-format=
   python3 -c 'import json, sys
 for line in sys.stdin:
     m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "mcp-run" and m["target"]["kind"] == ["bin"]:
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "mcp-run" and m["target"]["kind"] == ["bin"] and not m["profile"]["test"]:
         print(m["executable"])')" || bin=""
 if [ -z "$bin" ]; then
   echo "mcp-sdks: cannot build mcp-run" >&2
