@@ -445,8 +445,29 @@ fn file_name(path: &str) -> &str {
     path.rsplit('/').next().unwrap_or(path)
 }
 
-fn violation(message: String) -> ErrorBody {
-    ErrorBody::new(ErrorCode::PolicyViolation, message)
+/// Why the policy refused a request; the message names the rule that matched.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum PolicyError {
+    /// A rule refused it: `403 policy_violation`.
+    #[error("{0}")]
+    Violation(String),
+    /// `timeout_secs` over the maximum: `400 invalid_request`.
+    #[error("`timeout_secs` is {secs}, over the server maximum of {max} ({set_by})")]
+    TimeoutOverMax { secs: u64, max: u64, set_by: String },
+}
+
+impl From<PolicyError> for ErrorBody {
+    fn from(e: PolicyError) -> Self {
+        let code = match e {
+            PolicyError::Violation(_) => ErrorCode::PolicyViolation,
+            PolicyError::TimeoutOverMax { .. } => ErrorCode::InvalidRequest,
+        };
+        ErrorBody::new(code, e.to_string())
+    }
+}
+
+fn violation(message: String) -> PolicyError {
+    PolicyError::Violation(message)
 }
 
 impl Policy {
@@ -517,7 +538,7 @@ impl Policy {
 
     /// Checks a request. `Err` is a `policy_violation` (403) naming the rule, or an
     /// `invalid_request` for a timeout over the maximum.
-    pub(crate) fn check(&self, s: &Subject<'_>) -> Result<Allowed, ErrorBody> {
+    pub(crate) fn check(&self, s: &Subject<'_>) -> Result<Allowed, PolicyError> {
         let profile = s.profile.unwrap_or(DEFAULT_PROFILE);
         let eff = self.effective(profile);
         let cwd = s.cwd.map(normalize_path);
@@ -585,10 +606,11 @@ impl Policy {
             } else {
                 "limits.max_timeout_secs".to_owned()
             };
-            return Err(ErrorBody::new(
-                ErrorCode::InvalidRequest,
-                format!("`timeout_secs` is {secs}, over the server maximum of {max} ({source})"),
-            ));
+            return Err(PolicyError::TimeoutOverMax {
+                secs,
+                max,
+                set_by: source,
+            });
         }
         Ok(Allowed {
             executable,
@@ -602,7 +624,7 @@ impl Policy {
         eff: &Effective,
         executable: &str,
         cwd: Option<&str>,
-    ) -> Result<String, ErrorBody> {
+    ) -> Result<String, PolicyError> {
         let (field, rules) = &eff.executables;
         let is_path = executable.contains('/');
         // A relative path (`./build.sh`) is resolved against the request's cwd for the path
@@ -715,7 +737,7 @@ mod tests {
     }
 
     fn denied(p: &Policy, s: Subject<'_>) -> String {
-        let e = p.check(&s).unwrap_err();
+        let e = ErrorBody::from(p.check(&s).unwrap_err());
         assert_eq!(e.code, ErrorCode::PolicyViolation, "{}", e.message);
         e.message
     }
@@ -908,7 +930,7 @@ mod tests {
         assert_eq!(p.check(&subject("ls")).unwrap().timeout_secs, 30);
         let mut s = subject("ls");
         s.timeout_secs = Some(61);
-        let e = p.check(&s).unwrap_err();
+        let e = ErrorBody::from(p.check(&s).unwrap_err());
         assert_eq!(e.code, ErrorCode::InvalidRequest);
         assert!(
             e.message.contains("policy.timeout.max_secs"),

@@ -366,7 +366,7 @@ impl Runner {
         // A home that is gone (nothing ran there) is left out of the next pick: once more,
         // at the caller's new home (not with stdin, which the first attempt took).
         if let Err(e) = &started
-            && e.code == ErrorCode::GatewayUnreachable
+            && e.code == ErrorCode::BackendUnavailable
             && retry
         {
             match peers.home(caller).await {

@@ -37,7 +37,7 @@ impl RemoteConfig {
     /// `(field, message)` on failure.
     pub fn validate(&self) -> Result<(), (String, String)> {
         if let Some(server) = &self.server {
-            parse_server_url(server).map_err(|m| ("remote.server".to_owned(), m))?;
+            parse_server_url(server).map_err(|e| ("remote.server".to_owned(), e.to_string()))?;
         }
         Ok(())
     }
@@ -58,13 +58,36 @@ pub struct RemoteExecutor {
     headers: reqwest::header::HeaderMap,
 }
 
+/// Why the remote backend cannot be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    #[error("invalid gateway URL {url:?} ({reason}): {}", URL_HINT)]
+    Unparsable { url: String, reason: String },
+    #[error("invalid gateway URL {url:?}: {}", URL_HINT)]
+    NotHttp { url: String },
+    #[error("cannot build the HTTP client: {0}")]
+    Client(reqwest::Error),
+    #[error("--workspace {}: {source}", path.display())]
+    Workspace {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+    #[error("--workspace {}: not a directory", .0.display())]
+    NotADirectory(std::path::PathBuf),
+}
+
+const URL_HINT: &str = "it must be a full URL such as http://127.0.0.1:8080/raw";
+
 /// Checks that `server` is a full `http(s)://host[:port]/path` URL.
-pub(crate) fn parse_server_url(server: &str) -> Result<reqwest::Url, String> {
-    let hint = "it must be a full URL such as http://127.0.0.1:8080/raw";
-    let url = reqwest::Url::parse(server)
-        .map_err(|e| format!("invalid gateway URL {server:?} ({e}): {hint}"))?;
+pub(crate) fn parse_server_url(server: &str) -> Result<reqwest::Url, SetupError> {
+    let url = reqwest::Url::parse(server).map_err(|e| SetupError::Unparsable {
+        url: server.to_owned(),
+        reason: e.to_string(),
+    })?;
     if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none_or(str::is_empty) {
-        return Err(format!("invalid gateway URL {server:?}: {hint}"));
+        return Err(SetupError::NotHttp {
+            url: server.to_owned(),
+        });
     }
     Ok(url)
 }
@@ -87,7 +110,7 @@ pub(crate) fn client_builder(plain_http: bool) -> reqwest::ClientBuilder {
 
 impl RemoteExecutor {
     /// `url` is the gateway's `/raw` URL; `token`, when set, is sent as a bearer token.
-    pub fn new(url: &str, token: Option<String>) -> Result<Self, String> {
+    pub fn new(url: &str, token: Option<String>) -> Result<Self, SetupError> {
         let url = parse_server_url(url)?;
         let client = client_builder(url.scheme() == "http")
             // A POST with a body is not replayed elsewhere; a redirect is reported instead.
@@ -96,7 +119,7 @@ impl RemoteExecutor {
             .tcp_keepalive(Duration::from_secs(30))
             .user_agent(concat!("mcp-run/", env!("CARGO_PKG_VERSION")))
             .build()
-            .map_err(|e| format!("cannot build the HTTP client: {e}"))?;
+            .map_err(SetupError::Client)?;
         Ok(Self {
             client,
             url,

@@ -179,3 +179,22 @@ pub(crate) async fn sessions_at_home(
         Err(e) => Some(Err(e)),
     }
 }
+
+/// In an MCP request's HTTP extensions, with peers: cancelled when the client's connection
+/// reaches EOF. Without MCP sessions, closing the call's connection is how a client cancels
+/// it (a 2026-07-28 client aborts the call's POST), and a write that fails comes late, or
+/// never before a call's first message.
+#[derive(Clone)]
+pub(crate) struct ConnectionClosed(pub(crate) tokio_util::sync::CancellationToken);
+
+/// The token of [`ConnectionClosed`] for the call in `context`; one that never fires without.
+pub(crate) fn connection_closed(
+    context: &rmcp::service::RequestContext<rmcp::RoleServer>,
+) -> tokio_util::sync::CancellationToken {
+    context
+        .extensions
+        .get::<axum::http::request::Parts>()
+        .and_then(|p| p.extensions.get::<ConnectionClosed>())
+        .map(|c| c.0.clone())
+        .unwrap_or_default()
+}

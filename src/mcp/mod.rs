@@ -38,7 +38,9 @@ use crate::templates::{AUTO, RAW};
 
 pub(crate) use config::McpConfig;
 use execute::{Call, Stopped, execute};
-pub(crate) use forward::{READ_PATH as READ_OUTPUT_PATH, answer as answer_peer_read};
+pub(crate) use forward::{
+    ConnectionClosed, READ_PATH as READ_OUTPUT_PATH, answer as answer_peer_read,
+};
 use reply::error_result;
 use store::{Missing, OutputStore, StoreLimits};
 
@@ -507,8 +509,8 @@ impl McpService {
         uri: &str,
         context: &RequestContext<RoleServer>,
     ) -> Result<ReadResourceResult, McpError> {
-        let parsed =
-            resources::OutputUri::parse(uri).map_err(|m| McpError::invalid_params(m, None))?;
+        let parsed = resources::OutputUri::parse(uri)
+            .map_err(|e| McpError::invalid_params(e.to_string(), None))?;
         let caller = crate::auth::mcp_caller(&context.extensions)
             .unwrap_or_else(|| crate::auth::Caller::local("stdio"));
         if let Some(peers) = &self.peers
@@ -527,8 +529,8 @@ impl McpService {
         uri: &str,
         caller: &crate::auth::Caller,
     ) -> Result<ReadResourceResult, McpError> {
-        let parsed =
-            resources::OutputUri::parse(uri).map_err(|m| McpError::invalid_params(m, None))?;
+        let parsed = resources::OutputUri::parse(uri)
+            .map_err(|e| McpError::invalid_params(e.to_string(), None))?;
         let Some(store) = &self.store else {
             return Err(McpError::resource_not_found(
                 "this server keeps no outputs (its output directory could not be made)",
@@ -549,7 +551,7 @@ impl McpService {
             McpError::resource_not_found(message, None)
         })?;
         let page = resources::read(&run, &parsed, self.config.result_chars)
-            .map_err(|m| McpError::invalid_params(m, None))?;
+            .map_err(|e| McpError::invalid_params(e.to_string(), None))?;
         let contents = match page.blob {
             None => vec![ResourceContents::text(page.text, uri)],
             Some(bytes) => {

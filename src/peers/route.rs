@@ -69,12 +69,11 @@ pub(crate) fn needs_home(req: &RunRequest, shared_sessions: bool) -> bool {
     req.workspace.is_some() || (req.session.is_some() && !shared_sessions)
 }
 
-/// Whether a request to one of the users' endpoints needs its caller's home.
-pub(crate) fn path_needs_home(path: &str) -> bool {
-    path == "/workspaces"
-        || path.starts_with("/workspaces/")
-        || path == "/sessions"
-        || path.starts_with("/sessions/")
+/// Whether a request to one of the users' endpoints needs its caller's home: the
+/// workspace endpoints, and the session endpoints unless sessions are shared.
+pub(crate) fn path_needs_home(path: &str, shared_sessions: bool) -> bool {
+    let sessions = path == "/sessions" || path.starts_with("/sessions/");
+    path == "/workspaces" || path.starts_with("/workspaces/") || (sessions && !shared_sessions)
 }
 
 /// The caller header's value for `caller`.
@@ -188,8 +187,7 @@ impl Peers {
 
     /// The base URL of the replica tagged `tag`, when it is known.
     fn url_of(&self, tag: &str) -> Option<reqwest::Url> {
-        let i = self.known.lock().ok()?.get(tag).copied()?;
-        self.urls.get(i).cloned()
+        self.known.lock().ok()?.get(tag).cloned()
     }
 
     /// A client for forwarded requests: unlike the peer channel's, no overall timeout (a
@@ -209,7 +207,7 @@ impl Peers {
     /// The error of a home that does not answer.
     fn home_gone(tag: &str, why: &str) -> ErrorBody {
         ErrorBody::new(
-            ErrorCode::GatewayUnreachable,
+            ErrorCode::BackendUnavailable,
             format!(
                 "replica {tag} of this gateway, which holds this caller's workspaces and sessions, did not answer ({why}); retry: the next replica takes over (its workspaces are posted again, its sessions start afresh)"
             ),
@@ -247,6 +245,8 @@ impl Peers {
                 tracing::warn!(replica = tag, error = %e.message, "a run's home replica did not answer");
                 Err(Self::home_gone(tag, "connection failed"))
             }
+            // The relay's own client-side codes never reach the caller as such.
+            Err(e) if e.code == ErrorCode::ProtocolError => Err(Self::home_gone(tag, &e.message)),
             Err(e) => Err(e),
             Ok(execution) => Ok(execution.filtered(HomeLost(tag.to_owned()))),
         }
@@ -375,12 +375,12 @@ impl Peers {
     }
 
     /// Adds the tags of live replicas to the view (asking every peer), keeping the rest.
-    pub(super) fn merge_view(&self, found: Vec<(String, usize)>) {
+    pub(super) fn merge_view(&self, found: Vec<(String, reqwest::Url)>) {
         if let Ok(mut known) = self.known.lock() {
             known.clear();
-            for (tag, i) in found {
+            for (tag, url) in found {
                 if let Entry::Vacant(e) = known.entry(tag) {
-                    e.insert(i);
+                    e.insert(url);
                 }
             }
         }
@@ -414,7 +414,7 @@ impl crate::exec::EventFilter for HomeLost {
                 code: ErrorCode::ProtocolError,
                 message,
             } => Event::Error {
-                code: ErrorCode::GatewayUnreachable,
+                code: ErrorCode::BackendUnavailable,
                 message: format!(
                     "replica {} of this gateway, which ran this command for this caller's workspace or session, stopped answering ({message}); its outcome is unknown: run it again",
                     self.0
@@ -480,8 +480,9 @@ mod tests {
         assert!(needs_home(&session, false));
         assert!(!needs_home(&session, true));
         assert!(!needs_home(&RunRequest::default(), false));
-        assert!(path_needs_home("/workspaces/ws_1/blobs"));
-        assert!(path_needs_home("/sessions"));
-        assert!(!path_needs_home("/workspacesx"));
+        assert!(path_needs_home("/workspaces/ws_1/blobs", true));
+        assert!(path_needs_home("/sessions", false));
+        assert!(!path_needs_home("/sessions/build", true));
+        assert!(!path_needs_home("/workspacesx", false));
     }
 }

@@ -81,15 +81,15 @@ fn refused(peers: &Peers, conn: Conn, headers: &HeaderMap) -> Option<Response> {
     )
 }
 
-/// Around the users' endpoints that need the caller's state (`/workspaces...`,
-/// `/sessions...`): a request whose caller's home is another replica is relayed there
+/// Around the users' endpoints that need the caller's state (`/workspaces...`, and
+/// `/sessions...` unless the backend's sessions are shared): a request whose caller's home is another replica is relayed there
 /// (`crate::peers`, "homes"); the rest go on here.
 pub(super) async fn to_home(
-    axum::extract::State(peers): axum::extract::State<Arc<Peers>>,
+    axum::extract::State((peers, shared_sessions)): axum::extract::State<(Arc<Peers>, bool)>,
     req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    if !crate::peers::path_needs_home(req.uri().path())
+    if !crate::peers::path_needs_home(req.uri().path(), shared_sessions)
         || req.extensions().get::<crate::peers::Forwarded>().is_some()
     {
         return next.run(req).await;
@@ -166,4 +166,31 @@ pub(super) async fn from_peer(
     req.extensions_mut().insert(caller);
     req.extensions_mut().insert(crate::peers::Forwarded);
     next.run(req).await
+}
+
+/// Around `/mcp` with peers: a POST's handlers learn when the client's connection reaches EOF
+/// ([`crate::mcp::ConnectionClosed`]), watched as long as the answer streams.
+pub(super) async fn watch_mcp_close(
+    mut req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if req.method() != axum::http::Method::POST {
+        return next.run(req).await;
+    }
+    let until = tokio_util::sync::CancellationToken::new();
+    let closed = req
+        .extensions()
+        .get::<crate::server::connections::PeerClosed>()
+        .and_then(|p| p.watch(until.clone()));
+    if let Some(c) = closed {
+        req.extensions_mut().insert(crate::mcp::ConnectionClosed(c));
+    }
+    let guard = until.drop_guard();
+    next.run(req).await.map(move |body| {
+        use futures_util::StreamExt as _;
+        axum::body::Body::from_stream(body.into_data_stream().map(move |chunk| {
+            let _watching = &guard;
+            chunk
+        }))
+    })
 }

@@ -11,6 +11,8 @@
 //! output, terminal) are one state machine over the same request.
 
 use std::convert::Infallible;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::{Body, BodyDataStream, Bytes};
@@ -18,11 +20,11 @@ use axum::extract::{FromRequest, Request, State};
 use axum::http::{HeaderMap, HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 use futures_util::future::BoxFuture;
-use futures_util::stream::{self, Stream, StreamExt, TryStreamExt};
+use futures_util::stream::{Stream, StreamExt, TryStreamExt};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::codec::FramedRead;
 use tokio_util::io::StreamReader;
-use tokio_util::sync::{CancellationToken, DropGuard};
+use tokio_util::sync::{CancellationToken, DropGuard, WaitForCancellationFutureOwned};
 
 use super::AppState;
 use crate::auth::Caller;
@@ -122,28 +124,27 @@ pub(super) async fn raw(
     };
     let peer_eof = eof.is_cancelled();
     watching.cancel();
-    let stage = match first {
-        Err(Ok(execution)) => {
-            tracing::debug!(%command, context = ?execution.context(), "started");
-            // Phases the backend reported on its way to a quick start go first.
-            Stage::Flush(phases, Box::new(Stage::Started(execution)))
-        }
+    let (first, start) = match first {
+        // Phases the backend reported on its way to a quick start still go first.
+        Err(Ok(execution)) => (None, Box::pin(std::future::ready(Ok(execution))) as _),
         Err(Err(e)) => {
             tracing::info!(%command, code = %e.code, message = %e.message, "rejected");
             return e.into_response();
         }
         Ok(phase) => {
             tracing::debug!(%command, ?phase, "preparing");
-            Stage::Phase(phase, start, phases)
+            (Some(phase), start)
         }
     };
-    // Watched while the stream lives: the client's EOF starts probing (see `Run::step`).
+    // Watched while the stream lives: the client's EOF starts probing (see `KeepAlive`).
     let streaming = CancellationToken::new();
     let peer = peer_closed
         .and_then(|p| p.0.watch(streaming.clone()))
         .unwrap_or_default();
     let run = Run {
-        stage,
+        first,
+        start,
+        phases,
         keepalive: state.keepalive,
         stdin: stdin_guard,
         command,
@@ -362,29 +363,13 @@ async fn drain(mut body: BodyDataStream) {
     }
 }
 
-enum Stage {
-    /// A phase to send; the start is still under way.
-    Phase(
-        Event,
-        BoxFuture<'static, Result<Execution, ErrorBody>>,
-        mpsc::Receiver<Event>,
-    ),
-    Starting(
-        BoxFuture<'static, Result<Execution, ErrorBody>>,
-        mpsc::Receiver<Event>,
-    ),
-    /// Phases still queued, then the next stage.
-    Flush(mpsc::Receiver<Event>, Box<Stage>),
-    /// `started` to send.
-    Started(Execution),
-    /// A terminal event to send.
-    Failed(Event),
-    Running(Execution),
-    Done,
-}
-
 struct Run {
-    stage: Stage,
+    /// The first phase (or a keep-alive, at the client's EOF) to send.
+    first: Option<Event>,
+    /// The start, under way or done.
+    start: BoxFuture<'static, Result<Execution, ErrorBody>>,
+    /// The backend's phases (progress), sent before `started`.
+    phases: mpsc::Receiver<Event>,
     keepalive: Duration,
     stdin: Option<StdinGuard>,
     command: String,
@@ -403,112 +388,136 @@ const CLOSED_PEER_PROBE: Duration = Duration::from_millis(200);
 /// silent, one terminal event. The execution lives inside the stream, so a client that goes
 /// away drops it, and dropping it kills the command.
 fn events(run: Run) -> impl Stream<Item = Result<Bytes, Infallible>> + Send {
-    stream::unfold(run, |mut run| async move {
-        let line = run.step().await?;
-        Some((Ok(line), run))
-    })
+    let Run {
+        first,
+        mut start,
+        mut phases,
+        keepalive,
+        mut stdin,
+        command,
+        peer,
+        probing,
+        _watching,
+    } = run;
+    let events = async_stream::stream! {
+        let _watching = _watching;
+        if let Some(first) = first {
+            yield first;
+        }
+        let started = loop {
+            let phase = tokio::select! {
+                biased;
+                Some(phase) = phases.recv() => phase,
+                started = &mut start => break started,
+            };
+            yield phase;
+        };
+        if let Ok(execution) = &started {
+            tracing::debug!(%command, context = ?execution.context(), "started");
+        }
+        // Phases still queued go before what the start came to.
+        while let Ok(phase) = phases.try_recv() {
+            yield phase;
+        }
+        let mut execution = match started {
+            Ok(execution) => execution,
+            Err(e) => {
+                tracing::info!(%command, code = %e.code, message = %e.message, "failed to start");
+                yield Event::Error { code: e.code, message: e.message };
+                return;
+            }
+        };
+        yield Event::Started { context: execution.context().clone() };
+        loop {
+            let abort = stdin.as_mut().and_then(|s| s.abort.as_mut());
+            let event = tokio::select! {
+                biased;
+                aborted = wait_abort(abort) => match aborted {
+                    Some(e) => {
+                        // Dropping the execution below kills the command.
+                        execution.kill();
+                        Event::Error { code: e.code, message: e.message }
+                    }
+                    None => {
+                        // The pump ended normally: nothing more to watch.
+                        if let Some(s) = stdin.as_mut() {
+                            s.abort = None;
+                        }
+                        continue;
+                    }
+                },
+                next = execution.next() => match next {
+                    Some(event) => event,
+                    None => break,
+                },
+            };
+            if event.is_terminal() {
+                // The execution ends before its last event goes out.
+                drop(execution);
+                yield event;
+                break;
+            }
+            yield event;
+        }
+    };
+    KeepAlive {
+        events: Box::pin(events),
+        every: keepalive,
+        peer: (!probing).then(|| Box::pin(peer.cancelled_owned())),
+        silence: Box::pin(tokio::time::sleep(keepalive)),
+        armed: false,
+    }
+    .map(|event| Ok(event.to_line()))
 }
 
-impl Run {
-    async fn step(&mut self) -> Option<Bytes> {
-        loop {
-            match std::mem::replace(&mut self.stage, Stage::Done) {
-                Stage::Done => return None,
-                Stage::Phase(phase, start, phases) => {
-                    self.stage = Stage::Starting(start, phases);
-                    return Some(phase.to_line());
-                }
-                Stage::Flush(mut phases, next) => match phases.try_recv() {
-                    Ok(phase) => {
-                        self.stage = Stage::Flush(phases, next);
-                        return Some(phase.to_line());
-                    }
-                    Err(_) => self.stage = *next,
-                },
-                Stage::Failed(event) => return Some(event.to_line()),
-                Stage::Started(execution) => {
-                    let line = Event::Started {
-                        context: execution.context().clone(),
-                    }
-                    .to_line();
-                    self.stage = Stage::Running(execution);
-                    return Some(line);
-                }
-                Stage::Starting(mut start, mut phases) => {
-                    let event = tokio::select! {
-                        biased;
-                        Some(phase) = phases.recv() => {
-                            self.stage = Stage::Starting(start, phases);
-                            phase
-                        }
-                        started = &mut start => {
-                            let next = match started {
-                                Ok(execution) => {
-                                    tracing::debug!(command = %self.command, context = ?execution.context(), "started");
-                                    Stage::Started(execution)
-                                }
-                                Err(e) => {
-                                    tracing::info!(command = %self.command, code = %e.code, message = %e.message, "failed to start");
-                                    Stage::Failed(Event::Error { code: e.code, message: e.message })
-                                }
-                            };
-                            self.stage = Stage::Flush(phases, Box::new(next));
-                            continue;
-                        }
-                        _ = tokio::time::sleep(if self.probing { CLOSED_PEER_PROBE } else { self.keepalive }) => {
-                            self.stage = Stage::Starting(start, phases);
-                            Event::Keepalive
-                        }
-                    };
-                    return Some(event.to_line());
-                }
-                Stage::Running(mut execution) => {
-                    let wait = if self.probing {
-                        CLOSED_PEER_PROBE
-                    } else {
-                        self.keepalive
-                    };
-                    let abort = self.stdin.as_mut().and_then(|s| s.abort.as_mut());
-                    let event = tokio::select! {
-                        biased;
-                        aborted = wait_abort(abort) => match aborted {
-                            Some(e) => {
-                                // Dropping the execution below kills the command.
-                                execution.kill();
-                                Event::Error { code: e.code, message: e.message }
-                            }
-                            None => {
-                                // The pump ended normally: nothing more to watch.
-                                if let Some(s) = self.stdin.as_mut() {
-                                    s.abort = None;
-                                }
-                                self.stage = Stage::Running(execution);
-                                continue;
-                            }
-                        },
-                        () = self.peer.cancelled(), if !self.probing => {
-                            self.probing = true;
-                            self.stage = Stage::Running(execution);
-                            Event::Keepalive
-                        }
-                        next = tokio::time::timeout(wait, execution.next()) => match next {
-                            Ok(Some(event)) => {
-                                if !event.is_terminal() {
-                                    self.stage = Stage::Running(execution);
-                                }
-                                event
-                            }
-                            Ok(None) => return None,
-                            Err(_) => {
-                                self.stage = Stage::Running(execution);
-                                Event::Keepalive
-                            }
-                        },
-                    };
-                    return Some(event.to_line());
-                }
-            }
+/// A keep-alive after each `every` without an event (as axum's `Sse::keep_alive`), timed
+/// from when the next event was asked for. At the client's EOF one at once, and from then on
+/// every [`CLOSED_PEER_PROBE`]: writing to a gone client fails, which ends the stream.
+struct KeepAlive<S> {
+    events: Pin<Box<S>>,
+    every: Duration,
+    /// The client's EOF, until it came.
+    peer: Option<Pin<Box<WaitForCancellationFutureOwned>>>,
+    silence: Pin<Box<tokio::time::Sleep>>,
+    /// Whether `silence` runs (from the first poll after an event).
+    armed: bool,
+}
+
+impl<S: Stream<Item = Event>> Stream for KeepAlive<S> {
+    type Item = Event;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Event>> {
+        let this = &mut *self;
+        if let Some(peer) = &mut this.peer
+            && peer.as_mut().poll(cx).is_ready()
+        {
+            this.peer = None;
+            this.armed = false;
+            return Poll::Ready(Some(Event::Keepalive));
         }
+        if let Poll::Ready(event) = this.events.as_mut().poll_next(cx) {
+            this.armed = false;
+            if event.is_none() {
+                this.peer = None;
+            }
+            return Poll::Ready(event);
+        }
+        if !this.armed {
+            let wait = if this.peer.is_none() {
+                CLOSED_PEER_PROBE
+            } else {
+                this.every
+            };
+            this.silence
+                .as_mut()
+                .reset(tokio::time::Instant::now() + wait);
+            this.armed = true;
+        }
+        if this.silence.as_mut().poll(cx).is_ready() {
+            this.armed = false;
+            return Poll::Ready(Some(Event::Keepalive));
+        }
+        Poll::Pending
     }
 }
 
@@ -540,7 +549,9 @@ mod tests {
         phases: mpsc::Receiver<Event>,
     ) -> Run {
         Run {
-            stage: Stage::Starting(Box::pin(start), phases),
+            first: None,
+            start: Box::pin(start),
+            phases,
             keepalive: Duration::from_secs(60),
             stdin: None,
             command: "x".into(),
