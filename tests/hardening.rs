@@ -261,7 +261,7 @@ fn new_requests_during_shutdown_get_503_shutting_down() {
 fn huge_command_lines_and_bad_token_floods_do_not_flood_the_log() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config_file(&dir, "policy:\n  executables:\n    allow: [echo]\n");
-    let gw = Gateway::start_with_env(
+    let mut gw = Gateway::start_with_env(
         &["--config", cfg.to_str().unwrap()],
         &[("MCP_RUN_AUTH_TOKENS", "ci:0123456789abcdef0123")],
     );
@@ -295,7 +295,17 @@ fn huge_command_lines_and_bad_token_floods_do_not_flood_the_log() {
         );
         assert_eq!(a.status, 401);
     }
-    std::thread::sleep(std::time::Duration::from_millis(300));
+    // Every line of the flood is in the log once the gateway has stopped and its last line
+    // ("stopped") has been read.
+    assert!(gw.terminate().is_some());
+    assert!(
+        support::wait_until(std::time::Duration::from_secs(10), || gw
+            .log_text()
+            .lines()
+            .any(|l| l.ends_with(" stopped"))),
+        "{}",
+        gw.log_text()
+    );
     let log = gw.log_text();
     let grown = log.len() - before;
     assert!(grown < 30_000, "the log grew by {grown} bytes");

@@ -418,8 +418,28 @@ async fn the_reaper_deletes_only_its_own_leftovers() {
         "leftovers deleted: {:?}",
         double.pod_names(NS)
     );
-    // Another pass or two of the reaper, then the others must still be there.
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    // Two more passes of the reaper, then the others must still be there. A pass lists the
+    // installation's pods (not a watch, not by gateway), then deletes: the pass that starts
+    // after the leftovers are gone has ended once the one after it lists.
+    let passes = || {
+        double
+            .requests()
+            .iter()
+            .filter(|r| {
+                r.starts_with("GET ")
+                    && r.contains("/pods?")
+                    && r.contains("mcp-run.dev%2Finstance")
+                    && !r.contains("watch")
+                    && !r.contains("mcp-run.dev%2Fgateway")
+            })
+            .count()
+    };
+    let seen = passes();
+    assert!(
+        wait_until(Duration::from_secs(10), || passes() >= seen + 2),
+        "no further reaper passes: {:?}",
+        double.requests()
+    );
     let mut left = double.pod_names(NS);
     left.sort();
     assert_eq!(left, ["other-install", "other-replica-live", "unlabelled"]);

@@ -390,7 +390,13 @@ async fn a_pod_going_under_a_running_command_is_pod_failed() {
         s.profile = Some("limited".into());
         let mut e = ex.start(s, StartOptions::default()).await.expect("starts");
         let pod = e.context().pod.clone().unwrap();
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        // The pod goes while the command runs in it.
+        assert!(
+            support::wait_until(Duration::from_secs(10), || double
+                .running_execs_in(NS, &pod)
+                == 1),
+            "{how}: the command never ran"
+        );
         match how {
             "deleted" => double.delete_pod(NS, &pod),
             "evicted" => double.kill_container(NS, &pod, true),

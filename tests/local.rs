@@ -392,7 +392,8 @@ async fn slow_client_back_pressures_the_command() {
     while total < 1024 * 1024 {
         total += sock.read(&mut buf).await.unwrap();
     }
-    // The client pauses: the command must be blocked on its pipe, far from done.
+    // The client pauses: the command must be blocked on its pipe, far from done. A negative
+    // check (the command must not finish), so inherently a wait.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert!(
         !marker.exists(),

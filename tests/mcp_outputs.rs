@@ -296,8 +296,16 @@ async fn expired_outputs_say_so() {
         "{}",
         &text[text.len() - 300..]
     );
-    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
-    let e = read(&c, &uri).await.unwrap_err();
+    // The age bound is whole seconds: a read fails once a second has passed since the run
+    // ended (reads until then succeed; they do not renew the run).
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    let e = loop {
+        match read(&c, &uri).await {
+            Err(e) => break e,
+            Ok(_) => assert!(tokio::time::Instant::now() < deadline, "never expired"),
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
     assert!(e.contains("has expired"), "{e}");
     c.cancel().await.unwrap();
 }

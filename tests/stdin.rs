@@ -114,10 +114,13 @@ async fn a_stalled_stdin_still_times_out() {
 async fn stdin_is_back_pressured_by_the_command() {
     let gw = Gateway::start(&[]);
     let (tx, rx) = mpsc::channel(1);
-    // Reads nothing for 3 s, then everything.
+    // Reads nothing until the test creates `go`, then everything.
+    let dir = tempfile::tempdir().unwrap();
+    let go = dir.path().join("go");
+    let script = "while [ ! -e \"$1\" ]; do sleep 0.02; done; wc -c";
     let resp = raw_stdin_streamed(
         &gw,
-        json!({"executable": "sh", "args": ["-c", "sleep 3; wc -c"]}),
+        json!({"executable": "sh", "args": ["-c", script, "sh", go]}),
         rx,
     )
     .await;
@@ -132,6 +135,7 @@ async fn stdin_is_back_pressured_by_the_command() {
             counter.fetch_add(chunk.len(), std::sync::atomic::Ordering::Relaxed);
         }
     });
+    // A negative check (the producer must not get far), so inherently a wait.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let early = sent.load(std::sync::atomic::Ordering::Relaxed);
     // Socket buffers, the pipe and a few chunks in the gateway: far below the 100 MiB offered.
@@ -139,6 +143,7 @@ async fn stdin_is_back_pressured_by_the_command() {
         early < 32 << 20,
         "{early} bytes taken while the command read nothing"
     );
+    std::fs::write(&go, "").unwrap();
     producer.await.unwrap();
     let mut events = Events::new(resp);
     events.stdout_until(&(400 * 256 * 1024).to_string()).await;

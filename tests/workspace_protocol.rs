@@ -495,10 +495,28 @@ async fn contents_and_ids_unused_for_max_age_are_dropped() {
     )
     .await;
     assert_eq!(run.stdout_str(), "old\n");
-    tokio::time::sleep(std::time::Duration::from_millis(1300)).await;
-    // Posting another workspace evicts what is older than a second.
-    let (_, v) = post_manifest(&gw, None, json!([file("fresh.txt", fresh)])).await;
-    let fresh_id = v["workspace"].as_str().unwrap().to_owned();
+    // Posting another workspace evicts what is unused for over a second (the bound is whole
+    // seconds): post until the old content is gone from disk, which does not use the old id.
+    let blobs = || -> Vec<String> {
+        walkdir::WalkDir::new(dir.path().join("cache/blobs"))
+            .into_iter()
+            .flatten()
+            .filter(|e| e.file_type().is_file())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect()
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let fresh_id = loop {
+        let (_, v) = post_manifest(&gw, None, json!([file("fresh.txt", fresh)])).await;
+        if !blobs().contains(&hash_bytes(old)) {
+            break v["workspace"].as_str().unwrap().to_owned();
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the old content stayed"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
     assert_eq!(
         upload(&gw, None, &fresh_id, bundle(&[(&hash_bytes(fresh), fresh)]))
             .await
@@ -507,14 +525,8 @@ async fn contents_and_ids_unused_for_max_age_are_dropped() {
     );
     let run = raw(&gw, json!({"executable": "true", "workspace": old_id})).await;
     assert_eq!(run.status, 404, "the old id expired");
-    let blobs: Vec<String> = walkdir::WalkDir::new(dir.path().join("cache/blobs"))
-        .into_iter()
-        .flatten()
-        .filter(|e| e.file_type().is_file())
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .collect();
     assert_eq!(
-        blobs,
+        blobs(),
         [hash_bytes(fresh)],
         "only the fresh content is on disk"
     );

@@ -19,8 +19,19 @@ if [ ${#missing[@]} -gt 0 ]; then
   exit 0
 fi
 
-cargo build --locked --quiet --bin mcp-run
-bin="${CARGO_TARGET_DIR:-$root/target}/debug/mcp-run"
+# The gateway `cargo test` built (as kubectl-conformance.sh takes the double): nothing is
+# compiled again after .ci/test's test step. `cargo build --bin mcp-run` would build the
+# crate and its async stack a second time, without the dev-dependencies' features.
+bin="$(cargo test --locked --quiet --test integration --no-run --message-format=json |
+  python3 -c 'import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "mcp-run" and m["target"]["kind"] == ["bin"] and not m["profile"]["test"]:
+        print(m["executable"])')" || bin=""
+if [ -z "$bin" ]; then
+  echo "mcp-sdks: cannot build mcp-run" >&2
+  exit 1
+fi
 work="$(mktemp -d)"
 port="$(.venv/bin/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 # A declared CLI tool too, so that its schema meets the strict check.

@@ -278,7 +278,8 @@ async fn ws_output_is_back_pressured_and_byte_exact() {
     .await
     .expect("connect");
     // A client that does not read: the producer must block instead of being drained into
-    // memory (64 MiB is far beyond the socket buffers).
+    // memory (64 MiB is far beyond the socket buffers). A negative check (the writer must not
+    // finish), so inherently a wait.
     tokio::time::sleep(Duration::from_millis(800)).await;
     assert_eq!(
         d.running_execs(),

@@ -68,6 +68,8 @@ async fn failure_injection_states() {
         "0/1 nodes are available: 1 node(s) didn't match Pod's node affinity/selector."
     ));
     running(&api, "fits").await;
+    // A negative check (the pod must not start), so inherently a wait: the kubelet started a
+    // pod created after it, and 200 ms more pass without it starting.
     tokio::time::sleep(Duration::from_millis(200)).await;
     let p = api.get("slow").await.expect("get");
     assert_eq!(

@@ -55,17 +55,9 @@ async fn runtime_watcher_and_watch_bookmarks() {
     .boxed();
     let mut seen_pre = false;
     let mut seen_new_deleted = false;
-    let api2 = api.clone();
-    let driver = tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        api2.create(&PostParams::default(), &pod("new", "busybox"))
-            .await
-            .expect("create");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        api2.delete("new", &DeleteParams::default().grace_period(0))
-            .await
-            .expect("delete");
-    });
+    let mut deleting = false;
+    // Each change is made once the watcher has seen the one before: the initial list, then
+    // the new pod.
     let r = tokio::time::timeout(Duration::from_secs(10), async {
         while let Some(ev) = s.try_next().await.expect("watcher") {
             match ev {
@@ -73,6 +65,20 @@ async fn runtime_watcher_and_watch_bookmarks() {
                     if p.metadata.name.as_deref() == Some("pre") =>
                 {
                     seen_pre = true
+                }
+                kube::runtime::watcher::Event::InitDone => {
+                    api.create(&PostParams::default(), &pod("new", "busybox"))
+                        .await
+                        .expect("create");
+                }
+                // Once: the kubelet's status updates come as further applies.
+                kube::runtime::watcher::Event::Apply(p)
+                    if p.metadata.name.as_deref() == Some("new") && !deleting =>
+                {
+                    deleting = true;
+                    api.delete("new", &DeleteParams::default().grace_period(0))
+                        .await
+                        .expect("delete");
                 }
                 kube::runtime::watcher::Event::Delete(p)
                     if p.metadata.name.as_deref() == Some("new") =>
@@ -85,7 +91,6 @@ async fn runtime_watcher_and_watch_bookmarks() {
         }
     })
     .await;
-    driver.await.expect("driver");
     assert!(r.is_ok(), "watcher timed out");
     assert!(seen_pre && seen_new_deleted);
 

@@ -646,6 +646,15 @@ impl KubeDouble {
         self.shared.lock().execs.len()
     }
 
+    /// Exec processes still running in one pod.
+    pub fn running_execs_in(&self, namespace: &str, pod: &str) -> usize {
+        let st = self.shared.lock();
+        st.execs
+            .values()
+            .filter(|e| e.namespace == namespace && e.pod == pod)
+            .count()
+    }
+
     /// Changes the faults the next requests meet.
     pub fn inject(&self, f: impl FnOnce(&mut Faults)) {
         f(&mut self.shared.lock().faults);

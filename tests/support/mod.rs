@@ -401,10 +401,14 @@ pub fn config_file(dir: &tempfile::TempDir, yaml: &str) -> PathBuf {
 
 /// A file of `len` random bytes in `dir`, and its bytes (for byte-exact round trips).
 pub fn random_file(dir: &std::path::Path, len: usize) -> (std::path::PathBuf, Vec<u8>) {
-    use rand::Rng as _;
+    use std::io::Read as _;
     let path = dir.join("blob");
     let mut data = vec![0u8; len];
-    rand::rng().fill_bytes(&mut data);
+    // The kernel's generator: `rand`'s ChaCha is inlined into this crate, which the dev
+    // profile does not optimise (several CPU seconds for the 50 MB of a test).
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut data))
+        .expect("/dev/urandom");
     std::fs::write(&path, &data).unwrap();
     (path, data)
 }
