@@ -500,3 +500,98 @@ fn session_directories_count_against_the_local_inode_bound() {
     let evs = run(&gw, json!({"executable": "echo", "args": ["one-shot"]}));
     assert_eq!(stdout_of(&evs), "one-shot\n");
 }
+
+/// The gateway's children (pids), from each of its threads' `children` list.
+fn children_of(pid: u32) -> Vec<i32> {
+    let mut out = Vec::new();
+    for t in std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        if let Ok(text) = std::fs::read_to_string(t.path().join("children")) {
+            out.extend(
+                text.split_whitespace()
+                    .filter_map(|p| p.parse::<i32>().ok()),
+            );
+        }
+    }
+    out
+}
+
+/// Issue 24.10: at SIGTERM, removing the gateway's directories is bounded: trees that take
+/// longer than the bound to remove (many large trees; here a session's 600 files, each
+/// removal slowed to 50 ms by strace's syscall delay injection, so about 30 s) do not keep
+/// the gateway from exiting `shutdown_grace_secs` + 10 s after the signal; what is left is
+/// for the reaper and the next gateway.
+#[test]
+fn shutdown_is_bounded_when_removing_trees_is_slow() {
+    let probe = std::process::Command::new("strace")
+        .args([
+            "-f",
+            "--seccomp-bpf",
+            "-e",
+            "trace=unlinkat",
+            "-e",
+            "inject=unlinkat:delay_enter=1000",
+            "-o",
+            "/dev/null",
+            "true",
+        ])
+        .status();
+    if !probe.is_ok_and(|s| s.success()) {
+        assert!(
+            std::env::var_os("CI").is_none_or(|v| v != "true"),
+            "strace cannot trace here (.ci/install.d/strace.sh installs it)"
+        );
+        eprintln!("SKIPPED: strace cannot trace here");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = config_file(&tmp, "server:\n  shutdown_grace_secs: 1\n");
+    let gw = Gateway::start_wrapped(
+        &[
+            "strace",
+            "-f",
+            "--seccomp-bpf",
+            "-o",
+            "/dev/null",
+            "-e",
+            "trace=unlinkat",
+            "-e",
+            "inject=unlinkat:delay_enter=50000",
+        ],
+        None,
+        &["--config", cfg.to_str().unwrap()],
+        &[("TMPDIR", tmp.path().to_str().unwrap())],
+    );
+    // strace is the child; the gateway is strace's child.
+    let strace = gw.pid().unwrap();
+    let gateway = children_of(strace);
+    assert_eq!(gateway.len(), 1, "{gateway:?}");
+    let gateway = gateway[0];
+    let body = json!({"executable": "sh", "session": "big", "args": ["-c",
+        "mkdir d && for i in $(seq 600); do : > d/f$i; done; echo ok"]});
+    let a = exchange(&gw, &post_raw(&wire::addr(&gw), &body.to_string()));
+    assert_eq!(stdout_of(&events(&a)), "ok\n");
+    let t = Instant::now();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(gateway),
+        nix::sys::signal::SIGTERM,
+    )
+    .unwrap();
+    // Bound: 1 s grace + 5 s closing connections + 5 s clean-up; the removal alone would
+    // take about 30 s.
+    let exited = wait_until(Duration::from_secs(40), || !pid_alive(gateway));
+    let took = t.elapsed();
+    assert!(exited, "the gateway did not exit");
+    assert!(
+        took < Duration::from_secs(20),
+        "the gateway took {took:?} to exit: its clean-up was not bounded"
+    );
+    assert!(
+        gw.log_text().contains("shutdown took longer than"),
+        "{}",
+        gw.log_text()
+    );
+}
