@@ -13,7 +13,7 @@ use crate::contract::{ErrorBody, ErrorCode, Event, RunRequest};
 use crate::exec::{ExecSpec, Execution, Executor, Progress, StartOptions};
 use crate::limits::Limits;
 use crate::metrics::Metrics;
-use crate::policy::{Policy, PolicyConfig, Subject};
+use crate::policy::{Policy, Subject};
 use crate::rate_limit::RateLimiter;
 use crate::redact::{RedactFilter, Redactor};
 use tokio::sync::Semaphore;
@@ -61,6 +61,9 @@ pub(crate) struct Runner {
     workspaces: Option<Arc<crate::workspace::WorkspaceStore>>,
     /// Named runners that live across calls; `None`: sessions are off.
     sessions: Option<Arc<crate::session::Sessions>>,
+    /// The other replicas: runs that need the caller's workspaces or sessions go to the
+    /// replica that holds them (`crate::peers`, "homes").
+    peers: Option<Arc<crate::peers::Peers>>,
     shutdown: CancellationToken,
     tracker: TaskTracker,
     metrics: Metrics,
@@ -70,7 +73,7 @@ impl Runner {
     pub(crate) fn new(executor: Arc<dyn Executor>, limits: Limits) -> Self {
         Self {
             executor,
-            policy: Policy::new(PolicyConfig::default(), limits.clone()),
+            policy: Policy::unrestricted(limits.clone()),
             slots: limits
                 .max_concurrent_executions
                 .map(|n| Arc::new(Semaphore::new(n))),
@@ -78,6 +81,7 @@ impl Runner {
             redactor: None,
             workspaces: None,
             sessions: None,
+            peers: None,
             limits,
             shutdown: CancellationToken::new(),
             tracker: TaskTracker::new(),
@@ -124,6 +128,18 @@ impl Runner {
             crate::session::Sessions::new(config, self.metrics.clone(), self.shutdown.child_token())
         });
         self
+    }
+
+    /// Forwards runs that need the caller's workspaces or sessions to the replica that holds
+    /// them, among `peers`.
+    pub(crate) fn with_peers(mut self, peers: Option<Arc<crate::peers::Peers>>) -> Self {
+        self.peers = peers;
+        self
+    }
+
+    /// The other replicas, when the gateway has peers.
+    pub(crate) fn peers(&self) -> Option<&Arc<crate::peers::Peers>> {
+        self.peers.as_ref()
     }
 
     /// The sessions, when they are on (and kept here, not forwarded to a remote gateway).
@@ -214,6 +230,8 @@ impl Runner {
             cache_scope: req.cache_scope,
             session: None,
             session_busy: None,
+            steps: Vec::new(),
+            continue_on_error: false,
         };
         self.executor.check(&spec)?;
         Ok(spec)
@@ -269,6 +287,32 @@ impl Runner {
         caller: &Caller,
         io: RunIo,
     ) -> Result<Execution, ErrorBody> {
+        self.start_audited(req, caller, io, false).await
+    }
+
+    /// [`Runner::start_with`] of a run another replica forwarded here (this is the caller's
+    /// home): served here whatever this replica thinks the home is, so that a run is never
+    /// forwarded twice.
+    pub(crate) async fn start_forwarded(
+        &self,
+        req: RunRequest,
+        caller: &Caller,
+        io: RunIo,
+    ) -> Result<Execution, ErrorBody> {
+        self.start_audited(req, caller, io, true).await
+    }
+
+    async fn start_audited(
+        &self,
+        req: RunRequest,
+        caller: &Caller,
+        io: RunIo,
+        forwarded: bool,
+    ) -> Result<Execution, ErrorBody> {
+        let io = match self.relay(&req, caller, io, forwarded).await {
+            Ok(relayed) => return relayed,
+            Err(io) => io,
+        };
         // Only the fields the audit line needs are kept for a refusal.
         let audit = RunRequest {
             executable: req.executable.clone(),
@@ -288,6 +332,62 @@ impl Runner {
             self.audit_rejected(&audit, caller, e);
         }
         started
+    }
+
+    /// Relays a run that needs the caller's workspaces or sessions to the replica that holds
+    /// them (`Err(io)`: it runs here). That replica applies the rate limit, policy, slots
+    /// and audit, and counts refusals; this one only relays, tracked so that its shutdown
+    /// waits for the relay.
+    async fn relay(
+        &self,
+        req: &RunRequest,
+        caller: &Caller,
+        io: RunIo,
+        forwarded: bool,
+    ) -> Result<Result<Execution, ErrorBody>, RunIo> {
+        let Some(peers) = self.peers.as_ref().filter(|_| !forwarded) else {
+            return Err(io);
+        };
+        if !crate::peers::needs_home(req, self.executor.shares_sessions())
+            || self.tracker.is_closed()
+        {
+            return Err(io);
+        }
+        let crate::peers::Home::There(tag) = peers.home(caller).await else {
+            return Err(io);
+        };
+        let (progress, retry) = (io.progress.clone(), io.stdin.is_none());
+        let opts = StartOptions {
+            cancel: self.shutdown.child_token(),
+            progress: io.progress,
+            stdin: io.stdin,
+        };
+        let mut started = peers.start_at(&tag, req, caller, opts).await;
+        // A home that is gone (nothing ran there) is left out of the next pick: once more,
+        // at the caller's new home (not with stdin, which the first attempt took).
+        if let Err(e) = &started
+            && e.code == ErrorCode::BackendUnavailable
+            && retry
+        {
+            match peers.home(caller).await {
+                crate::peers::Home::There(next) if next != tag => {
+                    let opts = StartOptions {
+                        cancel: self.shutdown.child_token(),
+                        progress,
+                        stdin: None,
+                    };
+                    started = peers.start_at(&next, req, caller, opts).await;
+                }
+                crate::peers::Home::Here => {
+                    return Err(RunIo {
+                        progress,
+                        stdin: None,
+                    });
+                }
+                crate::peers::Home::There(_) => {}
+            }
+        }
+        Ok(started.map(|e| e.tracked(self.tracker.token())))
     }
 
     async fn start_inner(
@@ -456,15 +556,6 @@ impl Runner {
                 "a run with `steps` takes no stdin",
             ));
         }
-        if self.executor.forwards_sessions() {
-            return Err(ErrorBody::new(
-                ErrorCode::InvalidRequest,
-                format!(
-                    "the {} backend does not run `steps` (run them on the gateway it forwards to)",
-                    self.executor.name()
-                ),
-            ));
-        }
         let (session, busy) = (req.session.clone(), req.session_busy.unwrap_or_default());
         let continue_on_error = req.continue_on_error;
         let mut steps = Vec::with_capacity(req.steps.len());
@@ -480,6 +571,11 @@ impl Runner {
         let call = self
             .session_call(session, busy, caller, &mut first, &io.progress)
             .await?;
+        if self.executor.forwards_sessions() {
+            return self
+                .forward_steps(first, steps, continue_on_error, caller, io)
+                .await;
+        }
         let slot = self.slot()?;
         let (runner, cancel, close) = match &call {
             Some(c) => (c.runner().clone(), c.cancel(), false),
@@ -523,6 +619,60 @@ impl Runner {
             cancel,
         );
         Ok(self.wrap(execution, caller, &audited, timeout, slot, call))
+    }
+
+    /// A multi-step run on a backend that forwards it whole (a remote gateway runs the steps
+    /// in one runner of its own): each step as this gateway checked it.
+    async fn forward_steps(
+        &self,
+        mut first: ExecSpec,
+        steps: Vec<(ExecSpec, String)>,
+        continue_on_error: bool,
+        caller: &Caller,
+        io: RunIo,
+    ) -> Result<Execution, ErrorBody> {
+        let timeout = steps.iter().map(|(s, _)| s.timeout).sum::<Duration>();
+        first.steps = steps
+            .iter()
+            .map(|(s, _)| crate::contract::Step {
+                executable: s.executable.clone(),
+                args: s.args.clone(),
+                // A workspace run's directory is relative to the workspace root.
+                cwd: match &s.workspace {
+                    Some(w) => (!w.cwd.is_empty()).then(|| w.cwd.clone()),
+                    None => s.cwd.clone(),
+                },
+                env: s.env.clone(),
+                timeout_secs: Some(s.timeout.as_secs().max(1)),
+            })
+            .collect();
+        first.continue_on_error = continue_on_error;
+        first.timeout = timeout;
+        // Each step carries its own command, directory and environment.
+        first.executable.clear();
+        first.args.clear();
+        first.cwd = None;
+        first.env.clear();
+        let audited = ExecSpec {
+            executable: "steps".into(),
+            args: steps.iter().map(|(_, c)| c.clone()).collect(),
+            steps: Vec::new(),
+            ..first.clone()
+        };
+        let slot = self.slot()?;
+        let execution = self
+            .executor
+            .start(
+                first,
+                StartOptions {
+                    cancel: self.shutdown.child_token(),
+                    progress: io.progress,
+                    stdin: None,
+                },
+            )
+            .await?;
+        let timeout = timeout + self.executor.timeout_slack();
+        Ok(self.wrap(execution, caller, &audited, timeout, slot, None))
     }
 
     /// How many executions are running.

@@ -602,3 +602,86 @@ async fn kube_runs_of_one_key_race_to_one_claim_and_take_turns() {
         gw.log_text()
     );
 }
+
+/// A session's pod mounts the profile's caches as a one-shot run's pod does (the same key: the
+/// caller's identity), holds them while the session lives, points every call at them, and
+/// hands them on when the session ends; another identity's session never sees them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kube_session_pods_mount_the_caches_of_their_identity() {
+    let double = restricted_double();
+    let dir = tempfile::tempdir().unwrap();
+    let mount = dir.path().join("mnt/cache");
+    let yaml = format!(
+        "profiles:\n  default:\n    caches:\n      - {{name: build, path: {}, env: {{C: data}}}}\n",
+        mount.display()
+    );
+    let mut gw = kube_gateway(&double, &dir, &yaml);
+    let in_session = |line: &str| {
+        let mut body = append(line, "default");
+        body["session"] = json!("s");
+        body
+    };
+    let a1 = run_as(&mut gw, ALICE, append("a1", "default")).await;
+    assert_eq!(state(&a1, "build"), CacheState::Created, "{a1:?}");
+    assert!(wait_until(Duration::from_secs(10), || released(&double)));
+
+    let s1 = run_as(&mut gw, ALICE, in_session("s1")).await;
+    assert_eq!(
+        s1.stdout_str(),
+        "a1\n",
+        "the session sees the one-shot run's cache: {s1:?}"
+    );
+    assert_eq!(state(&s1, "build"), CacheState::Reused);
+    let pod = s1.context.as_ref().unwrap().pod.clone().unwrap();
+    // Held by the session's pod while the session lives, mounted with the fsGroup.
+    let held_by = |double: &KubeDouble| -> Vec<String> {
+        double
+            .pvcs(NS)
+            .iter()
+            .filter_map(|c| {
+                c.metadata
+                    .annotations
+                    .as_ref()?
+                    .get("mcp-run.dev/held-by")
+                    .cloned()
+            })
+            .collect()
+    };
+    assert_eq!(held_by(&double), std::slice::from_ref(&pod));
+    let s2 = run_as(&mut gw, ALICE, in_session("s2")).await;
+    assert_eq!(s2.stdout_str(), "a1\ns1\n", "{s2:?}");
+    assert_eq!(
+        held_by(&double),
+        std::slice::from_ref(&pod),
+        "still held between calls"
+    );
+    let spec = double.pod(NS, &pod).unwrap().spec.unwrap();
+    assert!(
+        spec.volumes
+            .unwrap()
+            .iter()
+            .any(|v| v.persistent_volume_claim.is_some()),
+        "the session pod mounts the claim"
+    );
+    assert_eq!(spec.security_context.unwrap().fs_group, Some(65532));
+
+    // Ending the session hands the claim on (after its pod is gone). (Ended before Bob's
+    // session: the double mounts a claim by a host path, so two live pods cannot mount
+    // different claims at one path.)
+    let end = |gw: &Gateway, token: &str| {
+        gw.authorized(support::http().delete(gw.url("/sessions/s")))
+            .bearer_auth(token)
+            .send()
+    };
+    assert_eq!(end(&gw, ALICE).await.unwrap().status(), 204);
+    assert!(wait_until(Duration::from_secs(20), || released(&double)));
+
+    // Bob's session: his own cache, empty.
+    let b = run_as(&mut gw, BOB, in_session("b1")).await;
+    assert_eq!(b.stdout_str(), "", "bob never sees alice's cache: {b:?}");
+    assert_eq!(state(&b, "build"), CacheState::Created);
+    assert_eq!(end(&gw, BOB).await.unwrap().status(), 204);
+    assert!(wait_until(Duration::from_secs(20), || released(&double)));
+    let a2 = run_as(&mut gw, ALICE, append("a2", "default")).await;
+    assert_eq!(a2.stdout_str(), "a1\ns1\ns2\n", "{a2:?}");
+}

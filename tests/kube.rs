@@ -1073,3 +1073,126 @@ async fn steps_run_in_one_pod() {
     assert_eq!(double.created_pods().len(), 1);
     no_pods_left(&double, Duration::from_secs(10));
 }
+
+/// `--workspace` in a kube session: each call brings the pod's tree to the manifest (edits
+/// written, deleted files removed) and leaves what the manifest does not cover (`target/`,
+/// untracked files); an unchanged rerun writes nothing (one check exec, no `tar`); a symlink
+/// a command planted in place of a directory is replaced, nothing written through it. With
+/// the host's tools (coreutils) and with busybox's applets (the README's image).
+#[test]
+fn a_kube_session_tree_follows_the_manifest_and_keeps_what_it_does_not_cover() {
+    let double = KubeDouble::start();
+    let dir = tempfile::tempdir().unwrap();
+    let ws = tempfile::tempdir().unwrap();
+    let cfg = config_file(
+        &dir,
+        &format!(
+            "workspaces:\n  cache_dir: {cache}\nprofiles:\n  default:\n    workspace_path: {ws}/host\n  \
+             busybox:\n    image: registry.example/busybox-applets:1.36\n    workspace_path: {ws}/bb\n",
+            cache = dir.path().join("cache").display(),
+            ws = ws.path().display()
+        ),
+    );
+    for p in ["host", "bb"] {
+        std::fs::create_dir_all(ws.path().join(p)).unwrap();
+    }
+    let gw = gateway(&double, &["--config", cfg.to_str().unwrap()]);
+    for profile in ["default", "busybox"] {
+        session_tree(&gw, &double, dir.path(), profile);
+    }
+    for name in ["ws-default", "ws-busybox"] {
+        let out = gw
+            .run_remote()
+            .env("XDG_CACHE_HOME", dir.path())
+            .args(["sessions", "end", name])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+    }
+    no_pods_left(&double, Duration::from_secs(10));
+}
+
+fn session_tree(gw: &Gateway, double: &KubeDouble, home: &std::path::Path, profile: &str) {
+    let tree = tempfile::tempdir().unwrap();
+    let t = tree.path();
+    std::fs::create_dir_all(t.join(".git")).unwrap();
+    std::fs::write(t.join(".gitignore"), "target/\n").unwrap();
+    std::fs::create_dir_all(t.join("src")).unwrap();
+    std::fs::write(t.join("src/lib.rs"), "pub fn a() {}\n").unwrap();
+    std::fs::write(t.join("old.txt"), "to be deleted\n").unwrap();
+    let outside = tempfile::tempdir().unwrap();
+    let session = format!("ws-{profile}");
+    let rr = |args: &[&str]| {
+        let mut a = vec!["--session", &session, "--profile", profile, "--workspace"];
+        a.extend_from_slice(args);
+        let out = gw
+            .run_remote()
+            .env("XDG_CACHE_HOME", home)
+            .current_dir(t)
+            .args(&a)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{profile}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    // busybox's stat has no nanoseconds; the inode and ctime show a rewrite as well.
+    let stat = "stat -c '%i %Z' src/lib.rs";
+    let first = rr(&[
+        "--",
+        "sh",
+        "-c",
+        &format!("mkdir target; echo obj > target/o; echo mine > untracked.txt; {stat}"),
+    ]);
+    // An unchanged rerun moves nothing: no tar, the same inode and ctime.
+    let from = double.requests().len();
+    let second = rr(&["--", "sh", "-c", stat]);
+    assert_eq!(first, second, "{profile}");
+    let execs: Vec<String> = double.requests()[from..]
+        .iter()
+        .filter(|l| l.contains("/exec?"))
+        .cloned()
+        .collect();
+    assert_eq!(
+        execs.len(),
+        2,
+        "{profile}: the check and the command: {execs:?}"
+    );
+    assert!(
+        !execs.iter().any(|l| l.contains("command=tar")),
+        "{execs:?}"
+    );
+    // Edit, delete, add in the checkout; the command replaces src/ with a symlink out.
+    std::fs::write(t.join("src/lib.rs"), "pub fn b() {}\n").unwrap();
+    std::fs::remove_file(t.join("old.txt")).unwrap();
+    std::fs::write(t.join("new.txt"), "new\n").unwrap();
+    rr(&[
+        "--",
+        "sh",
+        "-c",
+        &format!(
+            "rm -rf src && ln -s {} src && echo stray > src/x",
+            outside.path().display()
+        ),
+    ]);
+    let listing = rr(&[
+        "--",
+        "sh",
+        "-c",
+        "cat src/lib.rs target/o untracked.txt new.txt; test -e old.txt || echo old-gone; test -L src || echo src-is-a-dir",
+    ]);
+    assert_eq!(
+        listing, "pub fn b() {}\nobj\nmine\nnew\nold-gone\nsrc-is-a-dir\n",
+        "{profile}"
+    );
+    // Nothing was written through the link.
+    let written: Vec<_> = std::fs::read_dir(outside.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert_eq!(written, [std::ffi::OsString::from("x")], "{profile}");
+}

@@ -436,6 +436,44 @@ async fn a_remote_backend_forwards_sessions_upstream() {
     // The forwarding gateway keeps none itself.
     let here = http().get(front.url("/sessions")).send().await.unwrap();
     assert_eq!(here.status(), 404);
+
+    // Steps are forwarded whole: the upstream runs them in one runner, stopping at the first
+    // failure (or not, with continue_on_error); in the forwarded session too.
+    let run = raw(
+        &front,
+        json!({"steps": [
+            {"executable": "sh", "args": ["-c", "echo one > f; echo first"]},
+            {"executable": "sh", "args": ["-c", "cat f; exit 3"], "timeout_secs": 5},
+            {"executable": "echo", "args": ["never"]}
+        ]}),
+    )
+    .await;
+    assert_eq!(run.code(), Some(3), "{run:?}");
+    assert_eq!(run.stdout_str(), "first\none\n");
+    let steps = run
+        .events
+        .iter()
+        .filter(|e| matches!(e, mcp_run::contract::Event::StepExit { .. }))
+        .count();
+    assert_eq!(steps, 2, "{run:?}");
+    let run = raw(
+        &front,
+        json!({"steps": [{"executable": "false"}, {"executable": "sh", "args": ["-c", "echo $A"]}],
+               "continue_on_error": true, "env": {"A": "after"}}),
+    )
+    .await;
+    assert_eq!(
+        (run.code(), run.stdout_str().as_str()),
+        (Some(1), "after\n"),
+        "{run:?}"
+    );
+    let run = raw(
+        &front,
+        json!({"session": "fwd", "steps": [{"executable": "cat", "args": ["state"]}]}),
+    )
+    .await;
+    assert_eq!(run.stdout_str(), "kept\n", "{run:?}");
+    assert_eq!(run.context.unwrap().session_call, Some(3));
 }
 
 /// Steps run in order in one runner, their events name their step, the run stops at the

@@ -70,6 +70,11 @@ pub struct ExecSpec {
     /// as a [`KeptRunner`] instead.
     pub session: Option<String>,
     pub session_busy: Option<crate::contract::SessionBusy>,
+    /// Only for a backend that [`Executor::forwards_sessions`]: a multi-step run's steps
+    /// (each checked by this gateway already), run there in one runner; `executable` and
+    /// `args` are then unused. Other backends run steps in a [`KeptRunner`].
+    pub steps: Vec<crate::contract::Step>,
+    pub continue_on_error: bool,
 }
 
 /// What a caller hands a backend besides the spec: the cancellation token, where to report
@@ -227,9 +232,25 @@ pub trait Executor: Send + Sync + 'static {
         false
     }
 
+    /// Whether any gateway replica can serve a session of this backend: its state lives in
+    /// objects every replica reaches (a session pod's labels and annotations), not only in
+    /// the memory of the replica that opened it. When false (local: a directory on one
+    /// host), a session's calls must reach the replica that holds it (forwarding).
+    fn sessions_shared(&self) -> bool {
+        false
+    }
+
     /// Whether sessions are the backend's to keep (a remote gateway keeps them: the session
     /// name goes along in [`ExecSpec::session`]) rather than this gateway's.
     fn forwards_sessions(&self) -> bool {
+        false
+    }
+
+    /// Whether a session's state lives where every replica of the gateway reaches it (a
+    /// Kubernetes session's pod), so that any replica serves its calls. When false, a
+    /// session lives in one replica's process and its calls go to that replica
+    /// (`crate::peers`).
+    fn shares_sessions(&self) -> bool {
         false
     }
 

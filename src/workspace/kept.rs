@@ -63,18 +63,7 @@ impl KeptTree {
         let pin = run.store.pin(&run.workspace)?;
         let entries = &run.workspace.manifest.entries;
         let mut stats = KeptSync::default();
-        // Files an earlier manifest had and this one has not: deleted in the checkout.
-        let gone: Vec<String> = self
-            .written
-            .keys()
-            .filter(|p| {
-                entries
-                    .binary_search_by(|e| e.path.as_str().cmp(p.as_str()))
-                    .is_err()
-            })
-            .cloned()
-            .collect();
-        for rel in gone {
+        for rel in gone(self.written.keys(), entries) {
             self.written.remove(&rel);
             if let Some(path) = self.existing_parent(&rel)?
                 && path.symlink_metadata().is_ok()
@@ -161,6 +150,24 @@ impl KeptTree {
         }
         Ok(path)
     }
+}
+
+/// The paths of `before` (what earlier manifests put into a session's tree) that `entries`
+/// (a manifest's, sorted) has not: files deleted in the caller's checkout since, which the
+/// tree loses too. Shared by the local and the Kubernetes session trees.
+pub(crate) fn gone<'a>(
+    before: impl IntoIterator<Item = &'a String>,
+    entries: &[super::manifest::ManifestEntry],
+) -> Vec<String> {
+    before
+        .into_iter()
+        .filter(|p| {
+            entries
+                .binary_search_by(|e| e.path.as_str().cmp(p.as_str()))
+                .is_err()
+        })
+        .cloned()
+        .collect()
 }
 
 /// Removes a file, symlink (not its target) or directory tree.

@@ -13,9 +13,17 @@ use super::store::Pinned;
 /// The stream is padded with zeros to a multiple of 10 KiB (tar's default record), so that
 /// a tar that reads whole records ends at the archive's end marker without waiting for the
 /// end of its input (an exec's stdin cannot be closed over the older exec protocol).
-pub(crate) fn write_tar(run: &WorkspaceRun, pin: &Pinned, out: impl Write) -> std::io::Result<()> {
+///
+/// With `only`, just the entries it names and the directories above them (what a
+/// session's tree lacks).
+pub(crate) fn write_tar_only(
+    run: &WorkspaceRun,
+    pin: &Pinned,
+    only: Option<&std::collections::HashSet<String>>,
+    out: impl Write,
+) -> std::io::Result<()> {
     let mut out = Counting(out, 0);
-    write_entries(run, pin, &mut out)?;
+    write_entries(run, pin, only, &mut out)?;
     let pad = (RECORD - out.1 % RECORD) % RECORD;
     out.write_all(&vec![0u8; pad as usize])?;
     out.flush()
@@ -39,24 +47,23 @@ impl<W: Write> Write for Counting<W> {
     }
 }
 
-fn write_entries(run: &WorkspaceRun, pin: &Pinned, out: impl Write) -> std::io::Result<()> {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    let mut tar = tar::Builder::new(out);
+/// The directories a tree of `run` has: every parent of an entry `wanted` says yes to, and
+/// the command's directory with its parents; parents before children.
+pub(crate) fn dirs_of(
+    run: &WorkspaceRun,
+    wanted: impl Fn(&str) -> bool,
+) -> std::collections::BTreeSet<String> {
     let mut dirs = std::collections::BTreeSet::new();
-    let mut paths: Vec<String> = run
+    let cwd = (!run.cwd.is_empty()).then(|| format!("{}/", run.cwd));
+    let paths = run
         .workspace
         .manifest
         .entries
         .iter()
-        .map(|e| e.path.clone())
-        .collect();
-    if !run.cwd.is_empty() {
-        paths.push(format!("{}/", run.cwd));
-    }
-    for p in &paths {
+        .map(|e| e.path.as_str())
+        .filter(|p| wanted(p))
+        .chain(cwd.as_deref());
+    for p in paths {
         let mut end = 0;
         while let Some(i) = p[end..].find('/') {
             end += i;
@@ -64,6 +71,22 @@ fn write_entries(run: &WorkspaceRun, pin: &Pinned, out: impl Write) -> std::io::
             end += 1;
         }
     }
+    dirs
+}
+
+fn write_entries(
+    run: &WorkspaceRun,
+    pin: &Pinned,
+    only: Option<&std::collections::HashSet<String>>,
+    out: impl Write,
+) -> std::io::Result<()> {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let mut tar = tar::Builder::new(out);
+    let wanted = |p: &str| only.is_none_or(|o| o.contains(p));
+    let dirs = dirs_of(run, wanted);
     for d in &dirs {
         let mut h = tar::Header::new_gnu();
         h.set_entry_type(tar::EntryType::Directory);
@@ -72,7 +95,13 @@ fn write_entries(run: &WorkspaceRun, pin: &Pinned, out: impl Write) -> std::io::
         h.set_mtime(now);
         tar.append_data(&mut h, format!("{d}/"), std::io::empty())?;
     }
-    for e in &run.workspace.manifest.entries {
+    for e in run
+        .workspace
+        .manifest
+        .entries
+        .iter()
+        .filter(|e| wanted(&e.path))
+    {
         let mut h = tar::Header::new_gnu();
         h.set_mtime(now);
         match e.kind {

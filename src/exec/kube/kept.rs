@@ -47,6 +47,18 @@ pub(super) struct KubeKept {
     start_timeout: Duration,
     /// The pod's concurrency slot (`max_concurrent_pods`): held while the pod exists.
     permit: Mutex<Option<OwnedSemaphorePermit>>,
+    /// The variables pointing tools at the profile's caches, set for every call (a
+    /// request's own values win).
+    cache_env: Vec<(String, String)>,
+    /// The caches mounted into the pod: released once the pod is gone (after `close`).
+    caches: Mutex<Option<super::cache::KubeHold>>,
+    /// The profile's `workspace_path` (where a session's tree is kept), and the profile's
+    /// name for the error when it has none.
+    workspace_path: Option<String>,
+    profile: String,
+    /// The paths earlier calls' manifests put into the tree ([`super::kept_tree`]); calls
+    /// run one at a time, so the lock is never contended.
+    tracked: tokio::sync::Mutex<std::collections::BTreeSet<String>>,
     /// What happened to the pod, once something did (set by the fate watch).
     lost: Arc<Mutex<Option<String>>>,
     /// Stops the fate watch when the runner closes (or is dropped).
@@ -67,12 +79,6 @@ impl KubeExecutor {
         keep: KeepFor,
         opts: StartOptions,
     ) -> Result<KubeKept, ErrorBody> {
-        if spec.workspace.is_some() {
-            return Err(ErrorBody::new(
-                ErrorCode::InvalidRequest,
-                "workspaces in sessions and multi-step runs are not supported on the kubernetes backend yet; run without --workspace, or use one-shot runs",
-            ));
-        }
         let profile_name = spec.profile.clone().unwrap_or_else(|| "default".into());
         let profile = self.profile(&profile_name)?.clone();
         let start_timeout = Duration::from_secs(self.config.pod_start_timeout_secs);
@@ -88,6 +94,7 @@ impl KubeExecutor {
         let permit = self.slot(budget_end, &opts).await?;
         let mut timings = Timings::new();
         let pool = self.pools.get().and_then(|p| p.get(&profile_name)).cloned();
+        let mut caches = None;
         let claimed = match pool {
             Some(pool) => {
                 pool.claim_with(
@@ -109,6 +116,18 @@ impl KubeExecutor {
                 let deadline =
                     lifetime.as_secs() + self.config.pod_start_timeout_secs + DEADLINE_MARGIN_SECS;
                 let name = pod::pod_name();
+                // The profile's caches, held for the pod's whole life (as a one-shot run
+                // holds them for its pod): same keys, so the same scope and owner rules.
+                caches = self
+                    .take_caches(
+                        spec,
+                        &profile_name,
+                        &profile,
+                        &name,
+                        Duration::from_secs(deadline),
+                        &opts,
+                    )
+                    .await?;
                 let mut manifest = pod::build(
                     &pod::PodRequest {
                         name: &name,
@@ -127,6 +146,9 @@ impl KubeExecutor {
                 meta.annotations
                     .get_or_insert_default()
                     .insert(ANNOTATION_EXPIRES.into(), expires);
+                if let Some(c) = &caches {
+                    c.mount(&mut manifest);
+                }
                 // Armed before the create call: a failed start deletes the pod.
                 let guard = PodGuard::arm(self.shared.clone(), name.clone(), permit);
                 let created = tokio::select! {
@@ -168,9 +190,19 @@ impl KubeExecutor {
             image: Some(profile.image().to_string()),
             profile: Some(profile_name),
             pod_start_ms: Some(timings.since_start().as_millis() as u64),
+            caches: caches.as_ref().map(|c| c.states()).unwrap_or_default(),
             ..Default::default()
         };
+        let cache_env = caches
+            .as_ref()
+            .map(|c| c.env().collect())
+            .unwrap_or_default();
         Ok(KubeKept {
+            workspace_path: profile.workspace_path.clone(),
+            profile: context.profile.clone().unwrap_or_default(),
+            tracked: Default::default(),
+            cache_env,
+            caches: Mutex::new(caches),
             shared: self.shared.clone(),
             name,
             context,
@@ -234,18 +266,65 @@ impl KeptRunner for KubeKept {
         &self,
         spec: ExecSpec,
         opts: StartOptions,
-        _sync_tree: bool,
+        sync_tree: bool,
     ) -> BoxFuture<'_, Result<Execution, ErrorBody>> {
         Box::pin(async move {
-            if spec.workspace.is_some() {
-                return Err(ErrorBody::new(
-                    ErrorCode::InvalidRequest,
-                    "workspaces in sessions are not supported on the kubernetes backend yet",
-                ));
-            }
             if let Some(why) = lock(&self.lost).clone() {
                 return Err(ErrorBody::new(ErrorCode::SessionLost, why));
             }
+            let mut spec = spec;
+            let mut workspace = None;
+            if let Some(run) = spec.workspace.take() {
+                let root = self.workspace_path.clone().ok_or_else(|| {
+                    ErrorBody::new(
+                        ErrorCode::InvalidRequest,
+                        format!(
+                            "profile {:?} takes no workspace: set profiles.{0}.workspace_path (docs/workspaces.md)",
+                            self.profile
+                        ),
+                    )
+                })?;
+                let cwd = if sync_tree {
+                    opts.progress.report(
+                        Phase::Starting,
+                        Some(format!(
+                            "bringing the tree in session pod {} to the workspace",
+                            self.name
+                        )),
+                    );
+                    let mut tracked = self.tracked.lock().await;
+                    let (cwd, stats) = self
+                        .shared
+                        .sync_kept_tree(
+                            &self.name,
+                            &self.shell,
+                            &root,
+                            &run,
+                            &mut tracked,
+                            &opts.cancel,
+                        )
+                        .await?;
+                    tracing::debug!(
+                        pod = self.name,
+                        workspace = run.workspace.id,
+                        kept = stats.kept,
+                        written = stats.written,
+                        removed = stats.removed,
+                        "session tree ready"
+                    );
+                    cwd
+                } else {
+                    let base = root.trim_end_matches('/');
+                    if run.cwd.is_empty() {
+                        base.to_owned()
+                    } else {
+                        format!("{base}/{}", run.cwd)
+                    }
+                };
+                spec.cwd = Some(cwd);
+                workspace = Some((run, root));
+            }
+            crate::exec::cache::merge_env(&mut spec.env, self.cache_env.iter().cloned());
             let call = format!("{:016x}", rand::random::<u64>());
             let command = pod::argv::kept_exec_command(
                 &self.shell,
@@ -269,6 +348,18 @@ impl KeptRunner for KubeKept {
             );
             let mut context = self.context.clone();
             context.pod_start_ms = Some(0);
+            let mut before_exit = None;
+            if let Some((run, root)) = workspace {
+                context.workspace = Some(run.workspace.id.clone());
+                context.workspace_version = Some(run.workspace.digest.clone());
+                before_exit = super::start::sync_back_hook(
+                    &self.shared,
+                    &self.name,
+                    &root,
+                    &self.shell,
+                    &run,
+                );
+            }
             super::start::exec_command(
                 &self.shared,
                 command,
@@ -278,7 +369,7 @@ impl KeptRunner for KubeKept {
                 guard,
                 context,
                 Instant::now() + self.start_timeout,
-                None,
+                before_exit,
             )
             .await
         })
@@ -303,6 +394,8 @@ impl KeptRunner for KubeKept {
                 self.shared.await_gone(&self.name).await;
             }
             drop(lock(&self.permit).take());
+            // Hands the claims on (it waits until the pod is gone, in the background).
+            drop(lock(&self.caches).take());
         })
     }
 }

@@ -18,6 +18,7 @@ mod cache;
 pub(crate) mod config;
 mod guard;
 mod kept;
+mod kept_tree;
 pub(crate) mod pod;
 mod pool;
 mod reaper;
@@ -42,7 +43,7 @@ use tokio_util::task::TaskTracker;
 
 use self::config::{KubernetesConfig, Profile};
 use self::pod::Identity;
-pub(crate) use self::setup::KubeSetupError;
+pub(crate) use self::setup::{KubeSetupError, client_config};
 use super::{ExecSpec, Execution, Executor, StartOptions};
 use crate::contract::{ErrorBody, ErrorCode};
 
@@ -70,6 +71,9 @@ pub struct KubeExecutor {
     pools: std::sync::OnceLock<BTreeMap<String, Arc<pool::WarmPool>>>,
     /// The profiles' cache claims (docs/caches.md), when a profile declares caches.
     caches: Option<Arc<cache::KubeCaches>>,
+    /// The pods of this gateway's replicas (`server.peer_service`): the warm pools share
+    /// their size among them.
+    replicas: Option<tokio::sync::watch::Receiver<Vec<String>>>,
 }
 
 /// What pod guards need after the request that armed them is gone.
@@ -116,6 +120,11 @@ impl Executor for KubeExecutor {
 
     /// One pod across calls ([`kept`]).
     fn keeps_runners(&self) -> bool {
+        true
+    }
+
+    /// A session's state is on its pod (labels, annotations), which every replica finds.
+    fn sessions_shared(&self) -> bool {
         true
     }
 

@@ -30,6 +30,16 @@ fn shutting_down() -> ErrorBody {
     ErrorBody::new(ErrorCode::ShuttingDown, "the gateway is shutting down")
 }
 
+/// A pod whose runner container runs, ready for the command.
+struct RunningPod {
+    /// Owns the pod: it goes when the run ends.
+    guard: PodGuard,
+    timings: Timings,
+    node: String,
+    /// The end of the start budget, which the exec's start counts against too.
+    budget_end: Instant,
+}
+
 impl KubeExecutor {
     /// Creates the pod, waits until it runs, starts the command.
     pub(super) async fn run(
@@ -51,18 +61,13 @@ impl KubeExecutor {
                 opts.progress
                     .report(Phase::Scheduled, Some(format!("warm pod {name} on {node}")));
                 let guard = PodGuard::arm(self.shared.clone(), name, permit);
-                return self
-                    .exec_in(
-                        spec,
-                        opts,
-                        guard,
-                        timings,
-                        node,
-                        &profile_name,
-                        &profile,
-                        budget_end,
-                    )
-                    .await;
+                let pod = RunningPod {
+                    guard,
+                    timings,
+                    node,
+                    budget_end,
+                };
+                return self.exec_in(spec, opts, pod, &profile_name, &profile).await;
             }
         }
         let deadline =
@@ -114,17 +119,14 @@ impl KubeExecutor {
             _ = opts.cancel.cancelled() => return Err(shutting_down()),
         };
         self.shared.metrics.observe_pod_start(timings.since_start());
+        let pod = RunningPod {
+            guard,
+            timings,
+            node,
+            budget_end,
+        };
         let execution = self
-            .exec_in(
-                spec,
-                opts,
-                guard,
-                timings,
-                node,
-                &profile_name,
-                &profile,
-                budget_end,
-            )
+            .exec_in(spec, opts, pod, &profile_name, &profile)
             .await?;
         Ok(match caches {
             Some(c) => {
@@ -249,19 +251,21 @@ impl KubeExecutor {
             && l.get(LABEL_GATEWAY) == Some(&self.shared.identity.gateway)
     }
 
-    /// Starts the command in a running pod that `guard` owns.
-    #[allow(clippy::too_many_arguments)]
+    /// Starts the command in a running pod of `profile`.
     async fn exec_in(
         &self,
         spec: ExecSpec,
         opts: StartOptions,
-        mut guard: PodGuard,
-        mut timings: Timings,
-        node: String,
+        pod: RunningPod,
         profile_name: &str,
         profile: &Profile,
-        budget_end: Instant,
     ) -> Result<Execution, ErrorBody> {
+        let RunningPod {
+            mut guard,
+            mut timings,
+            node,
+            budget_end,
+        } = pod;
         let name = guard.name.clone();
         let pod_start = timings.since_start();
         opts.progress.report(
@@ -271,7 +275,11 @@ impl KubeExecutor {
         let mut cwd = spec.cwd.clone();
         if let Some(run) = &spec.workspace {
             let path = super::workspace::workspace_path(profile_name, profile)?;
-            cwd = Some(self.place_workspace(&name, run, path, &opts.cancel).await?);
+            cwd = Some(
+                self.shared
+                    .place_workspace(&name, run, path, None, &opts.cancel)
+                    .await?,
+            );
             timings.mark("workspace placed");
         }
         let command = pod::argv::exec_command(
@@ -295,16 +303,9 @@ impl KubeExecutor {
             workspace_version: spec.workspace.as_ref().map(|w| w.workspace.digest.clone()),
             ..Default::default()
         };
-        let before_exit = match (&spec.workspace, profile.workspace_path.clone()) {
-            (Some(run), Some(path)) if !run.sync_back.is_empty() => {
-                let (pods, pod, run) = (self.shared.pods.clone(), guard.name.clone(), run.clone());
-                let shell = profile.shell().to_owned();
-                let hook: SyncBack = Box::new(move |cancel: CancellationToken| {
-                    Box::pin(async move {
-                        super::workspace::sync_back(&pods, &pod, &path, &shell, &run, &cancel).await
-                    })
-                });
-                Some(hook)
+        let before_exit = match (&spec.workspace, &profile.workspace_path) {
+            (Some(run), Some(path)) => {
+                sync_back_hook(&self.shared, &guard.name, path, profile.shell(), run)
             }
             _ => None,
         };
@@ -400,6 +401,27 @@ impl KubeExecutor {
 
 /// What runs before a successful `exit` is reported (workspace sync-back), given the
 /// call's cancellation token.
+/// The sync-back after a command in `pod` that ran in `run` below `path`, when the run asked
+/// for one.
+pub(super) fn sync_back_hook(
+    shared: &super::Shared,
+    pod: &str,
+    path: &str,
+    shell: &str,
+    run: &crate::workspace::WorkspaceRun,
+) -> Option<SyncBack> {
+    if run.sync_back.is_empty() {
+        return None;
+    }
+    let (pods, pod, run) = (shared.pods.clone(), pod.to_owned(), run.clone());
+    let (path, shell) = (path.to_owned(), shell.to_owned());
+    Some(Box::new(move |cancel: CancellationToken| {
+        Box::pin(async move {
+            super::workspace::sync_back(&pods, &pod, &path, &shell, &run, &cancel).await
+        })
+    }))
+}
+
 pub(super) type SyncBack = Box<
     dyn FnOnce(
             CancellationToken,

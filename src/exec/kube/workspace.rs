@@ -17,7 +17,7 @@ use kube::api::AttachParams;
 use tokio::io::AsyncReadExt as _;
 use tokio_util::sync::CancellationToken;
 
-use super::KubeExecutor;
+use super::Shared;
 use super::config::Profile;
 use super::pod::CONTAINER;
 use crate::contract::{ChangedFile, ErrorBody, ErrorCode, Event};
@@ -38,13 +38,15 @@ pub(super) fn workspace_path<'a>(profile_name: &str, p: &'a Profile) -> Result<&
     })
 }
 
-impl KubeExecutor {
-    /// Writes the workspace into `pod` below `path`; returns the command's directory.
+impl Shared {
+    /// Writes the workspace into `pod` below `path` (only the entries `only` names, when
+    /// given: a session's tree); returns the command's directory.
     pub(super) async fn place_workspace(
         &self,
         pod: &str,
         run: &WorkspaceRun,
         path: &str,
+        only: Option<std::collections::HashSet<String>>,
         cancel: &CancellationToken,
     ) -> Result<String, ErrorBody> {
         let pin = run.store.pin(&run.workspace)?;
@@ -61,12 +63,12 @@ impl KubeExecutor {
                 64 * 1024,
                 crate::workspace::tarball::ChannelWriter(tx),
             );
-            crate::workspace::tarball::write_tar(&producer_run, &pin, out)
+            crate::workspace::tarball::write_tar_only(&producer_run, &pin, only.as_ref(), out)
         });
         let argv = ["tar", "-x", "-f", "-", "-C", path]
             .map(String::from)
             .to_vec();
-        let fed = self.exec_fed(pod, argv, rx, cancel).await;
+        let fed = self.exec_fed(pod, argv, rx, 0, cancel).await;
         // Dropping the receiver (with the exec) ends a producer still writing.
         let produced = producer
             .await
@@ -75,6 +77,7 @@ impl KubeExecutor {
             status,
             stderr: err_text,
             fed,
+            ..
         } = fed.map_err(|e| match e {
             FedError::Cancelled => {
                 ErrorBody::new(ErrorCode::ShuttingDown, "the gateway is shutting down")
@@ -109,36 +112,42 @@ impl KubeExecutor {
 }
 
 /// What an exec fed with input ended with.
-struct Fed {
-    status: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Status>,
+pub(super) struct Fed {
+    pub(super) status: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Status>,
     /// Its stderr (at most [`MAX_STDERR`] bytes).
-    stderr: String,
+    pub(super) stderr: String,
+    /// Its stdout, when asked for (at most the limit asked for), and whether it was more.
+    pub(super) stdout: Vec<u8>,
+    pub(super) stdout_cut: bool,
     /// Whether the whole input was sent, or why not.
-    fed: Result<(), String>,
+    pub(super) fed: Result<(), String>,
 }
 
-enum FedError {
+pub(super) enum FedError {
     Cancelled,
     /// Why the exec could not be opened.
     Exec(String),
 }
 
 const STDIN: u8 = 0;
+const STDOUT: u8 = 1;
 const STDERR: u8 = 2;
 const STATUS: u8 = 3;
 const CLOSE: u8 = 255;
 
-impl KubeExecutor {
-    /// Runs `argv` in `pod` with `input` on its stdin, then signals the end of stdin (the v5
+impl Shared {
+    /// Runs `argv` in `pod` with `input` on its stdin (keeping at most `stdout_limit` bytes
+    /// of its stdout; none asked for when 0), then signals the end of stdin (the v5
     /// protocol's close): `tar -x -f -` of busybox (the README's image) reads its stdin to
     /// the end, not only to the archive's end marker as GNU tar does, and would wait forever
     /// for an end that never comes. On v4 (clusters before 1.30) the end cannot be signalled
     /// without closing the whole stream, so stdin then stays open until the status came.
-    async fn exec_fed(
+    pub(super) async fn exec_fed(
         &self,
         pod: &str,
         argv: Vec<String>,
         mut input: tokio::sync::mpsc::Receiver<std::io::Result<bytes::Bytes>>,
+        stdout_limit: usize,
         cancel: &CancellationToken,
     ) -> Result<Fed, FedError> {
         use futures_util::{SinkExt as _, StreamExt as _};
@@ -146,7 +155,7 @@ impl KubeExecutor {
         let params = AttachParams {
             container: Some(CONTAINER.into()),
             stdin: true,
-            stdout: false,
+            stdout: stdout_limit > 0,
             stderr: true,
             tty: false,
             ..Default::default()
@@ -159,13 +168,12 @@ impl KubeExecutor {
         let connect = super::backoff::call("opening an exec stream", budget, || {
             let request = kube::core::Request::new(<Pod as kube::Resource>::url_path(
                 &(),
-                Some(&self.shared.namespace),
+                Some(&self.namespace),
             ))
             .exec(pod, argv.clone(), &params);
             async move {
-                self.shared.throttle.acquire().await;
-                self.shared
-                    .client
+                self.throttle.acquire().await;
+                self.client
                     .connect(request.map_err(kube::Error::BuildRequest)?)
                     .await
             }
@@ -178,7 +186,7 @@ impl KubeExecutor {
                 }
                 super::backoff::Failure::Unreachable(why) => format!(
                     "the Kubernetes API server at {} is not reachable: {why}",
-                    self.shared.server
+                    self.server
                 ),
             }))?,
             _ = cancel.cancelled() => return Err(FedError::Cancelled),
@@ -207,6 +215,7 @@ impl KubeExecutor {
         };
         let read = async {
             let (mut status, mut stderr) = (None, Vec::new());
+            let (mut stdout, mut cut) = (Vec::new(), false);
             while let Some(Ok(m)) = frames.next().await {
                 let data = match m {
                     Message::Binary(b) => b,
@@ -215,6 +224,11 @@ impl KubeExecutor {
                     _ => continue,
                 };
                 match data.split_first() {
+                    Some((&STDOUT, rest)) => {
+                        let room = stdout_limit.saturating_sub(stdout.len());
+                        cut |= rest.len() > room;
+                        stdout.extend_from_slice(&rest[..rest.len().min(room)]);
+                    }
                     Some((&STDERR, rest)) => {
                         let room = (MAX_STDERR as usize).saturating_sub(stderr.len());
                         stderr.extend_from_slice(&rest[..rest.len().min(room)]);
@@ -225,13 +239,14 @@ impl KubeExecutor {
                     _ => {}
                 }
             }
-            (status, String::from_utf8_lossy(&stderr).into_owned())
+            let stderr = String::from_utf8_lossy(&stderr).into_owned();
+            (status, stderr, stdout, cut)
         };
         tokio::pin!(feed, read);
         let mut fed = None;
         // Until the command has ended (its status came, the stream closed): a command that
         // fails early stops reading, and feeding it must not wait forever.
-        let (status, stderr) = loop {
+        let (status, stderr, stdout, stdout_cut) = loop {
             tokio::select! {
                 r = &mut feed, if fed.is_none() => fed = Some(r),
                 r = &mut read => break r,
@@ -242,6 +257,8 @@ impl KubeExecutor {
         Ok(Fed {
             status,
             stderr,
+            stdout,
+            stdout_cut,
             fed,
         })
     }
@@ -289,10 +306,17 @@ pub(super) async fn sync_back(
     run: &WorkspaceRun,
     cancel: &CancellationToken,
 ) -> Vec<Event> {
-    let (files, truncated, problem) = match fetch_changes(pods, pod, path, shell, run, cancel).await
-    {
-        Ok((files, truncated, problem)) => (files, truncated, problem),
-        Err(e) => (Vec::new(), true, Some(e)),
+    let Changes {
+        files,
+        truncated,
+        problem,
+    } = match fetch_changes(pods, pod, path, shell, run, cancel).await {
+        Ok(changes) => changes,
+        Err(e) => Changes {
+            files: Vec::new(),
+            truncated: true,
+            problem: Some(e.to_string()),
+        },
     };
     let mut events = Vec::new();
     if let Some(p) = problem {
@@ -309,6 +333,30 @@ pub(super) async fn sync_back(
     events
 }
 
+/// What a sync-back read from the pod.
+struct Changes {
+    files: Vec<ChangedFile>,
+    /// Whether the list is cut short.
+    truncated: bool,
+    /// What went wrong in the pod after the files were read.
+    problem: Option<String>,
+}
+
+/// Why no changed files could be read.
+#[derive(Debug, thiserror::Error)]
+enum SyncBackError {
+    #[error("cannot exec: {0}")]
+    Exec(kube::Error),
+    #[error("cancelled")]
+    Cancelled,
+    #[error("no stdout on the exec")]
+    NoStdout,
+    #[error("the archive is not valid: {0}")]
+    Archive(std::io::Error),
+    #[error("reading the archive failed: {0}")]
+    Reader(tokio::task::JoinError),
+}
+
 /// The changed files, whether the list is cut short, and what went wrong in the pod.
 async fn fetch_changes(
     pods: &Api<Pod>,
@@ -317,7 +365,7 @@ async fn fetch_changes(
     shell: &str,
     run: &WorkspaceRun,
     cancel: &CancellationToken,
-) -> Result<(Vec<ChangedFile>, bool, Option<String>), String> {
+) -> Result<Changes, SyncBackError> {
     let params = AttachParams {
         container: Some(CONTAINER.into()),
         stdin: false,
@@ -336,12 +384,12 @@ async fn fetch_changes(
     ];
     argv.extend(run.sync_back.iter().map(|g| widen(g)));
     let mut attached = tokio::select! {
-        r = pods.exec(pod, argv, &params) => r.map_err(|e| format!("cannot exec: {e}"))?,
-        _ = cancel.cancelled() => return Err("cancelled".into()),
+        r = pods.exec(pod, argv, &params) => r.map_err(SyncBackError::Exec)?,
+        _ = cancel.cancelled() => return Err(SyncBackError::Cancelled),
     };
     let Some(stdout) = attached.stdout() else {
         attached.abort();
-        return Err("no stdout on the exec".into());
+        return Err(SyncBackError::NoStdout);
     };
     let stderr = attached.stderr();
     let status = attached.take_status();
@@ -364,31 +412,35 @@ async fn fetch_changes(
         r = parse => r,
         _ = cancel.cancelled() => {
             attached.abort();
-            return Err("cancelled".into());
+            return Err(SyncBackError::Cancelled);
         }
     };
     let parsed = match parsed {
         Ok(Ok(p)) => p,
         Ok(Err(e)) => {
             attached.abort();
-            return Err(format!("the archive is not valid: {e}"));
+            return Err(SyncBackError::Archive(e));
         }
         Err(e) => {
             attached.abort();
-            return Err(format!("reading the archive failed: {e}"));
+            return Err(SyncBackError::Reader(e));
         }
     };
     let (files, truncated, complete) = parsed;
     if !complete {
         // Cut short at the limits: the rest of the stream is not wanted.
         attached.abort();
-        return Ok((files, truncated, None));
+        return Ok(Changes {
+            files,
+            truncated,
+            problem: None,
+        });
     }
     let err_text = tokio::select! {
         t = err_text => t.unwrap_or_default(),
         _ = cancel.cancelled() => {
             attached.abort();
-            return Err("cancelled".into());
+            return Err(SyncBackError::Cancelled);
         }
     };
     let status = match status {
@@ -396,14 +448,18 @@ async fn fetch_changes(
             s = s => s,
             _ = cancel.cancelled() => {
                 attached.abort();
-                return Err("cancelled".into());
+                return Err(SyncBackError::Cancelled);
             }
         },
         None => None,
     };
     let ok = status.as_ref().and_then(|s| s.status.as_deref()) == Some("Success");
     if ok {
-        return Ok((files, truncated, None));
+        return Ok(Changes {
+            files,
+            truncated,
+            problem: None,
+        });
     }
     let why = status
         .and_then(|s| s.message)
@@ -413,11 +469,11 @@ async fn fetch_changes(
     } else {
         ""
     };
-    Ok((
+    Ok(Changes {
         files,
-        true,
-        Some(format!("{}{hint}: {}", why.trim(), err_text.trim())),
-    ))
+        truncated: true,
+        problem: Some(format!("{}{hint}: {}", why.trim(), err_text.trim())),
+    })
 }
 
 /// Reads the pod's tar stream: `(files, truncated, read to the end)`. Blocking.
@@ -485,7 +541,7 @@ fn read_changes(
                     None
                 }
                 Err(e) => {
-                    tracing::warn!("sync-back of {rel:?} skipped: {}", e.message);
+                    tracing::warn!("sync-back of {rel:?} skipped: {e}");
                     truncated = true;
                     None
                 }

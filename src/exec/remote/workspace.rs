@@ -14,7 +14,7 @@ use futures_util::future::BoxFuture;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::RemoteExecutor;
+use super::{RemoteExecutor, SetupError};
 use crate::contract::{ChangedFile, ErrorBody, ErrorCode, Event, RunRequest};
 use crate::exec::{ExecSpec, Execution, Executor, StartOptions};
 use crate::workspace::client::{SyncError, WorkspaceClient};
@@ -27,12 +27,13 @@ pub(crate) struct SyncedRemote {
 }
 
 impl SyncedRemote {
-    pub(crate) fn new(remote: RemoteExecutor, dir: &Path) -> Result<Self, String> {
-        let root = dir
-            .canonicalize()
-            .map_err(|e| format!("--workspace {}: {e}", dir.display()))?;
+    pub(crate) fn new(remote: RemoteExecutor, dir: &Path) -> Result<Self, SetupError> {
+        let root = dir.canonicalize().map_err(|source| SetupError::Workspace {
+            path: dir.to_owned(),
+            source,
+        })?;
         if !root.is_dir() {
-            return Err(format!("--workspace {}: not a directory", root.display()));
+            return Err(SetupError::NotADirectory(root));
         }
         Ok(Self {
             client: remote.workspace_client(),
@@ -150,19 +151,21 @@ pub(crate) async fn forward(
         hashed: 0,
     };
     let client = remote.workspace_client();
+    let timeout = super::request_timeout(&spec);
     let mut req = RunRequest {
         executable: spec.executable,
         args: spec.args,
         cwd: (!run.cwd.is_empty()).then(|| run.cwd.clone()),
         env: spec.env,
-        timeout_secs: Some(spec.timeout.as_secs().max(1)),
+        timeout_secs: Some(timeout),
+        steps: spec.steps,
+        continue_on_error: spec.continue_on_error,
         profile: spec.profile,
         workspace: Some(client.sync(&walked).await?.workspace),
         sync_back: run.sync_back.clone(),
         cache_scope: spec.cache_scope,
         session: spec.session,
         session_busy: spec.session_busy,
-        ..RunRequest::default()
     };
     let inner = match remote.run_with(&req, opts).await {
         // Evicted upstream between the sync and the run: once more (the first attempt took
@@ -271,4 +274,5 @@ async fn store_result(
     tokio::task::spawn_blocking(move || store.receive(&mut reader, &hash, size, &owner))
         .await
         .map_err(|e| ErrorBody::new(ErrorCode::Internal, e.to_string()))?
+        .map_err(ErrorBody::from)
 }
