@@ -87,3 +87,29 @@ impl Limits {
         Ok(())
     }
 }
+
+/// The budget of `max` that everyone in this process naming the same `key` (the local
+/// backend's workspace directory) draws from: the workspace store's runs and the local
+/// backend's sessions count against one `workspaces.max_local_inodes`, built apart from
+/// each other.
+pub(crate) fn shared_budget(
+    key: &std::path::Path,
+    max: u64,
+) -> std::sync::Arc<tokio::sync::Semaphore> {
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex, Weak};
+    static BUDGETS: Mutex<Option<HashMap<std::path::PathBuf, Weak<tokio::sync::Semaphore>>>> =
+        Mutex::new(None);
+    let mut budgets = BUDGETS.lock().unwrap_or_else(|p| p.into_inner());
+    let map = budgets.get_or_insert_with(HashMap::new);
+    map.retain(|_, w| w.strong_count() > 0);
+    if let Some(s) = map.get(key).and_then(Weak::upgrade) {
+        return s;
+    }
+    let permits = usize::try_from(max)
+        .unwrap_or(usize::MAX)
+        .min(tokio::sync::Semaphore::MAX_PERMITS);
+    let s = Arc::new(tokio::sync::Semaphore::new(permits));
+    map.insert(key.to_owned(), Arc::downgrade(&s));
+    s
+}

@@ -27,7 +27,9 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 
 use super::{EVENT_BUFFER, ExecSpec, Execution, Executor, StartOptions, read_opt};
 
+mod budget;
 mod kept;
+mod orphans;
 use crate::contract::{ErrorBody, ErrorCode, Event, ExitInfo, RunContext};
 
 /// The local backend's section of the configuration (`local:`).
@@ -88,8 +90,9 @@ pub(crate) struct LocalExecutor {
     /// request's `PATH` (which would let a request pick what an allowed name runs).
     path: Option<std::ffi::OsString>,
     host: String,
-    /// Kills what commands left behind if the gateway dies without cleaning up.
-    _reaper: Option<super::reaper::Reaper>,
+    /// Kills what commands left behind if the gateway dies without cleaning up; with it the
+    /// gateway is a child subreaper ([`orphans`]).
+    _reaper: Option<orphans::Guard>,
     /// Profile names requests may give. Profiles describe pods; here they only select the
     /// policy's per-profile overrides.
     profiles: Vec<String>,
@@ -97,6 +100,8 @@ pub(crate) struct LocalExecutor {
     trees: Arc<crate::workspace::trees::Trees>,
     /// The profiles' cache directories (docs/caches.md).
     caches: Option<Arc<super::cache::local::LocalCaches>>,
+    /// `workspaces.max_local_inodes`, which sessions' directories count against too.
+    inodes: Option<budget::Pool>,
 }
 
 impl LocalExecutor {
@@ -122,6 +127,7 @@ impl LocalExecutor {
                 Duration::ZERO,
             )),
             caches: None,
+            inodes: None,
         }
     }
 
@@ -136,10 +142,11 @@ impl LocalExecutor {
 
     /// Starts the reaper process ([`super::reaper`]) so that descendants of commands die
     /// even when the gateway is SIGKILLed; without it (it could not start) only the direct
-    /// children do.
+    /// children do. With it, the gateway becomes a child subreaper: what escapes a command's
+    /// process group and tag is killed when its run ends ([`orphans`]).
     pub(crate) fn with_reaper(mut self) -> Self {
         match super::reaper::spawn() {
-            Ok(r) => self._reaper = Some(r),
+            Ok(r) => self._reaper = Some(orphans::Guard::new(r)),
             Err(e) => tracing::warn!(
                 "cannot start the reaper process ({e}): if the gateway is killed, processes that commands started in the background may survive it"
             ),
@@ -155,6 +162,10 @@ impl LocalExecutor {
             cfg.local_idle_trees,
             Duration::from_secs(cfg.max_age_secs),
         ));
+        self.inodes = Some(budget::Pool {
+            budget: crate::limits::shared_budget(&cfg.local_dir(), cfg.max_local_inodes),
+            max: cfg.max_local_inodes,
+        });
         self
     }
 
@@ -280,8 +291,8 @@ impl LocalExecutor {
                 Ok(())
             });
         }
-        let mut child = match cmd.spawn() {
-            Ok(child) => child,
+        let (mut child, run) = match orphans::spawn(&mut cmd) {
+            Ok(started) => started,
             Err(e) => {
                 let (code, what) = match e.kind() {
                     ErrorKind::NotFound => (127, "command not found".to_owned()),
@@ -328,7 +339,14 @@ impl LocalExecutor {
         if let (Some(pipe), Some(input)) = (child.stdin.take(), stdin) {
             tokio::spawn(feed_stdin(pipe, input, fed.clone()));
         }
-        tokio::spawn(supervise(child, tx, cancel.clone(), fed.drop_guard(), tag));
+        tokio::spawn(supervise(
+            child,
+            tx,
+            cancel.clone(),
+            fed.drop_guard(),
+            tag,
+            run,
+        ));
         let mut context = self.context(pid);
         let rx = match tree {
             Some(tree) => {
@@ -472,6 +490,8 @@ impl Executor for LocalExecutor {
     ) -> BoxFuture<'_, Result<Arc<dyn super::KeptRunner>, ErrorBody>> {
         Box::pin(async move {
             let kept = self.keep_local()?;
+            // Its directory counts against workspaces.max_local_inodes while it lives.
+            let kept = budget::Budgeted::new(kept, self.inodes.clone())?;
             Ok(Arc::new(kept) as Arc<dyn super::KeptRunner>)
         })
     }
@@ -614,6 +634,7 @@ async fn supervise(
     cancel: CancellationToken,
     _stdin_stop: DropGuard,
     tag: String,
+    mut run: orphans::Run,
 ) {
     let started = Instant::now();
     let pgid = child.id();
@@ -663,6 +684,7 @@ async fn supervise(
             s = child.wait(), if status.is_none() => {
                 duration = started.elapsed();
                 status = Some(s);
+                run.reaped();
                 // Whatever the command left running goes with it: nothing is orphaned, and
                 // its pipes close so that the drain below ends. Not by its process group:
                 // the leader is reaped now, and an empty group's id may already belong to

@@ -27,6 +27,13 @@ pub(crate) struct Reaper {
     _pipe: ChildStdin,
 }
 
+impl Reaper {
+    /// The reaper process's pid (a child of the gateway).
+    pub(crate) fn pid(&self) -> u32 {
+        self._child.id()
+    }
+}
+
 /// Starts the reaper for this gateway's commands.
 pub(crate) fn spawn() -> std::io::Result<Reaper> {
     use std::os::unix::process::CommandExt;

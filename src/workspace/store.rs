@@ -151,7 +151,7 @@ pub enum StoreError {
     )]
     TooManyInodes { id: String, n: u64, max: u64 },
     #[error(
-        "runs in progress hold most of the {max} files and directories this gateway writes at once (workspaces.max_local_inodes); workspace {id} needs {n}: retry when they end"
+        "runs in progress and open sessions hold most of the {max} files and directories this gateway writes at once (workspaces.max_local_inodes); workspace {id} needs {n}: retry when they end"
     )]
     InodesBusy { id: String, n: u64, max: u64 },
 }
@@ -202,11 +202,8 @@ impl WorkspaceStore {
             }
             std::fs::create_dir_all(&dir)?;
         }
-        let inodes = Arc::new(tokio::sync::Semaphore::new(
-            usize::try_from(cfg.max_local_inodes)
-                .unwrap_or(usize::MAX)
-                .min(tokio::sync::Semaphore::MAX_PERMITS),
-        ));
+        // Shared with the local backend's sessions (exec::local::budget).
+        let inodes = crate::limits::shared_budget(&cfg.local_dir(), cfg.max_local_inodes);
         Ok(Self {
             cfg,
             root,

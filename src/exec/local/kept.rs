@@ -106,12 +106,20 @@ impl LocalExecutor {
                 profiles: self.profiles.clone(),
                 trees: self.trees.clone(),
                 caches: self.caches.clone(),
+                inodes: self.inodes.clone(),
             },
             tree: Arc::new(Mutex::new(KeptTree::new(work.clone()))),
             dir,
             work,
             tmp,
         })
+    }
+}
+
+impl LocalKept {
+    /// The runner's directory.
+    pub(super) fn dir(&self) -> &std::path::Path {
+        &self.dir
     }
 }
 
