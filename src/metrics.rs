@@ -323,7 +323,8 @@ impl Metrics {
         self.session_events
             .get_or_create(&SessionLabels { event })
             .inc();
-        if event == "created" {
+        // Adopted: opened by another replica, open on this one now too.
+        if event == "created" || event == "adopted" {
             self.sessions_open.inc();
         } else {
             self.sessions_open.dec();

@@ -34,7 +34,13 @@ impl Reaper {
             .list(&ListParams::default().labels(&self.identity.gateway_selector()))
             .await?;
         let mut n = 0;
+        let now = Timestamp::now();
         for p in pods.items {
+            // A live session's pod outlives the gateway that made it: any replica (this one
+            // after its restart too) serves it.
+            if session_alive(&p, now) == Some(true) {
+                continue;
+            }
             if p.metadata.deletion_timestamp.is_none() && self.delete(&p).await {
                 n += 1;
             }
@@ -97,6 +103,10 @@ pub(super) fn is_leftover(
     if p.metadata.deletion_timestamp.is_some() {
         return false;
     }
+    // A session's pod: whoever made it, it goes once its session is over.
+    if let Some(alive) = session_alive(p, now) {
+        return !alive;
+    }
     let name = p.name_any();
     let labels = p.labels();
     let expired = p
@@ -122,6 +132,34 @@ pub(super) fn is_leftover(
         .and_then(|s| s.phase.as_deref())
         .is_some_and(|ph| ph == "Succeeded" || ph == "Failed");
     expired || finished
+}
+
+/// For a session's pod any replica may serve (`None` for other pods): whether its session
+/// lives, by its annotations: not ended, within its maximum lifetime, and held by a call or
+/// used within its idle TTL.
+pub(super) fn session_alive(p: &Pod, now: Timestamp) -> Option<bool> {
+    use super::kept::{
+        ANNOTATION_BUSY_UNTIL, ANNOTATION_ENDED, ANNOTATION_IDLE_TTL, ANNOTATION_LAST_USED,
+        ANNOTATION_OPENED, ANNOTATION_SESSION_NAME,
+    };
+    let a = p.annotations();
+    a.get(ANNOTATION_SESSION_NAME)?;
+    let time = |k: &str| a.get(k).and_then(|t| t.parse::<Timestamp>().ok());
+    if a.contains_key(ANNOTATION_ENDED) || time(ANNOTATION_EXPIRES).is_none_or(|t| t <= now) {
+        return Some(false);
+    }
+    if time(ANNOTATION_BUSY_UNTIL).is_some_and(|t| t > now) {
+        return Some(true);
+    }
+    let ttl: u64 = a
+        .get(ANNOTATION_IDLE_TTL)
+        .and_then(|t| t.parse().ok())
+        .unwrap_or(0);
+    let last = time(ANNOTATION_LAST_USED)
+        .or_else(|| time(ANNOTATION_OPENED))
+        .or_else(|| p.creation_timestamp().map(|t| t.0));
+    let idle_until = last.and_then(|l| l.checked_add(Duration::from_secs(ttl)).ok());
+    Some(idle_until.is_some_and(|t| t > now))
 }
 
 #[cfg(test)]
