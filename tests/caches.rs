@@ -647,10 +647,10 @@ async fn kube_session_pods_mount_the_caches_of_their_identity() {
             })
             .collect()
     };
-    assert_eq!(held_by(&double), [pod.clone()]);
+    assert_eq!(held_by(&double), vec![pod.clone()]);
     let s2 = run_as(&mut gw, ALICE, in_session("s2")).await;
     assert_eq!(s2.stdout_str(), "a1\ns1\n", "{s2:?}");
-    assert_eq!(held_by(&double), [pod.clone()], "still held between calls");
+    assert_eq!(held_by(&double), vec![pod.clone()], "still held between calls");
     let spec = double.pod(NS, &pod).unwrap().spec.unwrap();
     assert!(
         spec.volumes

@@ -165,7 +165,6 @@ pub(crate) async fn forward(
         cache_scope: spec.cache_scope,
         session: spec.session,
         session_busy: spec.session_busy,
-        ..RunRequest::default()
     };
     let inner = match remote.run_with(&req, opts).await {
         // Evicted upstream between the sync and the run: once more (the first attempt took
