@@ -758,6 +758,17 @@ impl KeptRunner for KubeKept {
                             format!("its pod {} was deleted", self.name),
                         ));
                     }
+                    // No `patch` on pods (a Role made for one replica without a warm pool):
+                    // calls are one at a time on this replica only.
+                    Err(kube::Error::Api(s)) if s.code == 403 => {
+                        static TOLD: std::sync::Once = std::sync::Once::new();
+                        TOLD.call_once(|| {
+                            tracing::warn!(
+                                "no permission to patch pods: a session's calls are one at a time per gateway replica only, not across replicas (grant `patch` on pods)"
+                            )
+                        });
+                        return Ok(None);
+                    }
                     Err(e) => {
                         return Err(ErrorBody::new(
                             ErrorCode::BackendError,
@@ -800,7 +811,7 @@ impl KeptRunner for KubeKept {
                             return;
                         }
                     }
-                    Err(kube::Error::Api(s)) if s.code == 404 => return,
+                    Err(kube::Error::Api(s)) if s.code == 404 || s.code == 403 => return,
                     Err(e) => {
                         tracing::warn!(pod = self.name, "cannot give the session pod back: {e}");
                         return;

@@ -103,12 +103,15 @@ pub(super) fn is_leftover(
     if p.metadata.deletion_timestamp.is_some() {
         return false;
     }
+    let name = p.name_any();
+    let labels = p.labels();
+    if labels.get(LABEL_GATEWAY) == Some(&me.gateway) && is_live(&name) {
+        return false;
+    }
     // A session's pod: whoever made it, it goes once its session is over.
     if let Some(alive) = session_alive(p, now) {
         return !alive;
     }
-    let name = p.name_any();
-    let labels = p.labels();
     let expired = p
         .annotations()
         .get(ANNOTATION_EXPIRES)
@@ -185,6 +188,56 @@ mod tests {
             "status": {"phase": phase}
         }))
         .unwrap()
+    }
+
+    /// A session pod lives while its annotations say so, whoever made it: not ended, within
+    /// its lifetime, and held or used within its idle TTL; other pods are not judged so.
+    #[test]
+    fn session_pods_live_by_their_annotations() {
+        let now: Timestamp = "2026-11-23T12:00:00Z".parse().unwrap();
+        let session = |extra: serde_json::Value| -> Pod {
+            let mut a = serde_json::json!({
+                "mcp-run.dev/session-name": "build",
+                "mcp-run.dev/expires-at": "2026-11-23T20:00:00Z",
+                "mcp-run.dev/idle-ttl-secs": "900",
+                "mcp-run.dev/last-used": "2026-11-23T11:50:00Z",
+            });
+            for (k, v) in extra.as_object().unwrap() {
+                a[k] = v.clone();
+            }
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "s", "creationTimestamp": "2026-11-23T10:00:00Z",
+                             "labels": {"mcp-run.dev/gateway": "gw-b"}, "annotations": a}
+            }))
+            .unwrap()
+        };
+        let none_live = |_: &str| false;
+        let min = Duration::from_secs(300);
+        assert_eq!(
+            session_alive(&session(serde_json::json!({})), now),
+            Some(true)
+        );
+        let idle = session(serde_json::json!({"mcp-run.dev/last-used": "2026-11-23T11:40:00Z"}));
+        assert_eq!(session_alive(&idle, now), Some(false));
+        assert!(is_leftover(&idle, &me(), now, min, &none_live));
+        let held = session(serde_json::json!({
+            "mcp-run.dev/last-used": "2026-11-23T11:00:00Z",
+            "mcp-run.dev/busy-until": "2026-11-23T12:05:00Z",
+        }));
+        assert_eq!(session_alive(&held, now), Some(true));
+        assert!(!is_leftover(&held, &me(), now, min, &none_live));
+        let ended = session(serde_json::json!({"mcp-run.dev/ended": "ended"}));
+        assert_eq!(session_alive(&ended, now), Some(false));
+        let expired =
+            session(serde_json::json!({"mcp-run.dev/expires-at": "2026-11-23T11:59:00Z"}));
+        assert_eq!(session_alive(&expired, now), Some(false));
+        let other = pod(
+            "gw-b",
+            "2026-11-23T10:00:00Z",
+            "2026-11-23T20:00:00Z",
+            "Running",
+        );
+        assert_eq!(session_alive(&other, now), None);
     }
 
     #[test]
