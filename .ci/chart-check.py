@@ -229,10 +229,11 @@ def check_auth_default(checks: Checks, chart: helm.Chart) -> None:
     tokens = []
     for _ in range(2):
         objects = [o for o in yaml.safe_load_all(render(chart, None, "default")) if o]
-        secrets = [o for o in objects if o["kind"] == "Secret"]
+        secrets = [o for o in objects if o["kind"] == "Secret" and not o["metadata"]["name"].endswith("-peer")]
         deployment = next(o for o in objects if o["kind"] == "Deployment")
         volumes = deployment["spec"]["template"]["spec"]["volumes"]
-        mounted = [v["secret"]["secretName"] for v in volumes if "secret" in v]
+        mounted = [v["secret"]["secretName"] for v in volumes
+                   if "secret" in v and v["name"] != "peer-secret"]
         if len(secrets) != 1 or mounted != [secrets[0]["metadata"]["name"]]:
             checks.fail("default auth", f"expected one mounted token Secret, got {mounted}")
             return
@@ -246,6 +247,77 @@ def check_auth_default(checks: Checks, chart: helm.Chart) -> None:
         checks.ok("default values: auth on, a generated 48-character token Secret mounted")
     else:
         checks.fail("default auth", "the generated tokens are not 48 random characters")
+
+
+def check_replicas_default(checks: Checks, chart: helm.Chart) -> None:
+    """Replicas by default (docs/deployment.md "Scaling"): two of them, spread across nodes,
+    a rollout that surges before it drains, a grace period that covers the preStop sleep and
+    the drain, a generated peer secret mounted as the peer_secret_file, the headless Service
+    the config names as peer_service, the Role to read its EndpointSlices and nothing else,
+    and a NetworkPolicy rule that admits the peer port from the gateway's pods only."""
+    what = "default replicas"
+    secrets = []
+    for _ in range(2):
+        objects = [o for o in yaml.safe_load_all(render(chart, None, "default")) if o]
+        by_kind = {}
+        for o in objects:
+            by_kind.setdefault(o["kind"], []).append(o)
+        peer = [o for o in by_kind.get("Secret", []) if o["metadata"]["name"] == "mcp-run-peer"]
+        if len(peer) != 1:
+            checks.fail(what, "no generated peer Secret mcp-run-peer")
+            return
+        secrets.append(base64.b64decode(peer[0]["data"]["secret"]).decode())
+    deployment = by_kind["Deployment"][0]
+    spec = deployment["spec"]
+    pod = spec["template"]["spec"]
+    gateway = pod["containers"][0]
+    config = yaml.safe_load(next(o for o in objects if o["kind"] == "ConfigMap")["data"]["config.yaml"])
+    selector = spec["selector"]["matchLabels"]
+    problems = []
+    if not all(len(s) == 48 and s.isalnum() for s in secrets) or secrets[0] == secrets[1]:
+        problems.append("the generated peer secrets are not 48 random characters")
+    if spec["replicas"] != 2:
+        problems.append(f"replicas {spec['replicas']}, expected 2")
+    if spec.get("strategy", {}).get("rollingUpdate") != {"maxSurge": 1, "maxUnavailable": 0}:
+        problems.append(f"rolling update {spec.get('strategy')}")
+    spread = pod.get("topologySpreadConstraints", [])
+    if not any(c["topologyKey"] == "kubernetes.io/hostname" and c["labelSelector"]["matchLabels"] == selector
+               for c in spread):
+        problems.append(f"not spread across nodes: {spread}")
+    sleep = gateway.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
+    grace = config["server"]["shutdown_grace_secs"]
+    if sleep <= 0 or pod["terminationGracePeriodSeconds"] != sleep + grace + 15:
+        problems.append(f"grace {pod['terminationGracePeriodSeconds']} is not preStop {sleep} + drain {grace} + 15")
+    mounts = {m["name"]: m["mountPath"] for m in gateway["volumeMounts"]}
+    if mounts.get("peer-secret") != "/etc/mcp-run/peer" \
+            or config["server"].get("peer_secret_file") != "/etc/mcp-run/peer/secret":
+        problems.append("the peer secret is not mounted as server.peer_secret_file")
+    ports = {p["name"]: p["containerPort"] for p in gateway["ports"]}
+    if config["server"].get("peer_listen") != f"0.0.0.0:{ports.get('peer')}":
+        problems.append(f"peer_listen {config['server'].get('peer_listen')} is not the peer port {ports}")
+    headless = [o for o in by_kind["Service"] if o["spec"].get("clusterIP") == "None"]
+    if len(headless) != 1 or headless[0]["metadata"]["name"] != config["server"].get("peer_service") \
+            or headless[0]["spec"]["selector"] != selector or not headless[0]["spec"].get("publishNotReadyAddresses") \
+            or [p["targetPort"] for p in headless[0]["spec"]["ports"]] != ["peer"]:
+        problems.append("no headless Service (peer port, not-ready addresses) named by server.peer_service")
+    roles = [o for o in by_kind["Role"] if o["metadata"]["namespace"] == NAMESPACE]
+    rules = [r for o in roles for r in o["rules"]]
+    if rules != [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}]:
+        problems.append(f"the gateway's namespace grants more (or less) than reading EndpointSlices: {rules}")
+    policy = next(o for o in by_kind["NetworkPolicy"] if o["spec"]["podSelector"]["matchLabels"] == selector)
+    peer_rules = [r for r in policy["spec"]["ingress"] if any(p["port"] == "peer" for p in r["ports"])]
+    if len(peer_rules) != 1 or peer_rules[0]["from"] != [{"podSelector": {"matchLabels": selector}}]:
+        problems.append(f"the peer port is not admitted from the gateway's pods only: {peer_rules}")
+    if any(p["port"] == "peer" for r in policy["spec"]["ingress"] if r not in peer_rules for p in r["ports"]):
+        problems.append("another ingress rule admits the peer port")
+    if not by_kind.get("PodDisruptionBudget"):
+        problems.append("no PodDisruptionBudget")
+    if problems:
+        for p in problems:
+            checks.fail(what, p)
+    else:
+        checks.ok("default values: 2 replicas spread across nodes, surge-first rollout, grace = preStop + drain + 15 s, "
+                  "generated peer secret, headless peer Service, EndpointSlice-only Role, peer port from gateway pods only")
 
 
 def main() -> int:
@@ -303,6 +375,7 @@ def main() -> int:
             checks.ok(f"{rel} is identical to the chart's render")
 
     check_auth_default(checks, chart)
+    check_replicas_default(checks, chart)
 
     for why, override in BAD_VALUES:
         try:

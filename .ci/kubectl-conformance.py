@@ -3,7 +3,8 @@
 engineer would try it: run, get -o yaml/json, get -w, wait, exec (stdout and stderr apart, the
 exit code, a 20 MB binary round trip both ways, stdin), auth can-i, delete; and the
 PersistentVolumeClaims of cache volumes: create (twice), wait until Bound, get by label,
-annotate (with a stale resourceVersion too), delete.
+annotate (with a stale resourceVersion too), delete; and the EndpointSlices that replica
+discovery watches: create, get (table, by label, -o json), delete.
 
 Usage: kubectl-conformance.py KUBECTL SERVE_BINARY
 SERVE_BINARY is the built integration-test binary (tests/main.rs, with tests/kube_double_serve.rs); it serves the double and
@@ -63,6 +64,7 @@ def main():
         env = dict(os.environ, KUBECONFIG=kubeconfig, KUBECACHEDIR=os.path.join(work, "cache"))
         run_checks(kubectl, env, work)
         run_pvc_checks(kubectl, env, work)
+        run_endpointslice_checks(kubectl, env, work)
     finally:
         for w in watches:
             if w.proc.poll() is None:
@@ -334,6 +336,53 @@ def run_pvc_checks(kubectl, env, work):
           "pvc: delete", r.stdout + r.stderr)
     r = k("get", "pvc", "conf-cache")
     check(r.returncode != 0 and "NotFound" in r.stderr, "pvc: gone after delete", r.stdout + r.stderr)
+
+SLICE_YAML = """\
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: conf-peers-abcde
+  labels: {kubernetes.io/service-name: conf-peers}
+addressType: IPv4
+ports: [{name: peer, port: 8081, protocol: TCP}]
+endpoints:
+  - addresses: [10.1.0.5]
+    conditions: {ready: true}
+    targetRef: {kind: Pod, name: gw-1}
+"""
+
+
+def run_endpointslice_checks(kubectl, env, work):
+    """The EndpointSlices of the replicas' headless Service (tests/kube_double/endpointslices.rs)."""
+    def k(*args, **kw):
+        return kc(kubectl, env, *args, **kw)
+
+    path = os.path.join(work, "slice.yaml")
+    with open(path, "w") as f:
+        f.write(SLICE_YAML)
+    # --validate=false: the double serves no OpenAPI document (see run_pvc_checks).
+    r = k("create", "--validate=false", "-f", path)
+    check(r.returncode == 0 and "endpointslice.discovery.k8s.io/conf-peers-abcde created" in r.stdout,
+          "endpointslices: create", r.stdout + r.stderr)
+    r = k("get", "endpointslices")
+    lines = r.stdout.splitlines()
+    check(r.returncode == 0 and len(lines) == 2 and lines[0].split() == ["NAME", "ADDRESSTYPE", "PORTS", "ENDPOINTS", "AGE"]
+          and lines[1].split()[:4] == ["conf-peers-abcde", "IPv4", "8081", "10.1.0.5"],
+          "endpointslices: get (the API server's columns)", r.stdout + r.stderr)
+    r = k("get", "endpointslices", "-l", "kubernetes.io/service-name=conf-peers", "-o", "json")
+    items = json.loads(r.stdout).get("items", []) if r.returncode == 0 else []
+    check(len(items) == 1 and items[0]["ports"][0]["port"] == 8081
+          and items[0]["endpoints"][0]["targetRef"]["name"] == "gw-1",
+          "endpointslices: get by label -o json", r.stdout + r.stderr)
+    r = k("get", "endpointslices", "-l", "kubernetes.io/service-name=other", "-o", "name")
+    check(r.returncode == 0 and r.stdout.strip() == "", "endpointslices: a selector that matches none",
+          r.stdout + r.stderr)
+    r = k("delete", "endpointslice", "conf-peers-abcde")
+    check(r.returncode == 0 and 'endpointslice.discovery.k8s.io "conf-peers-abcde" deleted' in r.stdout,
+          "endpointslices: delete", r.stdout + r.stderr)
+    r = k("get", "endpointslice", "conf-peers-abcde")
+    check(r.returncode != 0 and "NotFound" in r.stderr, "endpointslices: gone after delete", r.stdout + r.stderr)
+
 
 if __name__ == "__main__":
     main()

@@ -95,6 +95,23 @@ TOKEN="$(kubectl -n "$NAMESPACE" get secret "$RELEASE-auth" -o jsonpath='{.data.
 [ -n "$TOKEN" ] || fail "the chart generated no auth token"
 AUTH=(-H "authorization: Bearer $TOKEN")
 
+log "replicas: each gateway pod found the other from the headless Service's EndpointSlices"
+# The chart runs two replicas; each watches the EndpointSlices of $RELEASE-peers (its Role
+# allows nothing more) and logs the other's peer address once it is listed.
+gateways="$(kubectl -n "$NAMESPACE" get pods -l app.kubernetes.io/instance="$RELEASE",app.kubernetes.io/component=gateway -o name)"
+[ "$(echo "$gateways" | wc -l)" -eq 2 ] || fail "expected 2 gateway pods, got: $gateways"
+for gwpod in $gateways; do
+  found=""
+  for _ in $(seq 1 60); do
+    if kubectl -n "$NAMESPACE" logs "$gwpod" | grep "other replicas, from the Service's EndpointSlices" | grep -q ":8081/"; then
+      found=1
+      break
+    fi
+    sleep 1
+  done
+  [ -n "$found" ] || fail "$gwpod did not find the other replica: $(kubectl -n "$NAMESPACE" logs "$gwpod" | tail -20)"
+done
+
 log "port-forward to service/$RELEASE on $BASE"
 kubectl -n "$NAMESPACE" port-forward "service/$RELEASE" "$PORT:8080" \
   >"$WORK/port-forward.log" 2>&1 &

@@ -22,6 +22,30 @@ pub(crate) const TOKENS_FILE_ENV: &str = "MCP_RUN_AUTH_TOKENS_FILE";
 /// The environment variable holding tokens directly (comma- or whitespace-separated).
 pub(crate) const TOKENS_ENV: &str = "MCP_RUN_AUTH_TOKENS";
 
+/// Why tokens could not be loaded: the gateway does not start, or a reload keeps the
+/// previous tokens. Messages name the file or variable and the entry, never a token.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum AuthError {
+    #[error("{origin}: entry {entry}: the name before `:` must be letters, digits, `-_.@`")]
+    BadName { origin: String, entry: usize },
+    #[error("{origin}: entry {entry}: the token is empty")]
+    EmptyToken { origin: String, entry: usize },
+    #[error(
+        "`auth.required` is set but no token is configured (set {TOKENS_FILE_ENV}, {TOKENS_ENV} or auth.tokens_file)"
+    )]
+    NoToken,
+    #[error("cannot read the auth tokens file {}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "the auth tokens file {} names more than {max} identity: the local backend runs every command as the gateway's user, so several identities need local.allow_multiple_identities (docs/policy.md)",
+        path.display()
+    )]
+    TooManyIdentities { path: PathBuf, max: usize },
+}
+
 /// Paths that stay open when auth is on: probes and metrics.
 pub(crate) const OPEN_PATHS: &[&str] = &["/healthz", "/readyz", "/metrics"];
 
@@ -106,7 +130,7 @@ impl Auth {
         text: &str,
         source: &str,
         split_words: bool,
-    ) -> Result<Vec<(String, String)>, String> {
+    ) -> Result<Vec<(String, String)>, AuthError> {
         let mut out = Vec::new();
         let entries: Vec<(usize, &str)> = if split_words {
             text.split(|c: char| c == ',' || c.is_whitespace())
@@ -130,9 +154,10 @@ impl Auth {
                             .bytes()
                             .all(|b| b.is_ascii_alphanumeric() || b"-_.@".contains(&b))
                     {
-                        return Err(format!(
-                            "{source}: entry {n}: the name before `:` must be letters, digits, `-_.@`"
-                        ));
+                        return Err(AuthError::BadName {
+                            origin: source.to_owned(),
+                            entry: n,
+                        });
                     }
                     (name.to_owned(), token.trim())
                 }
@@ -143,7 +168,10 @@ impl Auth {
                 }
             };
             if token.is_empty() {
-                return Err(format!("{source}: entry {n}: the token is empty"));
+                return Err(AuthError::EmptyToken {
+                    origin: source.to_owned(),
+                    entry: n,
+                });
             }
             if token.len() < 16 {
                 tracing::warn!(%source, entry = n, name = %name, "auth token shorter than 16 characters");
@@ -159,7 +187,7 @@ impl Auth {
     pub(crate) fn load(
         config: &AuthConfig,
         env: impl Fn(&str) -> Option<String>,
-    ) -> Result<Option<Auth>, String> {
+    ) -> Result<Option<Auth>, AuthError> {
         let file = env(TOKENS_FILE_ENV)
             .filter(|f| !f.is_empty())
             .map(PathBuf::from)
@@ -177,9 +205,7 @@ impl Auth {
         };
         if file_tokens.is_empty() && env_tokens.is_empty() {
             return if config.required {
-                Err(format!(
-                    "`auth.required` is set but no token is configured (set {TOKENS_FILE_ENV}, {TOKENS_ENV} or auth.tokens_file)"
-                ))
+                Err(AuthError::NoToken)
             } else {
                 Ok(None)
             };
@@ -196,9 +222,11 @@ impl Auth {
     }
 
     /// The file's `(name, token)` entries and the digest of its content.
-    fn read_file(path: &std::path::Path) -> Result<(Entries, [u8; 32]), String> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("cannot read the auth tokens file {}: {e}", path.display()))?;
+    fn read_file(path: &std::path::Path) -> Result<(Entries, [u8; 32]), AuthError> {
+        let text = std::fs::read_to_string(path).map_err(|source| AuthError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
         let entries = Self::parse(&text, &path.display().to_string(), false)?;
         Ok((entries, digest(text.as_bytes())))
     }
@@ -241,7 +269,7 @@ impl Auth {
     /// Reads the tokens file again. `Ok(true)`: its content changed and its tokens replace
     /// the previous ones; `Err`: unreadable or invalid, the previous tokens stay. An emptied
     /// file leaves only the environment's tokens (none: every request is refused).
-    pub(crate) fn reload(&self) -> Result<bool, String> {
+    pub(crate) fn reload(&self) -> Result<bool, AuthError> {
         let Some(path) = &self.file else {
             return Ok(false);
         };
@@ -255,10 +283,10 @@ impl Auth {
         if let Some(&max) = self.identity_limit.get()
             && distinct_names(&all) > max
         {
-            return Err(format!(
-                "the auth tokens file {} names more than {max} identity: the local backend runs every command as the gateway's user, so several identities need local.allow_multiple_identities (docs/policy.md)",
-                path.display()
-            ));
+            return Err(AuthError::TooManyIdentities {
+                path: path.clone(),
+                max,
+            });
         }
         *self.tokens.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(all);
         *last = d;
@@ -397,9 +425,15 @@ mod tests {
         assert!(
             Auth::parse("bad name:x", "f", false)
                 .unwrap_err()
+                .to_string()
                 .contains("entry 1")
         );
-        assert!(Auth::parse("n:", "f", false).unwrap_err().contains("empty"));
+        assert!(
+            Auth::parse("n:", "f", false)
+                .unwrap_err()
+                .to_string()
+                .contains("empty")
+        );
     }
 
     #[test]
@@ -449,6 +483,7 @@ mod tests {
             Auth::load(&required, |_| None)
                 .err()
                 .unwrap()
+                .to_string()
                 .contains("auth.required")
         );
         let missing = |k: &str| (k == TOKENS_FILE_ENV).then(|| "/nonexistent/tokens".to_owned());
@@ -456,6 +491,7 @@ mod tests {
             Auth::load(&AuthConfig::default(), missing)
                 .err()
                 .unwrap()
+                .to_string()
                 .contains("/nonexistent/tokens")
         );
     }
@@ -472,9 +508,9 @@ mod tests {
             _ => None,
         };
         let auth = Auth::load(&AuthConfig::default(), env).unwrap().unwrap();
-        assert_eq!(auth.reload(), Ok(false));
+        assert_eq!(auth.reload().ok(), Some(false));
         std::fs::write(&file, "new:new-token-0123456789\n").unwrap();
-        assert_eq!(auth.reload(), Ok(true));
+        assert_eq!(auth.reload().ok(), Some(true));
         assert_eq!(auth.verify("old-token-0123456789"), None);
         assert_eq!(auth.verify("new-token-0123456789").as_deref(), Some("new"));
         assert_eq!(auth.verify("env-token-0123456789").as_deref(), Some("e"));
@@ -482,7 +518,7 @@ mod tests {
         assert!(auth.reload().is_err());
         assert_eq!(auth.verify("new-token-0123456789").as_deref(), Some("new"));
         std::fs::write(&file, "# emptied\n").unwrap();
-        assert_eq!(auth.reload(), Ok(true));
+        assert_eq!(auth.reload().ok(), Some(true));
         assert_eq!(auth.len(), 1);
     }
 }

@@ -113,8 +113,16 @@ pub struct ServerConfig {
     /// MCP outputs are read through any of them (docs/deployment.md "Scaling").
     pub peers: Vec<String>,
     /// A file holding the secret replicas authenticate each other with; the environment
-    /// variable `MCP_RUN_PEER_SECRET` wins. Required with `peers`.
+    /// variable `MCP_RUN_PEER_SECRET` wins. Required with `peers` and `peer_service`.
     pub peer_secret_file: Option<PathBuf>,
+    /// Where the peer channel (`/peer/v1/`) is served: its own port, so that a
+    /// NetworkPolicy can admit it from the gateway's pods only. The gateway's port then
+    /// refuses peer paths. Unset: peer requests go to `listen`.
+    pub peer_listen: Option<SocketAddr>,
+    /// The headless Service whose EndpointSlices list this gateway's replicas (`NAME`, in
+    /// the gateway's namespace, or `NAMESPACE/NAME`): on a cluster the replicas find each
+    /// other from the Kubernetes API, added to `peers`.
+    pub peer_service: Option<String>,
 }
 
 impl Default for ServerConfig {
@@ -133,6 +141,8 @@ impl Default for ServerConfig {
             max_unauthenticated_connections: 128,
             peers: Vec::new(),
             peer_secret_file: None,
+            peer_listen: None,
+            peer_service: None,
         }
     }
 }
@@ -182,6 +192,10 @@ impl Config {
         }
         for (i, peer) in self.server.peers.iter().enumerate() {
             crate::peers::parse_url(peer).map_err(|m| invalid(&format!("server.peers[{i}]"), m))?;
+        }
+        if let Some(service) = &self.server.peer_service {
+            crate::peers::discovery::parse_service(service)
+                .map_err(|m| invalid("server.peer_service", m))?;
         }
         if self.server.max_body_bytes < 1024 {
             return Err(invalid(

@@ -605,6 +605,65 @@ impl Event {
     }
 }
 
+/// Splits NDJSON into lines, each without its `\n` (a `tokio_util` decoder, for `FramedRead`).
+/// A line whose newline has not come within `max` bytes is an error, so that a peer cannot
+/// make the reader buffer without bound.
+#[derive(Debug)]
+pub(crate) struct LineDecoder {
+    max: usize,
+    /// How much of the buffer is known to hold no newline (lines span many reads).
+    scanned: usize,
+}
+
+/// Why [`LineDecoder`] gave up.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum LineError {
+    #[error("a line is longer than {0} bytes")]
+    TooLong(usize),
+    /// The stream ended after these bytes, without a newline.
+    #[error("the stream ended mid-line")]
+    Unterminated(BytesMut),
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}
+
+impl LineDecoder {
+    pub(crate) fn new(max: usize) -> Self {
+        Self { max, scanned: 0 }
+    }
+}
+
+impl tokio_util::codec::Decoder for LineDecoder {
+    type Item = BytesMut;
+    type Error = LineError;
+
+    fn decode(&mut self, buf: &mut BytesMut) -> Result<Option<BytesMut>, LineError> {
+        if let Some(pos) = memchr::memchr(b'\n', &buf[self.scanned..]).map(|p| p + self.scanned) {
+            self.scanned = 0;
+            let mut line = buf.split_to(pos + 1);
+            line.truncate(pos);
+            return Ok(Some(line));
+        }
+        self.scanned = buf.len();
+        if buf.len() > self.max {
+            return Err(LineError::TooLong(self.max));
+        }
+        Ok(None)
+    }
+
+    fn decode_eof(&mut self, buf: &mut BytesMut) -> Result<Option<BytesMut>, LineError> {
+        if let Some(line) = self.decode(buf)? {
+            return Ok(Some(line));
+        }
+        self.scanned = 0;
+        if buf.is_empty() {
+            Ok(None)
+        } else {
+            Err(LineError::Unterminated(buf.split()))
+        }
+    }
+}
+
 const STDOUT_PREFIX: &[u8] = b"{\"type\":\"stdout\",\"data\":\"";
 const STDERR_PREFIX: &[u8] = b"{\"type\":\"stderr\",\"data\":\"";
 
@@ -823,6 +882,44 @@ pub struct ErrorResponse {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The lines of `chunks` as a `FramedRead` gives them, until the first error.
+    async fn lines(chunks: &[&'static [u8]], max: usize) -> (Vec<BytesMut>, Option<LineError>) {
+        use futures_util::StreamExt;
+        let body = futures_util::stream::iter(
+            chunks
+                .iter()
+                .map(|c| Ok::<_, std::io::Error>(Bytes::from_static(c))),
+        );
+        let reader = tokio_util::io::StreamReader::new(body);
+        let mut framed = tokio_util::codec::FramedRead::new(reader, LineDecoder::new(max));
+        let mut out = Vec::new();
+        while let Some(line) = framed.next().await {
+            match line {
+                Ok(l) => out.push(l),
+                Err(e) => return (out, Some(e)),
+            }
+        }
+        (out, None)
+    }
+
+    #[tokio::test]
+    async fn lines_split_across_reads_and_stay_bounded() {
+        let (got, err) = lines(&[b"ab", b"c\n\nd", b"e\nf\n"], 8).await;
+        assert_eq!(got, [&b"abc"[..], b"", b"de", b"f"]);
+        assert!(err.is_none());
+        // The bound holds before a newline comes, whatever the reads.
+        let (got, err) = lines(&[b"ok\n12345", b"6789", b"0\n"], 8).await;
+        assert_eq!(got, [&b"ok"[..]]);
+        assert!(matches!(err, Some(LineError::TooLong(8))), "{err:?}");
+        // A stream that ends mid-line hands back what it had.
+        let (got, err) = lines(&[b"a\n", b"{\"x\""], 8).await;
+        assert_eq!(got, [&b"a"[..]]);
+        match err {
+            Some(LineError::Unterminated(rest)) => assert_eq!(&rest[..], b"{\"x\""),
+            other => panic!("{other:?}"),
+        }
+    }
 
     #[test]
     fn events_round_trip_as_documented() {

@@ -21,6 +21,13 @@ use std::time::Duration;
 
 use subtle::ConstantTimeEq as _;
 
+pub(crate) mod discovery;
+mod route;
+pub(crate) use route::{
+    Forwarded, HTTP_PREFIX, Home, REPLAYABLE_BYTES, Relayed, decode_caller, needs_home,
+    path_needs_home,
+};
+
 /// The environment variable holding the peer secret (wins over `server.peer_secret_file`).
 pub(crate) const SECRET_ENV: &str = "MCP_RUN_PEER_SECRET";
 /// The shortest secret accepted: 32 characters (e.g. `openssl rand -hex 16`).
@@ -104,11 +111,18 @@ pub(crate) fn load_secret(
 /// This replica and its peers.
 pub(crate) struct Peers {
     tag: String,
+    /// `server.peers`.
     urls: Vec<reqwest::Url>,
+    /// `server.peer_service`: the replicas listed by the Kubernetes API, added to `urls`.
+    discovery: Option<discovery::Discovery>,
     secret: String,
     client: reqwest::Client,
-    /// Replica tag → index in `urls`, learnt from the peers' answers.
-    known: Mutex<HashMap<String, usize>>,
+    /// Replica tag → its base URL, learnt from the peers' answers.
+    known: Mutex<HashMap<String, reqwest::Url>>,
+    /// When `known` was last asked for ([`route`]: callers' homes).
+    view: Mutex<route::View>,
+    /// The client of forwarded requests (made on first use).
+    streams: std::sync::OnceLock<reqwest::Client>,
 }
 
 impl std::fmt::Debug for Peers {
@@ -116,6 +130,7 @@ impl std::fmt::Debug for Peers {
         f.debug_struct("Peers")
             .field("tag", &self.tag)
             .field("urls", &self.urls)
+            .field("discovery", &self.discovery)
             .finish_non_exhaustive()
     }
 }
@@ -139,9 +154,12 @@ impl Peers {
         Ok(Self {
             tag,
             urls,
+            discovery: None,
             secret,
             client,
             known: Mutex::default(),
+            view: Mutex::default(),
+            streams: std::sync::OnceLock::new(),
         })
     }
 
@@ -150,7 +168,31 @@ impl Peers {
         &self.tag
     }
 
-    /// How many peers are configured.
+    /// Also the replicas that the Kubernetes API lists (`server.peer_service`).
+    pub(crate) fn with_discovery(mut self, discovery: discovery::Discovery) -> Self {
+        self.discovery = Some(discovery);
+        self
+    }
+
+    /// Whether the replicas are found from the Kubernetes API (their number changes).
+    pub(crate) fn discovers(&self) -> bool {
+        self.discovery.is_some()
+    }
+
+    /// The base URLs of the other replicas now: `server.peers` and the discovered ones.
+    pub(crate) async fn urls(&self) -> Vec<reqwest::Url> {
+        let mut urls = self.urls.clone();
+        if let Some(d) = &self.discovery {
+            for u in d.urls().await {
+                if !urls.contains(&u) {
+                    urls.push(u);
+                }
+            }
+        }
+        urls
+    }
+
+    /// How many peers are configured (`server.peers`).
     pub(crate) fn len(&self) -> usize {
         self.urls.len()
     }
@@ -175,12 +217,12 @@ impl Peers {
         path: &str,
         body: &serde_json::Value,
     ) -> Result<(u16, serde_json::Value), PeerError> {
-        let i = self.locate(replica).await?;
+        let base = self.locate(replica).await?;
         let failed = |message: String| PeerError::Failed {
             replica: replica.to_owned(),
             message,
         };
-        let url = self.urls[i].join(path).map_err(|e| failed(e.to_string()))?;
+        let url = base.join(path).map_err(|e| failed(e.to_string()))?;
         let resp = self
             .client
             .post(url)
@@ -202,13 +244,25 @@ impl Peers {
         Ok((status, json))
     }
 
-    /// The index of the peer tagged `replica`: from the cache, else by asking every peer.
-    async fn locate(&self, replica: &str) -> Result<usize, PeerError> {
-        if let Some(i) = self.known.lock().ok().and_then(|k| k.get(replica).copied()) {
-            return Ok(i);
+    /// The base URL of the peer tagged `replica`: from the cache, else by asking every peer.
+    async fn locate(&self, replica: &str) -> Result<reqwest::Url, PeerError> {
+        if let Some(url) = self.known.lock().ok().and_then(|k| k.get(replica).cloned()) {
+            return Ok(url);
         }
-        let asks = self.urls.iter().enumerate().map(|(i, url)| async move {
-            let url = url.join(REPLICA_PATH).ok()?;
+        self.refresh().await;
+        self.known
+            .lock()
+            .ok()
+            .and_then(|k| k.get(replica).cloned())
+            .ok_or_else(|| PeerError::Unknown(replica.into()))
+    }
+
+    /// Asks every peer (`server.peers` and the discovered ones) for its tag; the answers
+    /// replace what was known.
+    async fn refresh(&self) {
+        let urls = self.urls().await;
+        let asks = urls.iter().map(|base| async move {
+            let url = base.join(REPLICA_PATH).ok()?;
             let resp = self
                 .client
                 .get(url)
@@ -219,28 +273,17 @@ impl Peers {
                 .ok()?;
             if !resp.status().is_success() {
                 tracing::warn!(
-                    peer = %self.urls[i],
+                    peer = %base,
                     status = resp.status().as_u16(),
                     "a peer refused the replica question (is the peer secret the same on every replica?)"
                 );
                 return None;
             }
             let v: serde_json::Value = serde_json::from_slice(&resp.bytes().await.ok()?).ok()?;
-            Some((v["replica"].as_str()?.to_owned(), i))
+            Some((v["replica"].as_str()?.to_owned(), base.clone()))
         });
         let found = futures_util::future::join_all(asks).await;
-        let mut known = self
-            .known
-            .lock()
-            .map_err(|_| PeerError::Unknown(replica.into()))?;
-        known.clear();
-        for (tag, i) in found.into_iter().flatten() {
-            known.insert(tag, i);
-        }
-        known
-            .get(replica)
-            .copied()
-            .ok_or_else(|| PeerError::Unknown(replica.into()))
+        self.merge_view(found.into_iter().flatten().collect());
     }
 
     fn forget(&self, replica: &str) {

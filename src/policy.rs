@@ -10,6 +10,7 @@
 
 use std::collections::BTreeMap;
 
+use globset::{Candidate, GlobBuilder, GlobSet, GlobSetBuilder};
 use serde::{Deserialize, Serialize};
 
 use crate::contract::{ErrorBody, ErrorCode};
@@ -173,14 +174,18 @@ fn config_error(field: impl Into<String>, message: impl Into<String>) -> PolicyC
 }
 
 /// The resolved rules of one profile, with the dotted config path each section came from,
-/// so that a violation names the rule that matched.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// so that a violation names the rule that matched, and the environment patterns compiled.
+#[derive(Debug, Clone)]
 struct Effective {
     executables: (String, ExecutableRules),
     args: (String, ArgRules),
     env: (String, EnvRules),
     cwd: (String, CwdRules),
     timeout: (String, TimeoutRules),
+    env_allow: Patterns,
+    env_deny: Patterns,
+    /// `env.injection_vars`, or [`INJECTION_VARS`] when not set.
+    injection_vars: Patterns,
 }
 
 /// What a request may do once the policy allowed it: the normalised values to run.
@@ -205,10 +210,14 @@ pub(crate) struct Subject<'a> {
 }
 
 /// The checked policy, ready to evaluate requests.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub(crate) struct Policy {
     config: PolicyConfig,
     limits: Limits,
+    /// The rules of a profile without overrides.
+    base: Effective,
+    /// The rules of each profile with overrides.
+    profiles: BTreeMap<String, Effective>,
 }
 
 /// The profile name a request without `profile` uses.
@@ -391,46 +400,108 @@ fn under(dir: &str, prefix: &str) -> bool {
         || (dir.starts_with(prefix) && dir.as_bytes().get(prefix.len()) == Some(&b'/'))
 }
 
-/// `*` matches any run of characters (also none); everything else matches itself.
-pub(crate) fn glob_match(pattern: &str, name: &str) -> bool {
-    let (p, n) = (pattern.as_bytes(), name.as_bytes());
-    let (mut pi, mut ni) = (0, 0);
-    let mut star: Option<(usize, usize)> = None;
-    while ni < n.len() {
-        if pi < p.len() && p[pi] == b'*' {
-            star = Some((pi, ni));
-            pi += 1;
-        } else if pi < p.len() && p[pi] == n[ni] {
-            pi += 1;
-            ni += 1;
-        } else if let Some((sp, sn)) = star {
-            pi = sp + 1;
-            ni = sn + 1;
-            star = Some((sp, sn + 1));
-        } else {
-            return false;
+/// A list of variable name patterns compiled once, when the policy is loaded: `*` matches
+/// any run of characters (also none); everything else matches itself, case-sensitively.
+#[derive(Debug, Clone)]
+struct Patterns {
+    set: GlobSet,
+    entries: Vec<String>,
+}
+
+impl Patterns {
+    fn new(field: &str, entries: &[impl AsRef<str>]) -> Result<Self, PolicyConfigError> {
+        let mut set = GlobSetBuilder::new();
+        for (i, entry) in entries.iter().enumerate() {
+            // A run of `*` is one `*`: globset reads a `**` at an end as a path wildcard.
+            let mut pattern = String::with_capacity(entry.as_ref().len());
+            for c in entry.as_ref().chars() {
+                if !(c == '*' && pattern.ends_with('*')) {
+                    pattern.push(c);
+                }
+            }
+            let glob = GlobBuilder::new(&pattern)
+                .literal_separator(false)
+                .backslash_escape(false)
+                .build()
+                .map_err(|e| config_error(format!("{field}[{i}]"), e.kind().to_string()))?;
+            set.add(glob);
         }
+        Ok(Self {
+            set: set
+                .build()
+                .map_err(|e| config_error(field, e.to_string()))?,
+            entries: entries.iter().map(|e| e.as_ref().to_owned()).collect(),
+        })
     }
-    p[pi..].iter().all(|&b| b == b'*')
+
+    /// The first entry (by position) that matches `name`.
+    fn first(&self, name: &Candidate<'_>) -> Option<&str> {
+        let hits = self.set.matches_candidate(name);
+        hits.first().map(|&i| self.entries[i].as_str())
+    }
 }
 
 fn file_name(path: &str) -> &str {
     path.rsplit('/').next().unwrap_or(path)
 }
 
-fn violation(message: String) -> ErrorBody {
-    ErrorBody::new(ErrorCode::PolicyViolation, message)
+/// Why the policy refused a request; the message names the rule that matched.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum PolicyError {
+    /// A rule refused it: `403 policy_violation`.
+    #[error("{0}")]
+    Violation(String),
+    /// `timeout_secs` over the maximum: `400 invalid_request`.
+    #[error("`timeout_secs` is {secs}, over the server maximum of {max} ({set_by})")]
+    TimeoutOverMax { secs: u64, max: u64, set_by: String },
+}
+
+impl From<PolicyError> for ErrorBody {
+    fn from(e: PolicyError) -> Self {
+        let code = match e {
+            PolicyError::Violation(_) => ErrorCode::PolicyViolation,
+            PolicyError::TimeoutOverMax { .. } => ErrorCode::InvalidRequest,
+        };
+        ErrorBody::new(code, e.to_string())
+    }
+}
+
+fn violation(message: String) -> PolicyError {
+    PolicyError::Violation(message)
 }
 
 impl Policy {
-    /// A policy from a configuration that [`PolicyConfig::validate`] accepted.
-    pub(crate) fn new(config: PolicyConfig, limits: Limits) -> Self {
-        Self { config, limits }
+    /// A policy from a configuration that [`PolicyConfig::validate`] accepted, its patterns
+    /// compiled.
+    pub(crate) fn new(config: PolicyConfig, limits: Limits) -> Result<Self, PolicyConfigError> {
+        let base = Self::resolve(&config, None)?;
+        let profiles = config
+            .profiles
+            .keys()
+            .map(|name| Ok((name.clone(), Self::resolve(&config, Some(name))?)))
+            .collect::<Result<_, PolicyConfigError>>()?;
+        Ok(Self {
+            config,
+            limits,
+            base,
+            profiles,
+        })
     }
 
-    fn effective(&self, profile: &str) -> Effective {
-        let base = &self.config;
-        let o = self.config.profiles.get(profile);
+    /// The policy of a configuration without `policy:`: every request goes through.
+    pub(crate) fn unrestricted(limits: Limits) -> Self {
+        // Only the built-in injection_vars list is compiled, and its entries are plain names.
+        Self::new(PolicyConfig::default(), limits).expect("the built-in patterns compile")
+    }
+
+    fn effective(&self, profile: &str) -> &Effective {
+        self.profiles.get(profile).unwrap_or(&self.base)
+    }
+
+    /// The rules of `profile` (`None`: without overrides).
+    fn resolve(base: &PolicyConfig, profile: Option<&str>) -> Result<Effective, PolicyConfigError> {
+        let o = profile.and_then(|p| base.profiles.get(p));
+        let profile = profile.unwrap_or_default();
         let pick = |name: &str, over: bool| {
             if over {
                 format!("policy.profiles.{profile}.{name}")
@@ -447,22 +518,31 @@ impl Policy {
                 )
             }};
         }
-        Effective {
+        let env = section!(env);
+        let (field, rules) = &env;
+        let injection_vars = match &rules.injection_vars {
+            Some(list) => Patterns::new(&format!("{field}.injection_vars"), list)?,
+            None => Patterns::new(&format!("{field}.injection_vars"), INJECTION_VARS)?,
+        };
+        Ok(Effective {
             executables: section!(executables),
             args: section!(args),
-            env: section!(env),
+            env_allow: Patterns::new(&format!("{field}.allow"), &rules.allow)?,
+            env_deny: Patterns::new(&format!("{field}.deny"), &rules.deny)?,
+            injection_vars,
+            env,
             cwd: section!(cwd),
             timeout: section!(timeout),
-        }
+        })
     }
 
     /// Checks a request. `Err` is a `policy_violation` (403) naming the rule, or an
     /// `invalid_request` for a timeout over the maximum.
-    pub(crate) fn check(&self, s: &Subject<'_>) -> Result<Allowed, ErrorBody> {
+    pub(crate) fn check(&self, s: &Subject<'_>) -> Result<Allowed, PolicyError> {
         let profile = s.profile.unwrap_or(DEFAULT_PROFILE);
         let eff = self.effective(profile);
         let cwd = s.cwd.map(normalize_path);
-        let executable = self.check_executable(&eff, s.executable, cwd.as_deref())?;
+        let executable = self.check_executable(eff, s.executable, cwd.as_deref())?;
 
         let (field, args) = &eff.args;
         if let Some(max) = args.max_count
@@ -484,12 +564,13 @@ impl Policy {
 
         let (field, env) = &eff.env;
         for name in s.env_names {
-            if let Some(p) = env.deny.iter().find(|p| glob_match(p, name)) {
+            let candidate = Candidate::new(name);
+            if let Some(p) = eff.env_deny.first(&candidate) {
                 return Err(violation(format!(
                     "environment variable {name} is denied by {field}.deny entry {p:?}"
                 )));
             }
-            if !env.allow.is_empty() && !env.allow.iter().any(|p| glob_match(p, name)) {
+            if !env.allow.is_empty() && eff.env_allow.first(&candidate).is_none() {
                 return Err(violation(format!(
                     "environment variable {name} is not in {field}.allow"
                 )));
@@ -497,16 +578,8 @@ impl Policy {
         }
         let (exe_field, exes) = &eff.executables;
         if !exes.allow.is_empty() {
-            let custom = env.injection_vars.as_deref();
             for name in s.env_names {
-                let hit = match custom {
-                    Some(list) => list
-                        .iter()
-                        .find(|p| glob_match(p, name))
-                        .map(String::as_str),
-                    None => INJECTION_VARS.iter().copied().find(|p| glob_match(p, name)),
-                };
-                if let Some(p) = hit {
+                if let Some(p) = eff.injection_vars.first(&Candidate::new(name)) {
                     return Err(violation(format!(
                         "environment variable {name} can change which program runs, so it is refused while {exe_field}.allow restricts executables ({field}.injection_vars entry {p:?})"
                     )));
@@ -533,10 +606,11 @@ impl Policy {
             } else {
                 "limits.max_timeout_secs".to_owned()
             };
-            return Err(ErrorBody::new(
-                ErrorCode::InvalidRequest,
-                format!("`timeout_secs` is {secs}, over the server maximum of {max} ({source})"),
-            ));
+            return Err(PolicyError::TimeoutOverMax {
+                secs,
+                max,
+                set_by: source,
+            });
         }
         Ok(Allowed {
             executable,
@@ -550,7 +624,7 @@ impl Policy {
         eff: &Effective,
         executable: &str,
         cwd: Option<&str>,
-    ) -> Result<String, ErrorBody> {
+    ) -> Result<String, PolicyError> {
         let (field, rules) = &eff.executables;
         let is_path = executable.contains('/');
         // A relative path (`./build.sh`) is resolved against the request's cwd for the path
@@ -611,10 +685,10 @@ impl Policy {
         let eff = self.effective(profile);
         let (default_timeout_secs, max_timeout_secs) = eff.timeout.1.resolve(&self.limits);
         RulesSummary {
-            executables: eff.executables.1,
-            args: eff.args.1,
-            env: eff.env.1,
-            cwd: eff.cwd.1,
+            executables: eff.executables.1.clone(),
+            args: eff.args.1.clone(),
+            env: eff.env.1.clone(),
+            cwd: eff.cwd.1.clone(),
             default_timeout_secs,
             max_timeout_secs,
         }
@@ -648,7 +722,7 @@ mod tests {
     fn policy(yaml: &str) -> Policy {
         let c: PolicyConfig = yaml_serde::from_str(yaml).unwrap();
         c.validate(&Limits::default()).unwrap();
-        Policy::new(c, Limits::default())
+        Policy::new(c, Limits::default()).unwrap()
     }
 
     fn subject(exe: &str) -> Subject<'_> {
@@ -663,7 +737,7 @@ mod tests {
     }
 
     fn denied(p: &Policy, s: Subject<'_>) -> String {
-        let e = p.check(&s).unwrap_err();
+        let e = ErrorBody::from(p.check(&s).unwrap_err());
         assert_eq!(e.code, ErrorCode::PolicyViolation, "{}", e.message);
         e.message
     }
@@ -698,9 +772,19 @@ mod tests {
             ("PATH", "PATH", true),
             ("PATH", "PATHS", false),
             ("*", "X", true),
+            ("cargo_*", "CARGO_HOME", false),
+            ("A**B", "AxB", true),
+            ("**", "ANY", true),
+            ("**_X", "A_X", true),
+            ("*", "a/b", true),
         ] {
-            assert_eq!(glob_match(p, n), m, "{p} {n}");
+            let set = Patterns::new("policy.env.allow", &[p]).unwrap();
+            assert_eq!(set.first(&Candidate::new(n)).is_some(), m, "{p} {n}");
         }
+        // The first matching entry by position is the one a message names.
+        let set = Patterns::new("policy.env.deny", &["B_*", "*_X", "A_*"]).unwrap();
+        assert_eq!(set.first(&Candidate::new("A_X")), Some("*_X"));
+        assert_eq!(set.first(&Candidate::new("C")), None);
     }
 
     #[test]
@@ -846,7 +930,7 @@ mod tests {
         assert_eq!(p.check(&subject("ls")).unwrap().timeout_secs, 30);
         let mut s = subject("ls");
         s.timeout_secs = Some(61);
-        let e = p.check(&s).unwrap_err();
+        let e = ErrorBody::from(p.check(&s).unwrap_err());
         assert_eq!(e.code, ErrorCode::InvalidRequest);
         assert!(
             e.message.contains("policy.timeout.max_secs"),

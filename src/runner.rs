@@ -13,7 +13,7 @@ use crate::contract::{ErrorBody, ErrorCode, Event, RunRequest};
 use crate::exec::{ExecSpec, Execution, Executor, Progress, StartOptions};
 use crate::limits::Limits;
 use crate::metrics::Metrics;
-use crate::policy::{Policy, PolicyConfig, Subject};
+use crate::policy::{Policy, Subject};
 use crate::rate_limit::RateLimiter;
 use crate::redact::{RedactFilter, Redactor};
 use tokio::sync::Semaphore;
@@ -61,6 +61,9 @@ pub(crate) struct Runner {
     workspaces: Option<Arc<crate::workspace::WorkspaceStore>>,
     /// Named runners that live across calls; `None`: sessions are off.
     sessions: Option<Arc<crate::session::Sessions>>,
+    /// The other replicas: runs that need the caller's workspaces or sessions go to the
+    /// replica that holds them (`crate::peers`, "homes").
+    peers: Option<Arc<crate::peers::Peers>>,
     shutdown: CancellationToken,
     tracker: TaskTracker,
     metrics: Metrics,
@@ -70,7 +73,7 @@ impl Runner {
     pub(crate) fn new(executor: Arc<dyn Executor>, limits: Limits) -> Self {
         Self {
             executor,
-            policy: Policy::new(PolicyConfig::default(), limits.clone()),
+            policy: Policy::unrestricted(limits.clone()),
             slots: limits
                 .max_concurrent_executions
                 .map(|n| Arc::new(Semaphore::new(n))),
@@ -78,6 +81,7 @@ impl Runner {
             redactor: None,
             workspaces: None,
             sessions: None,
+            peers: None,
             limits,
             shutdown: CancellationToken::new(),
             tracker: TaskTracker::new(),
@@ -124,6 +128,25 @@ impl Runner {
             crate::session::Sessions::new(config, self.metrics.clone(), self.shutdown.child_token())
         });
         self
+    }
+
+    /// Forwards runs that need the caller's workspaces or sessions to the replica that holds
+    /// them, among `peers`.
+    pub(crate) fn with_peers(mut self, peers: Option<Arc<crate::peers::Peers>>) -> Self {
+        self.peers = peers;
+        self
+    }
+
+    /// Whether any replica serves a session's calls: its state lives where every replica
+    /// reaches it (a Kubernetes session's pod), or the remote gateway keeps it. When false,
+    /// a session lives in one replica's process and its calls go there (`crate::peers`).
+    pub(crate) fn sessions_shared(&self) -> bool {
+        self.executor.sessions_shared() || self.executor.forwards_sessions()
+    }
+
+    /// The other replicas, when the gateway has peers.
+    pub(crate) fn peers(&self) -> Option<&Arc<crate::peers::Peers>> {
+        self.peers.as_ref()
     }
 
     /// The sessions, when they are on (and kept here, not forwarded to a remote gateway).
@@ -271,6 +294,32 @@ impl Runner {
         caller: &Caller,
         io: RunIo,
     ) -> Result<Execution, ErrorBody> {
+        self.start_audited(req, caller, io, false).await
+    }
+
+    /// [`Runner::start_with`] of a run another replica forwarded here (this is the caller's
+    /// home): served here whatever this replica thinks the home is, so that a run is never
+    /// forwarded twice.
+    pub(crate) async fn start_forwarded(
+        &self,
+        req: RunRequest,
+        caller: &Caller,
+        io: RunIo,
+    ) -> Result<Execution, ErrorBody> {
+        self.start_audited(req, caller, io, true).await
+    }
+
+    async fn start_audited(
+        &self,
+        req: RunRequest,
+        caller: &Caller,
+        io: RunIo,
+        forwarded: bool,
+    ) -> Result<Execution, ErrorBody> {
+        let io = match self.relay(&req, caller, io, forwarded).await {
+            Ok(relayed) => return relayed,
+            Err(io) => io,
+        };
         // Only the fields the audit line needs are kept for a refusal.
         let audit = RunRequest {
             executable: req.executable.clone(),
@@ -290,6 +339,60 @@ impl Runner {
             self.audit_rejected(&audit, caller, e);
         }
         started
+    }
+
+    /// Relays a run that needs the caller's workspaces or sessions to the replica that holds
+    /// them (`Err(io)`: it runs here). That replica applies the rate limit, policy, slots
+    /// and audit, and counts refusals; this one only relays, tracked so that its shutdown
+    /// waits for the relay.
+    async fn relay(
+        &self,
+        req: &RunRequest,
+        caller: &Caller,
+        io: RunIo,
+        forwarded: bool,
+    ) -> Result<Result<Execution, ErrorBody>, RunIo> {
+        let Some(peers) = self.peers.as_ref().filter(|_| !forwarded) else {
+            return Err(io);
+        };
+        if !crate::peers::needs_home(req, self.sessions_shared()) || self.tracker.is_closed() {
+            return Err(io);
+        }
+        let crate::peers::Home::There(tag) = peers.home(caller).await else {
+            return Err(io);
+        };
+        let (progress, retry) = (io.progress.clone(), io.stdin.is_none());
+        let opts = StartOptions {
+            cancel: self.shutdown.child_token(),
+            progress: io.progress,
+            stdin: io.stdin,
+        };
+        let mut started = peers.start_at(&tag, req, caller, opts).await;
+        // A home that is gone (nothing ran there) is left out of the next pick: once more,
+        // at the caller's new home (not with stdin, which the first attempt took).
+        if let Err(e) = &started
+            && e.code == ErrorCode::BackendUnavailable
+            && retry
+        {
+            match peers.home(caller).await {
+                crate::peers::Home::There(next) if next != tag => {
+                    let opts = StartOptions {
+                        cancel: self.shutdown.child_token(),
+                        progress,
+                        stdin: None,
+                    };
+                    started = peers.start_at(&next, req, caller, opts).await;
+                }
+                crate::peers::Home::Here => {
+                    return Err(RunIo {
+                        progress,
+                        stdin: None,
+                    });
+                }
+                crate::peers::Home::There(_) => {}
+            }
+        }
+        Ok(started.map(|e| e.tracked(self.tracker.token())))
     }
 
     async fn start_inner(

@@ -21,6 +21,7 @@ use crate::runner::Runner;
 pub(crate) mod connections;
 pub(crate) mod guard;
 pub(crate) mod mcp_http;
+mod peer_port;
 mod peers;
 mod raw;
 mod sessions;
@@ -80,8 +81,14 @@ impl IntoResponse for ErrorBody {
     }
 }
 
-/// The router with every endpoint; `max_body_bytes` bounds request bodies.
-pub(crate) fn router(state: AppState, max_body_bytes: usize) -> Router {
+/// The router with every endpoint (`max_body_bytes` bounds request bodies) and, with
+/// `peer_port` (`server.peer_listen`), the peer port's router: the peer channel is then
+/// served there only.
+pub(crate) fn routers(
+    state: AppState,
+    max_body_bytes: usize,
+    peer_port: bool,
+) -> (Router, Option<Router>) {
     let peer_routes;
     let mcp = {
         use rmcp::transport::streamable_http_server::{
@@ -119,7 +126,9 @@ pub(crate) fn router(state: AppState, max_body_bytes: usize) -> Router {
             state.mcp.config.max_sessions_per_client,
             max_body_bytes,
         ));
+        let watch = state.peers.is_some();
         tower::ServiceBuilder::new()
+            .option_layer(watch.then(|| axum::middleware::from_fn(peers::watch_mcp_close)))
             .layer(axum::middleware::from_fn_with_state(
                 guard,
                 crate::server::mcp_http::middleware,
@@ -134,12 +143,42 @@ pub(crate) fn router(state: AppState, max_body_bytes: usize) -> Router {
         Some(store) => workspace::routes(store.clone(), state.runner.metrics().clone()),
         None => Router::new(),
     };
-    let app = Router::new()
+    // The endpoints that may need the caller's state. With peers, the caller's home replica
+    // serves them (`crate::peers`, "homes"): relayed there, or forwarded here by a peer.
+    let homed = Router::new()
         .merge(workspaces)
-        .merge(peer_routes)
         .route("/raw", post(raw::raw))
         .route("/sessions", get(sessions::list))
-        .route("/sessions/{name}", axum::routing::delete(sessions::end))
+        .route("/sessions/{name}", axum::routing::delete(sessions::end));
+    let (homed, forwarded) = match &state.peers {
+        Some(p) => (
+            homed.clone().layer(axum::middleware::from_fn_with_state(
+                (p.clone(), state.runner.sessions_shared()),
+                peers::to_home,
+            )),
+            Router::new().nest(
+                crate::peers::HTTP_PREFIX,
+                homed.layer(axum::middleware::from_fn_with_state(
+                    p.clone(),
+                    peers::from_peer,
+                )),
+            ),
+        ),
+        None => (homed, Router::new()),
+    };
+    // With a peer port, everything under /peer/ (the peer routes and the forwarded users'
+    // requests) is served there only.
+    let (peer_routes, forwarded, peer_app) = if peer_port {
+        let routes = peer_routes.merge(forwarded);
+        let app = peer_port::app(routes, state.clone(), max_body_bytes);
+        (peer_port::refused_here(), Router::new(), Some(app))
+    } else {
+        (peer_routes, forwarded, None)
+    };
+    let app = Router::new()
+        .merge(homed)
+        .merge(forwarded)
+        .merge(peer_routes)
         .route("/capabilities", get(capabilities))
         .nest_service("/mcp", mcp)
         .route("/healthz", get(healthz))
@@ -173,27 +212,40 @@ pub(crate) fn router(state: AppState, max_body_bytes: usize) -> Router {
         ))
         .with_state(state);
     // Around the whole router: a route's `Allow` header is set outside its own layers.
-    Router::new()
+    let app = Router::new()
         .fallback_service(app)
-        .layer(axum::middleware::map_response(name_allowed_methods))
+        .layer(axum::middleware::map_response(name_allowed_methods));
+    (app, peer_app)
 }
 
-/// Serves `router` on `listener` until `shutdown` fires, then drains: the listener stays
-/// open (new executions get `503 shutting_down`), running commands get `grace` to finish,
-/// then they are killed, and connections are closed (see [`crate::connections`]).
-#[allow(clippy::too_many_arguments)] // each is a distinct piece of the start-up; no bundle reads better
+/// How a served gateway stops.
+pub(crate) struct Shutdown<F> {
+    /// Starts the drain when it completes.
+    pub(crate) signal: F,
+    /// How long running commands get to finish before they are killed.
+    pub(crate) grace: Duration,
+    /// Cancelled when they are done: long-lived connections (MCP sessions) end then.
+    pub(crate) drained: tokio_util::sync::CancellationToken,
+}
+
+/// Serves `router` on `listener` until the shutdown signal fires, then drains: the listener
+/// stays open (new executions get `503 shutting_down`), running commands get the grace to
+/// finish, then they are killed, and connections are closed (see [`connections`]).
 pub(crate) async fn serve(
     listener: TcpListener,
     router: Router,
     runner: Arc<Runner>,
     limits: crate::server::connections::ConnectionLimits,
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-    grace: Duration,
-    drained: tokio_util::sync::CancellationToken,
+    shutdown: Shutdown<impl std::future::Future<Output = ()> + Send + 'static>,
 ) -> std::io::Result<()> {
     let metrics = runner.metrics().clone();
+    let Shutdown {
+        signal,
+        grace,
+        drained,
+    } = shutdown;
     let drain = async move {
-        shutdown.await;
+        signal.await;
         tracing::info!(running = runner.in_flight(), "shutting down");
         runner.shutdown(grace).await;
         // Long-lived connections (MCP sessions) end now, so that the server can stop.

@@ -647,12 +647,12 @@ async fn kube_session_pods_mount_the_caches_of_their_identity() {
             })
             .collect()
     };
-    assert_eq!(held_by(&double), vec![pod.clone()]);
+    assert_eq!(held_by(&double), std::slice::from_ref(&pod));
     let s2 = run_as(&mut gw, ALICE, in_session("s2")).await;
     assert_eq!(s2.stdout_str(), "a1\ns1\n", "{s2:?}");
     assert_eq!(
         held_by(&double),
-        vec![pod.clone()],
+        std::slice::from_ref(&pod),
         "still held between calls"
     );
     let spec = double.pod(NS, &pod).unwrap().spec.unwrap();

@@ -30,7 +30,10 @@ struct Install {
     service_accounts: Vec<ServiceAccount>,
     config_maps: Vec<ConfigMap>,
     secrets: Vec<Secret>,
+    /// The runner namespace's Role (pods, exec, claims).
     roles: Vec<Role>,
+    /// The gateway namespace's Role that reads the replicas' EndpointSlices.
+    peer_roles: Vec<Role>,
     role_bindings: Vec<RoleBinding>,
     network_policies: Vec<NetworkPolicy>,
     pdbs: Vec<PodDisruptionBudget>,
@@ -106,7 +109,15 @@ fn load(files: &[PathBuf]) -> Install {
                 ("v1", "ConfigMap") => install.config_maps.push(strict(&what, &value)),
                 ("v1", "Secret") => install.secrets.push(strict(&what, &value)),
                 ("rbac.authorization.k8s.io/v1", "Role") => {
-                    install.roles.push(strict(&what, &value))
+                    let role: Role = strict(&what, &value);
+                    let discovery = role.rules.iter().flatten().any(|r| {
+                        r.api_groups.as_deref() == Some(&["discovery.k8s.io".to_string()][..])
+                    });
+                    if discovery {
+                        install.peer_roles.push(role)
+                    } else {
+                        install.roles.push(role)
+                    }
                 }
                 ("rbac.authorization.k8s.io/v1", "RoleBinding") => {
                     install.role_bindings.push(strict(&what, &value))
@@ -324,8 +335,20 @@ fn check_hardening(i: &Install) {
     let runner_ns = config["kubernetes"]["namespace"].as_str().unwrap();
 
     // RBAC: one Role in the runner namespace, pods and pods/exec only, bound to the
-    // gateway's ServiceAccount.
+    // gateway's ServiceAccount; in the gateway's namespace, reading EndpointSlices only (the
+    // replicas' discovery).
     assert_eq!(i.roles.len(), 1);
+    for role in &i.peer_roles {
+        assert_eq!(role.metadata.namespace, i.deployments[0].metadata.namespace);
+        let rules = role.rules.as_ref().unwrap();
+        assert_eq!(rules.len(), 1);
+        assert_eq!(
+            rules[0].resources.as_deref(),
+            Some(&["endpointslices".to_string()][..])
+        );
+        assert_eq!(rules[0].verbs, ["get", "list", "watch"]);
+        assert!(rules[0].resource_names.is_none());
+    }
     let role = &i.roles[0];
     assert_eq!(role.metadata.namespace.as_deref(), Some(runner_ns));
     for rule in role.rules.as_ref().unwrap() {
@@ -358,9 +381,20 @@ fn check_hardening(i: &Install) {
         .unwrap();
     // WebSocket exec is authorized as `get`, and from Kubernetes 1.35 also as `create`.
     assert!(exec.verbs.contains(&"get".into()) && exec.verbs.contains(&"create".into()));
-    assert_eq!(i.role_bindings.len(), 1);
-    let rb = &i.role_bindings[0];
-    assert_eq!(rb.metadata.namespace.as_deref(), Some(runner_ns));
+    assert_eq!(i.role_bindings.len(), 1 + i.peer_roles.len());
+    let rb = i
+        .role_bindings
+        .iter()
+        .find(|rb| rb.metadata.namespace.as_deref() == Some(runner_ns))
+        .unwrap();
+    for peer_role in &i.peer_roles {
+        let prb = i
+            .role_bindings
+            .iter()
+            .find(|rb| Some(&rb.role_ref.name) == peer_role.metadata.name.as_ref())
+            .expect("the peer Role is bound");
+        assert_eq!(prb.subjects.as_ref().unwrap()[0].name, sa_name);
+    }
     assert_eq!(rb.role_ref.kind, "Role");
     assert_eq!(Some(&rb.role_ref.name), role.metadata.name.as_ref());
     let subjects = rb.subjects.as_ref().unwrap();
@@ -369,9 +403,15 @@ fn check_hardening(i: &Install) {
     assert_eq!(subjects[0].name, sa_name);
     assert_eq!(subjects[0].namespace.as_deref(), Some(ns));
 
-    // The Service reaches the gateway's pods on the named port.
-    assert_eq!(i.services.len(), 1);
-    let svc = i.services[0].spec.as_ref().unwrap();
+    // The Service reaches the gateway's pods on the named port (the headless peer Service
+    // aside).
+    let services: Vec<&Service> = i
+        .services
+        .iter()
+        .filter(|s| s.spec.as_ref().unwrap().cluster_ip.as_deref() != Some("None"))
+        .collect();
+    assert_eq!(services.len(), 1);
+    let svc = services[0].spec.as_ref().unwrap();
     assert!(labels_match(svc.selector.as_ref().unwrap(), &pod_labels));
     assert_eq!(
         svc.ports.as_ref().unwrap()[0].target_port,
@@ -443,7 +483,8 @@ fn default_manifests_parse_strictly_and_are_hardened() {
         );
     }
     // Defaults: no warm pool, so no patch; no ServiceMonitor; auth on, with the token from
-    // the Secret `mcp-run-auth` that the user creates (none in the file, which is published).
+    // the Secret `mcp-run-auth` and the peer secret from `mcp-run-peer`, which the user
+    // creates (none in the file, which is published).
     let pod = i.deployments[0]
         .spec
         .as_ref()
@@ -458,7 +499,7 @@ fn default_manifests_parse_strictly_and_are_hardened() {
         .flatten()
         .filter_map(|v| v.secret.as_ref()?.secret_name.as_deref())
         .collect();
-    assert_eq!(secret_volumes, ["mcp-run-auth"]);
+    assert_eq!(secret_volumes, ["mcp-run-auth", "mcp-run-peer"]);
     let verbs: Vec<&String> = i.roles[0]
         .rules
         .as_ref()

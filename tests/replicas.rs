@@ -24,7 +24,9 @@ use support::Gateway;
 
 const SECRET: &str = "replica-test-secret-0123456789abcdef";
 
-/// Sends each request to the next backend in turn; counts what each got.
+/// Sends each request to the next backend in turn; counts what each got. A backend that
+/// refuses the connection (a dead replica) is skipped for the next, as nginx's
+/// `proxy_next_upstream error` does.
 struct Proxy {
     backends: Vec<String>,
     next: AtomicUsize,
@@ -33,8 +35,6 @@ struct Proxy {
 }
 
 async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
-    let i = p.next.fetch_add(1, Ordering::SeqCst) % p.backends.len();
-    p.hits[i].fetch_add(1, Ordering::SeqCst);
     let path = req
         .uri()
         .path_and_query()
@@ -42,30 +42,37 @@ async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
         .unwrap_or_default();
     let (parts, body) = req.into_parts();
     let body = axum::body::to_bytes(body, 64 << 20).await.unwrap();
-    let mut out = p
-        .client
-        .request(parts.method, format!("{}{path}", p.backends[i]))
-        .body(body);
-    for (k, v) in &parts.headers {
-        if !matches!(k.as_str(), "host" | "content-length" | "connection") {
-            out = out.header(k, v);
-        }
-    }
-    match out.send().await {
-        Ok(resp) => {
-            let mut b = Response::builder().status(resp.status());
-            for (k, v) in resp.headers() {
-                if !matches!(
-                    k.as_str(),
-                    "content-length" | "transfer-encoding" | "connection"
-                ) {
-                    b = b.header(k, v);
-                }
+    let mut last = String::new();
+    for _ in 0..p.backends.len() {
+        let i = p.next.fetch_add(1, Ordering::SeqCst) % p.backends.len();
+        let mut out = p
+            .client
+            .request(parts.method.clone(), format!("{}{path}", p.backends[i]))
+            .body(body.clone());
+        for (k, v) in &parts.headers {
+            if !matches!(k.as_str(), "host" | "content-length" | "connection") {
+                out = out.header(k, v);
             }
-            b.body(Body::from_stream(resp.bytes_stream())).unwrap()
         }
-        Err(e) => (axum::http::StatusCode::BAD_GATEWAY, e.to_string()).into_response(),
+        match out.send().await {
+            Ok(resp) => {
+                p.hits[i].fetch_add(1, Ordering::SeqCst);
+                let mut b = Response::builder().status(resp.status());
+                for (k, v) in resp.headers() {
+                    if !matches!(
+                        k.as_str(),
+                        "content-length" | "transfer-encoding" | "connection"
+                    ) {
+                        b = b.header(k, v);
+                    }
+                }
+                return b.body(Body::from_stream(resp.bytes_stream())).unwrap();
+            }
+            Err(e) if e.is_connect() => last = e.to_string(),
+            Err(e) => return (axum::http::StatusCode::BAD_GATEWAY, e.to_string()).into_response(),
+        }
     }
+    (axum::http::StatusCode::BAD_GATEWAY, last).into_response()
 }
 
 /// Starts the proxy in front of `backends`; its base URL.
@@ -362,6 +369,24 @@ async fn three_replicas_behind_a_round_robin_proxy_serve_mcp_and_kept_outputs() 
         r.structured_content.as_ref().unwrap()["outputs"][0]["stdout"],
         "still here\n"
     );
+    // And through the proxy, which skips the dead replica as a balancer does.
+    for i in 0..3 {
+        let r = c
+            .call_tool(
+                CallToolRequestParams::new("run_network_tool").with_arguments(
+                    json!({"executable": "echo", "args": [format!("via the proxy {i}")]})
+                        .as_object()
+                        .cloned()
+                        .unwrap(),
+                ),
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            r.structured_content.as_ref().unwrap()["outputs"][0]["stdout"],
+            format!("via the proxy {i}\n")
+        );
+    }
     for gw in gws.iter().chain([&dead]) {
         assert!(!gw.log_text().contains(SECRET), "the secret is in a log");
     }
@@ -466,6 +491,48 @@ fn peers_need_the_secret() {
         !out.status.success() && err.contains("too short") && !err.contains("short\""),
         "{err}"
     );
+    // A peer port without peers, the peer port on the users' port, a Service name that is
+    // not one: refused with the key named.
+    let dir = tempfile::tempdir().unwrap();
+    for (args, yaml, says) in [
+        (
+            vec!["--peer-listen", "127.0.0.1:0"],
+            "",
+            "server.peer_listen",
+        ),
+        (
+            vec![
+                "--peer",
+                "http://127.0.0.1:9",
+                "--listen",
+                "127.0.0.1:18099",
+            ],
+            "server:\n  peer_listen: 127.0.0.1:18099\n",
+            "must differ from server.listen",
+        ),
+        (
+            vec![],
+            "server:\n  peer_service: Not_A_Service\n",
+            "server.peer_service",
+        ),
+    ] {
+        let config = support::config_file(&dir, yaml);
+        let mut cmd = std::process::Command::new(support::gateway_bin());
+        cmd.args(["serve", "--config", config.to_str().unwrap()]);
+        if !args.contains(&"--listen") {
+            cmd.args(["--listen", "127.0.0.1:0"]);
+        }
+        let out = cmd
+            .args(&args)
+            .env("MCP_RUN_PEER_SECRET", SECRET)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(says),
+            "{args:?} {yaml}: {err}"
+        );
+    }
 }
 
 /// The JSON-RPC answer in a streamable-HTTP response (JSON, or the SSE event carrying it).
@@ -592,4 +659,705 @@ async fn closing_a_calls_stream_stops_its_command() {
     .unwrap();
     assert!(gone, "the command outlived its closed stream");
     eprintln!("stopped {:?} after the close", closed.elapsed());
+}
+
+/// `run-remote` through `front` (the proxy), in `cwd`, with its own hash cache in `cache`.
+async fn run_remote(
+    front: &Gateway,
+    cache: &std::path::Path,
+    cwd: &std::path::Path,
+    args: &[&str],
+) -> std::process::Output {
+    let mut cmd = front.run_remote();
+    cmd.env("XDG_CACHE_HOME", cache).current_dir(cwd).args(args);
+    tokio::process::Command::from(cmd).output().await.unwrap()
+}
+
+fn json_of(out: &std::process::Output) -> Value {
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "not JSON ({e}): {}\nstderr: {}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })
+}
+
+/// The gateway process that ran a command printing `$PPID` on its last line.
+fn ppid_of(stdout: &str) -> u32 {
+    stdout
+        .trim_end()
+        .lines()
+        .last()
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// Workspaces and sessions through the round-robin proxy: a caller's workspaces and local
+/// sessions live on its home replica, and whichever replica gets a request sends it there.
+/// An unchanged `run-remote --workspace` rerun uploads nothing wherever it lands, sync-back
+/// brings results home, six calls of one session share one runner, `GET /sessions` lists it
+/// from any replica. Then the home is killed (SIGKILL) during a session call: the call ends
+/// with a clear error, and the next calls work on the caller's new home.
+#[tokio::test(flavor = "multi_thread")]
+async fn workspaces_and_sessions_follow_the_callers_home_replica() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let (mut gws, urls) = replicas(&[]);
+    let (base, p) = proxy(urls.clone()).await;
+    let front = Gateway::external(&format!("{base}/raw"), "local");
+    let pids: Vec<u32> = gws.iter().map(|g| g.pid().unwrap()).collect();
+
+    // Forwarded requests take the peer secret only, and need the caller they act for.
+    let http = support::http();
+    for path in ["/peer/v1/http/raw", "/peer/v1/http/workspaces"] {
+        let url = format!("{}{path}", urls[0]);
+        let body = json!({"executable": "true"}).to_string();
+        let resp = http.post(&url).body(body.clone()).send().await.unwrap();
+        assert_eq!(resp.status(), 401, "{path}");
+        let resp = http
+            .post(&url)
+            .bearer_auth(SECRET)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 400, "{path}");
+        let text = resp.text().await.unwrap();
+        assert!(text.contains("x-mcp-run-peer-caller"), "{text}");
+    }
+
+    // A tree, run in four times: uploaded once, then nothing, whichever replica answers.
+    let cache = tempfile::tempdir().unwrap();
+    let tree = tempfile::tempdir().unwrap();
+    std::fs::create_dir(tree.path().join("sub")).unwrap();
+    std::fs::write(tree.path().join("a.txt"), "alpha\n").unwrap();
+    std::fs::write(tree.path().join("sub/b.txt"), "beta\n").unwrap();
+    let cat = ["--workspace", "--output-format", "json", "--", "sh", "-c"];
+    let script = "cat a.txt sub/b.txt; echo $PPID";
+    let mut homes = std::collections::HashSet::new();
+    for i in 0..4 {
+        let out = run_remote(
+            &front,
+            cache.path(),
+            tree.path(),
+            &[&cat[..], &[script]].concat(),
+        )
+        .await;
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "run {i}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v = json_of(&out);
+        let uploaded = &v["workspace"]["uploaded_files"];
+        assert_eq!(*uploaded, if i == 0 { 2 } else { 0 }, "run {i}: {v}");
+        let stdout = v["outputs"][0]["stdout"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{v}"));
+        assert!(stdout.starts_with("alpha\nbeta\n"), "{stdout}");
+        homes.insert(ppid_of(stdout));
+    }
+    assert_eq!(homes.len(), 1, "the workspace runs ran on {homes:?}");
+    let home = *homes.iter().next().unwrap();
+    assert!(pids.contains(&home), "{home} is none of {pids:?}");
+    // Sync-back downloads the results from the home too.
+    let out = run_remote(
+        &front,
+        cache.path(),
+        tree.path(),
+        &[
+            "--workspace",
+            "--output-format",
+            "json",
+            "--sync-back",
+            "out/*",
+            "--",
+            "sh",
+            "-c",
+            "mkdir -p out && echo made > out/r.txt",
+        ],
+    )
+    .await;
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        std::fs::read_to_string(tree.path().join("out/r.txt")).unwrap(),
+        "made\n"
+    );
+
+    // Six calls of one session, through the proxy: one runner (its directory keeps the
+    // count), on the home, whichever replica got each call.
+    let call = json!({"executable": "sh", "args": ["-c", "echo x >> calls; wc -l < calls; echo $PPID"],
+                      "session": "loop"});
+    for n in 1..=6u64 {
+        let r = support::raw(&front, call.clone()).await;
+        assert_eq!(r.code(), Some(0), "call {n}: {r:?}");
+        let out = r.stdout_str();
+        assert_eq!(out.lines().next().unwrap().trim(), n.to_string(), "{out}");
+        assert_eq!(ppid_of(&out), home, "call {n} ran elsewhere");
+        let ctx = r.context.unwrap();
+        assert_eq!(ctx.session.as_deref(), Some("loop"));
+        assert_eq!(ctx.session_call, Some(n));
+    }
+    for _ in 0..3 {
+        let list = support::get_json(&front, "/sessions").await;
+        let names: Vec<&str> = list["sessions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(names, ["loop"], "{list}");
+    }
+    let hits: Vec<usize> = p.hits.iter().map(|h| h.load(Ordering::SeqCst)).collect();
+    assert!(hits.iter().all(|&h| h >= 3), "{hits:?}");
+
+    // A session call sent to another replica, relayed to the home: a client that goes away
+    // stops the command on the home.
+    let h = pids.iter().position(|&p| p == home).unwrap();
+    let other = (h + 1) % 3;
+    let pidfile = tree.path().join("relayed.pid");
+    let sleeper = format!(
+        "echo $$ > {0}.tmp; mv {0}.tmp {0}; echo begun; exec sleep 300",
+        pidfile.display()
+    );
+    let resp = http
+        .post(gws[other].raw_url())
+        .header("content-type", "application/json")
+        .body(json!({"executable": "sh", "args": ["-c", sleeper], "session": "loop"}).to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let pid: i32 = tokio::task::spawn_blocking({
+        let pidfile = pidfile.clone();
+        move || {
+            assert!(support::wait_until(Duration::from_secs(30), || pidfile.exists()));
+            std::fs::read_to_string(&pidfile)
+                .unwrap()
+                .trim()
+                .parse()
+                .unwrap()
+        }
+    })
+    .await
+    .unwrap();
+    assert!(support::pid_alive(pid));
+    drop(resp);
+    let gone = tokio::task::spawn_blocking(move || {
+        support::wait_until(Duration::from_secs(20), || !support::pid_alive(pid))
+    })
+    .await
+    .unwrap();
+    assert!(gone, "the relayed command outlived its client");
+
+    // Another one; the home dies mid-call.
+    let resp = http
+        .post(gws[other].raw_url())
+        .header("content-type", "application/json")
+        .body(json!({"executable": "sh", "args": ["-c", "echo begun; exec sleep 120"], "session": "loop"}).to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.bytes_stream();
+    let mut seen = String::new();
+    use futures_util::StreamExt as _;
+    while !seen.contains("\"stdout\"") {
+        let chunk = body.next().await.expect("the call's stream").unwrap();
+        seen.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    sigkill(home);
+    let mut dead = gws.remove(h);
+    let _ = dead.terminate();
+    let rest = tokio::time::timeout(Duration::from_secs(30), async {
+        while let Some(chunk) = body.next().await {
+            match chunk {
+                Ok(c) => seen.push_str(&String::from_utf8_lossy(&c)),
+                Err(_) => break,
+            }
+        }
+        seen
+    })
+    .await
+    .expect("the relayed call ends when its home dies");
+    let last: Value = serde_json::from_str(rest.trim_end().lines().last().unwrap()).unwrap();
+    assert_eq!(last["type"], "error", "{rest}");
+    assert_eq!(last["code"], "backend_unavailable", "{rest}");
+    assert!(
+        last["message"]
+            .as_str()
+            .unwrap()
+            .contains("stopped answering"),
+        "{rest}"
+    );
+
+    // The others carry on: the session starts afresh on the caller's new home, and the
+    // workspace is posted there again (run-remote uploads what the new home lacks).
+    let r = support::raw(&front, call.clone()).await;
+    assert_eq!(r.code(), Some(0), "{r:?}");
+    let out = r.stdout_str();
+    assert_eq!(out.lines().next().unwrap().trim(), "1", "{out}");
+    let new_home = ppid_of(&out);
+    assert!(new_home != home && pids.contains(&new_home), "{new_home}");
+    for i in 0..3 {
+        let out = run_remote(
+            &front,
+            cache.path(),
+            tree.path(),
+            &[&cat[..], &[script]].concat(),
+        )
+        .await;
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "after the kill, run {i}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v = json_of(&out);
+        assert_eq!(
+            ppid_of(v["outputs"][0]["stdout"].as_str().unwrap()),
+            new_home
+        );
+        if i > 0 {
+            assert_eq!(v["workspace"]["uploaded_files"], 0, "{v}");
+        }
+    }
+    for gw in gws.iter().chain([&dead]) {
+        assert!(!gw.log_text().contains(SECRET), "the secret is in a log");
+    }
+}
+
+/// The EndpointSlice of one replica, as the EndpointSlice controller writes it for the
+/// chart's headless peer Service (one slice per replica here: the replicas share an address,
+/// so their peer ports differ, and a slice has one port set).
+fn peer_slice(pod: &str, peer_port: u16) -> Value {
+    json!({
+        "metadata": {
+            "name": format!("mcp-run-peers-{pod}"),
+            "labels": {"kubernetes.io/service-name": "mcp-run-peers",
+                       "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"}
+        },
+        "addressType": "IPv4",
+        "ports": [{"name": "peer", "port": peer_port, "protocol": "TCP"}],
+        "endpoints": [{
+            "addresses": ["127.0.0.1"],
+            "conditions": {"ready": true, "serving": true, "terminating": false},
+            "targetRef": {"kind": "Pod", "namespace": "default", "name": pod}
+        }]
+    })
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Three gateways on the kube backend, one API server (the double), behind the round-robin
+/// proxy, as the chart installs them: no `--peer`, the replicas find each other from the
+/// EndpointSlices of the headless Service (`server.peer_service`, watched: a replica added
+/// later is found without a restart), and the peer channel is on its own port
+/// (`server.peer_listen`), which the users' port refuses.
+#[tokio::test(flavor = "multi_thread")]
+async fn kube_replicas_find_each_other_from_endpointslices_behind_a_round_robin_proxy() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let double = crate::kube_double::KubeDouble::start();
+    let dir = tempfile::tempdir().unwrap();
+    let ws = tempfile::tempdir().unwrap();
+    let config = support::config_file(
+        &dir,
+        &format!(
+            "server:\n  peer_service: mcp-run-peers\nmcp:\n  result_chars: 4000\n\
+             profiles:\n  default:\n    workspace_path: {}\n",
+            ws.path().display()
+        ),
+    );
+    let kubeconfig = double.kubeconfig();
+    let pods = ["gw-0", "gw-1", "gw-2"];
+    let peer_ports: Vec<u16> = pods.iter().map(|_| free_port()).collect();
+    let mut gws: Vec<Gateway> = pods
+        .iter()
+        .zip(&peer_ports)
+        .map(|(pod, port)| {
+            let peer_listen = format!("127.0.0.1:{port}");
+            Gateway::start_with_env(
+                &[
+                    "--backend",
+                    "kube",
+                    "--kubeconfig",
+                    kubeconfig.to_str().unwrap(),
+                    "--config",
+                    config.to_str().unwrap(),
+                    "--peer-listen",
+                    &peer_listen,
+                ],
+                &[("MCP_RUN_PEER_SECRET", SECRET), ("MCP_RUN_POD_NAME", pod)],
+            )
+        })
+        .collect();
+    let (base, p) = proxy(gws.iter().map(|g| g.base.clone()).collect()).await;
+    let c = ()
+        .serve(StreamableHttpClientTransport::from_uri(format!(
+            "{base}/mcp"
+        )))
+        .await
+        .expect("initialize through the proxy");
+    // One call per replica, each output kept by the replica that ran it.
+    let mut kept = Vec::new();
+    for i in 0..3 {
+        let r = c
+            .call_tool(
+                CallToolRequestParams::new("run_network_tool").with_arguments(
+                    json!({"executable": "sh", "args": ["-c", format!("echo run{i}; seq 1 20000")]})
+                        .as_object()
+                        .cloned()
+                        .unwrap(),
+                ),
+            )
+            .await
+            .expect("tools/call");
+        let o: &Value = &r.structured_content.as_ref().unwrap()["outputs"][0];
+        assert_eq!(o["exit_code"], 0, "{o}");
+        kept.push(o["full_output"]["stdout_uri"].as_str().unwrap().to_owned());
+    }
+    let tags: std::collections::HashSet<String> = kept.iter().map(|u| tags_of(u)).collect();
+    assert_eq!(tags.len(), 3, "{kept:?}");
+    assert_eq!(
+        double.created_pods().len(),
+        3,
+        "each call ran in a pod of its own"
+    );
+    // No EndpointSlice yet: a replica cannot find the others, and says so.
+    let mut unknown = 0;
+    for u in &kept {
+        for _ in 0..3 {
+            if let Err(e) = c
+                .read_resource(ReadResourceRequestParams::new(format!("{u}?lines=1-1")))
+                .await
+            {
+                assert!(e.to_string().contains("no longer answers"), "{e}");
+                unknown += 1;
+            }
+        }
+    }
+    assert_eq!(
+        unknown, 6,
+        "each run read on the two replicas that do not keep it"
+    );
+
+    // The EndpointSlice controller lists the replicas: each one's watch learns of them.
+    for (pod, port) in pods.iter().zip(&peer_ports) {
+        double.put_endpoint_slice("default", peer_slice(pod, *port));
+    }
+    for gw in &gws {
+        let found = support::wait_until(Duration::from_secs(20), || {
+            gw.log_text().lines().any(|l| {
+                l.contains("other replicas, from the Service's EndpointSlices")
+                    && peer_ports
+                        .iter()
+                        .filter(|p| l.contains(&format!("127.0.0.1:{p}/")))
+                        .count()
+                        == 2
+            })
+        });
+        assert!(
+            found,
+            "the replica's watch found the two others:\n{}",
+            gw.log_text()
+        );
+    }
+    // Every kept output now reads through every replica, forwarded over the peer ports.
+    for u in &kept {
+        for _ in 0..3 {
+            let r = c
+                .read_resource(ReadResourceRequestParams::new(format!("{u}?lines=2-3")))
+                .await
+                .expect("resources/read through any replica");
+            assert_eq!(text_of(&r).trim_end(), "1\n2", "{u}");
+        }
+    }
+    // Workspace runs through the proxy, forwarded over the peer ports to the caller's home:
+    // the tree is uploaded once, an unchanged rerun uploads nothing whichever replica
+    // answers, and each run sees the tree in its pod.
+    let front = Gateway::external(&format!("{base}/raw"), "kubernetes");
+    let cache = tempfile::tempdir().unwrap();
+    let tree = tempfile::tempdir().unwrap();
+    std::fs::create_dir(tree.path().join("sub")).unwrap();
+    std::fs::write(tree.path().join("a.txt"), "alpha\n").unwrap();
+    std::fs::write(tree.path().join("sub/b.txt"), "beta\n").unwrap();
+    let created = double.created_pods().len();
+    for i in 0..3 {
+        let out = run_remote(
+            &front,
+            cache.path(),
+            tree.path(),
+            &[
+                "--workspace",
+                "--output-format",
+                "json",
+                "--",
+                "sh",
+                "-c",
+                "cat a.txt sub/b.txt",
+            ],
+        )
+        .await;
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "workspace run {i}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v = json_of(&out);
+        assert_eq!(
+            v["workspace"]["uploaded_files"],
+            if i == 0 { 2 } else { 0 },
+            "workspace run {i}: {v}"
+        );
+        assert_eq!(v["outputs"][0]["stdout"], "alpha\nbeta\n", "{v}");
+    }
+    assert_eq!(
+        double.created_pods().len(),
+        created + 3,
+        "a pod per workspace run"
+    );
+    let hits: Vec<usize> = p.hits.iter().map(|h| h.load(Ordering::SeqCst)).collect();
+    assert!(hits.iter().all(|&h| h > 3), "{hits:?}");
+
+    // The peer channel is on the peer port only: the users' port refuses it, the peer port
+    // serves nothing else, and still wants the secret.
+    let http = support::http();
+    let resp = http
+        .get(gws[0].url("/peer/v1/replica"))
+        .bearer_auth(SECRET)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 404);
+    assert!(resp.text().await.unwrap().contains("peer port"));
+    let peer0 = format!("http://127.0.0.1:{}", peer_ports[0]);
+    let v: Value = http
+        .get(format!("{peer0}/peer/v1/replica"))
+        .bearer_auth(SECRET)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["replica"].as_str().map(str::len), Some(8), "{v}");
+    let resp = http
+        .get(format!("{peer0}/peer/v1/replica"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 401);
+    for path in ["/mcp", "/raw", "/healthz"] {
+        let resp = http.get(format!("{peer0}{path}")).send().await.unwrap();
+        assert_eq!(resp.status(), 404, "{path} on the peer port");
+    }
+
+    // A replica killed: its slice goes (as the controller removes a deleted pod); the
+    // others' runs still read through the live ones, its own fail cleanly, new calls work.
+    let dead_tag = tags_of(&kept[2]);
+    let mut dead = None;
+    for (i, port) in peer_ports.iter().enumerate() {
+        let v: Value = http
+            .get(format!("http://127.0.0.1:{port}/peer/v1/replica"))
+            .bearer_auth(SECRET)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if v["replica"] == dead_tag.as_str() {
+            dead = Some(i);
+        }
+    }
+    let dead = dead.expect("a replica keeps run 2");
+    let mut gone = gws.remove(dead);
+    if let Some(pid) = gone.pid() {
+        sigkill(pid);
+    }
+    let _ = gone.terminate();
+    double.remove_endpoint_slice("default", &format!("mcp-run-peers-{}", pods[dead]));
+    let direct =
+        ().serve(StreamableHttpClientTransport::from_uri(gws[0].url("/mcp")))
+            .await
+            .unwrap();
+    let e = direct
+        .read_resource(ReadResourceRequestParams::new(kept[2].clone()))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("run the command again"), "{e}");
+    for u in &kept[..2] {
+        let r = direct
+            .read_resource(ReadResourceRequestParams::new(format!("{u}?lines=1-1")))
+            .await
+            .expect("a live replica's run still reads");
+        assert!(text_of(&r).starts_with("run"), "{u}");
+    }
+    let r = direct
+        .call_tool(
+            CallToolRequestParams::new("run_network_tool").with_arguments(
+                json!({"executable": "echo", "args": ["still here"]})
+                    .as_object()
+                    .cloned()
+                    .unwrap(),
+            ),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        r.structured_content.as_ref().unwrap()["outputs"][0]["stdout"],
+        "still here\n"
+    );
+    for gw in gws.iter().chain([&gone]) {
+        assert!(!gw.log_text().contains(SECRET), "the secret is in a log");
+    }
+    let _ = c.cancel().await;
+    let _ = direct.cancel().await;
+    drop(gws);
+    let clean = support::wait_until(Duration::from_secs(20), || {
+        double.pod_names("default").is_empty()
+    });
+    assert!(clean, "pods left: {:?}", double.pod_names("default"));
+}
+
+/// Idle warm-pool pods of the double, per gateway (by the pods' `mcp-run.dev/gateway` label).
+fn idle_by_gateway(
+    double: &crate::kube_double::KubeDouble,
+) -> std::collections::BTreeMap<String, usize> {
+    let mut by = std::collections::BTreeMap::new();
+    for p in double.pods("default") {
+        let labels = p.metadata.labels.clone().unwrap_or_default();
+        let idle = labels.get("mcp-run.dev/state").map(String::as_str) == Some("idle");
+        if idle && p.metadata.deletion_timestamp.is_none() {
+            *by.entry(labels["mcp-run.dev/gateway"].clone()).or_default() += 1;
+        }
+    }
+    by
+}
+
+/// Two replicas on the kube backend, one API server, a warm pool of 3 and reapers that sweep
+/// every second with no minimum age: once the replicas find each other (EndpointSlices),
+/// the installation holds 3 idle pods (2 + 1), not 3 per replica, and the surplus goes;
+/// concurrent runs through both never share a pod, and no reaper deletes a pod that the
+/// other replica runs in (every run ends with its own output and exit 0); the pool refills
+/// to 3.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kube_replicas_share_one_warm_pool_and_never_take_or_reap_each_others_pods() {
+    let double = crate::kube_double::KubeDouble::start();
+    let dir = tempfile::tempdir().unwrap();
+    let config = support::config_file(
+        &dir,
+        "server:\n  peer_service: mcp-run-peers\n\
+         kubernetes:\n  reaper_interval_secs: 1\n  reaper_min_age_secs: 0\n\
+         profiles:\n  default:\n    image: busybox:1.36\n    warm_pool:\n      size: 3\n",
+    );
+    let kubeconfig = double.kubeconfig();
+    let pods = ["gw-a", "gw-b"];
+    let peer_ports: Vec<u16> = pods.iter().map(|_| free_port()).collect();
+    let gws: Vec<Gateway> = pods
+        .iter()
+        .zip(&peer_ports)
+        .map(|(pod, port)| {
+            let peer_listen = format!("127.0.0.1:{port}");
+            Gateway::start_with_env(
+                &[
+                    "--backend",
+                    "kube",
+                    "--kubeconfig",
+                    kubeconfig.to_str().unwrap(),
+                    "--config",
+                    config.to_str().unwrap(),
+                    "--peer-listen",
+                    &peer_listen,
+                ],
+                &[("MCP_RUN_PEER_SECRET", SECRET), ("MCP_RUN_POD_NAME", pod)],
+            )
+        })
+        .collect();
+    // Alone (no EndpointSlice lists the other), each keeps the whole pool.
+    let both_full = support::wait_until(Duration::from_secs(30), || {
+        idle_by_gateway(&double)
+            .values()
+            .copied()
+            .collect::<Vec<_>>()
+            == [3, 3]
+    });
+    assert!(both_full, "{:?}", idle_by_gateway(&double));
+    // Listed together: 3 in all, split by the sorted pod names; the surplus is deleted.
+    for (pod, port) in pods.iter().zip(&peer_ports) {
+        double.put_endpoint_slice("default", peer_slice(pod, *port));
+    }
+    let want: std::collections::BTreeMap<String, usize> =
+        [("gw-a".to_string(), 2), ("gw-b".to_string(), 1)].into();
+    let shared = support::wait_until(Duration::from_secs(30), || idle_by_gateway(&double) == want);
+    assert!(shared, "{:?}", idle_by_gateway(&double));
+
+    let runs = (0..12).map(|i| {
+        let gw = &gws[i % 2];
+        async move {
+            support::raw(
+                gw,
+                json!({"executable": "sh", "args": ["-c", "echo $X; sleep 2; echo done"], "env": {"X": format!("run{i}")}}),
+            )
+            .await
+        }
+    });
+    let results = futures_util::future::join_all(runs).await;
+    let mut used = Vec::new();
+    for (i, r) in results.iter().enumerate() {
+        let pod = r
+            .context
+            .as_ref()
+            .and_then(|c| c.pod.clone())
+            .unwrap_or_default();
+        let said: Vec<String> = gws
+            .iter()
+            .flat_map(|g| {
+                g.log_text()
+                    .lines()
+                    .filter(|l| l.contains(&pod))
+                    .map(|l| format!("{}: {l}", g.base))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        assert_eq!(r.code(), Some(0), "run {i}: {r:?}\n{}", said.join("\n"));
+        assert_eq!(r.stdout_str(), format!("run{i}\ndone\n"), "run {i}");
+        used.push(r.context.as_ref().and_then(|c| c.pod.clone()).expect("pod"));
+    }
+    let mut unique = used.clone();
+    unique.sort();
+    unique.dedup();
+    assert_eq!(unique.len(), used.len(), "a pod ran two runs: {used:?}");
+    // Refilled to the shared size, not to a pool per replica.
+    let refilled =
+        support::wait_until(Duration::from_secs(30), || idle_by_gateway(&double) == want);
+    assert!(refilled, "{:?}", idle_by_gateway(&double));
+    let total: usize = idle_by_gateway(&double).values().sum();
+    assert_eq!(total, 3);
+    // Stopped (SIGTERM), each replica deletes its idle pods.
+    for gw in gws {
+        let (status, _) = support::terminate(gw).await;
+        assert!(status.is_some_and(|s| s.success()));
+    }
+    let clean = support::wait_until(Duration::from_secs(20), || {
+        double.pod_names("default").is_empty()
+    });
+    assert!(clean, "pods left: {:?}", double.pod_names("default"));
 }

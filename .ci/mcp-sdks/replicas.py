@@ -4,9 +4,12 @@
 Usage: replicas.py URL
 Over streamable HTTP at URL: initialize, tools/list, three calls with 2 MB of output and
 progress notifications, every page of one kept output (read through whichever replica the
-proxy picks), a search; the SDK must not warn. Exits 1 with the reason on the first failure.
+proxy picks), a search, six calls of one session (one runner, on the caller's home replica);
+then at protocol 2026-07-28 three calls cancelled by the SDK (it aborts the call's POST),
+each of whose commands must stop; the SDK must not warn. Exits 1 with the reason on the first failure.
 """
 
+import json as _json
 import logging
 import sys
 
@@ -80,8 +83,80 @@ async def main(url):
             check("".join(whole) == expected, f"the {pages} pages differ from the output")
             r = await session.read_resource(uris[2] + "?grep=%5E29999%24")
             check(r.contents[0].text == "30000:29999\n", f"grep: {r.contents[0].text!r}")
+            # Six calls of one session, each through whichever replica the proxy picks: all
+            # reach the one runner on the caller's home replica (its directory keeps the count).
+            ppids = set()
+            for n in range(1, 7):
+                r = await session.call_tool(
+                    "run_network_tool",
+                    {"executable": "sh", "session": "sdk",
+                     "args": ["-c", "echo x >> calls; wc -l < calls; echo $PPID"]},
+                )
+                check(not r.is_error, f"session call {n} failed: {r}")
+                o = r.structured_content["outputs"][0]
+                count, ppid = o["stdout"].split()
+                check(count == str(n), f"session call {n} saw {count} earlier calls: {o}")
+                ppids.add(ppid)
+            check(len(ppids) == 1, f"the session's calls ran on {ppids}")
+            # The session is listed, and ended, through any replica.
+            for _ in range(3):
+                r = await session.read_resource("mcp-run://sessions")
+                names = [x["name"] for x in _json.loads(r.contents[0].text)["sessions"]]
+                check(names == ["sdk"], f"mcp-run://sessions lists {names}")
+            r = await session.call_tool("end_session", {"name": "sdk"})
+            check(not r.is_error, f"end_session failed: {r}")
+            for _ in range(3):
+                r = await session.read_resource("mcp-run://sessions")
+                names = [x["name"] for x in _json.loads(r.contents[0].text)["sessions"]]
+                check(names == [], f"after end_session, mcp-run://sessions lists {names}")
+            r = await session.call_tool(
+                "run_network_tool",
+                {"executable": "sh", "session": "sdk",
+                 "args": ["-c", "echo x >> calls; wc -l < calls"]},
+            )
+            count = r.structured_content["outputs"][0]["stdout"].strip()
+            check(count == "1", f"after end_session the session kept its runner: {count}")
+    await modern_cancel(url)
     check(not SDK_WARNINGS.seen, f"the SDK warned: {SDK_WARNINGS.seen}")
     print(f"replicas (python sdk): ok ({pages} pages)")
+
+
+async def modern_cancel(url):
+    """At protocol 2026-07-28 (no initialize: `server/discover`), a cancelled call's POST is
+    aborted by the SDK, and that stops the command on whichever replica runs it (a session
+    call: on the caller's home, relayed when the proxy picked another replica)."""
+    import os
+    import tempfile
+    import time
+
+    pidfile = os.path.join(tempfile.mkdtemp(), "pid")
+    async with streamable_http_client(url) as (read, write, *_):
+        async with ClientSession(read, write) as session:
+            d = await session.discover()
+            check(d is not None, "no discover result")
+            for i in range(3):
+                if os.path.exists(pidfile):
+                    os.remove(pidfile)
+                script = f"echo $$ > {pidfile}.tmp; mv {pidfile}.tmp {pidfile}; exec sleep 300"
+                args = {"executable": "sh", "args": ["-c", script]}
+                if i == 2:
+                    args["session"] = "cancel"
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(session.call_tool, "run_network_tool", args)
+                    with anyio.fail_after(30):
+                        while not os.path.exists(pidfile):
+                            await anyio.sleep(0.05)
+                    tg.cancel_scope.cancel()
+                pid = int(open(pidfile).read())
+                deadline = time.monotonic() + 20
+                while time.monotonic() < deadline:
+                    try:
+                        os.kill(pid, 0)
+                    except ProcessLookupError:
+                        break
+                    await anyio.sleep(0.1)
+                else:
+                    raise SystemExit(f"replicas (python sdk): call {i} outlived its cancellation (pid {pid})")
 
 
 if __name__ == "__main__":

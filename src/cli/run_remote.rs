@@ -401,7 +401,7 @@ fn prepare(args: &Args) -> Result<Prepared, Failure> {
         .ok()
         .map(|t| t.trim().to_owned())
         .filter(|t| !t.is_empty());
-    let remote = RemoteExecutor::new(&server, token).map_err(Failure::config)?;
+    let remote = RemoteExecutor::new(&server, token).map_err(|e| Failure::config(e.to_string()))?;
     Ok(Prepared {
         server,
         request,

@@ -75,6 +75,10 @@ pub(crate) struct ServeArgs {
     /// `server.peer_secret_file`), the same on every replica.
     #[arg(long = "peer", value_name = "URL")]
     pub peers: Vec<String>,
+    /// Serve the replicas' peer channel on this address only (`server.peer_listen`), so that
+    /// a NetworkPolicy can admit it from the gateway's pods alone.
+    #[arg(long, value_name = "ADDR")]
+    pub peer_listen: Option<SocketAddr>,
     /// Log format on stderr.
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
@@ -269,6 +273,7 @@ pub(crate) fn load_config(path: Option<&std::path::Path>) -> anyhow::Result<Conf
 pub(crate) async fn build_executor(
     config: &Config,
     metrics: &crate::metrics::Metrics,
+    replicas: Option<tokio::sync::watch::Receiver<Vec<String>>>,
 ) -> anyhow::Result<Arc<dyn Executor>> {
     Ok(match config.server.backend {
         BackendKind::Local => Arc::new(
@@ -301,12 +306,11 @@ pub(crate) async fn build_executor(
             let token = std::env::var("RUN_REMOTE_TOKEN")
                 .ok()
                 .filter(|t| !t.is_empty());
-            let remote = RemoteExecutor::new(url, token).map_err(anyhow::Error::msg)?;
+            let remote = RemoteExecutor::new(url, token)?;
             match &config.remote.workspace {
-                Some(dir) => Arc::new(
-                    crate::exec::remote::workspace::SyncedRemote::new(remote, dir)
-                        .map_err(anyhow::Error::msg)?,
-                ),
+                Some(dir) => Arc::new(crate::exec::remote::workspace::SyncedRemote::new(
+                    remote, dir,
+                )?),
                 None => Arc::new(remote),
             }
         }
@@ -316,7 +320,8 @@ pub(crate) async fn build_executor(
             let kube = KubeExecutor::connect(config.kubernetes.clone(), profiles, metrics.clone())
                 .await
                 .map_err(kube_setup_error)?
-                .with_caches(&config.caches);
+                .with_caches(&config.caches)
+                .with_replicas(replicas);
             kube.prepare(Duration::from_secs(config.limits.max_timeout_secs))
                 .await;
             Arc::new(kube)
@@ -352,6 +357,9 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         crate::peers::parse_url(peer).map_err(|e| anyhow::anyhow!("--peer: {e}"))?;
     }
     config.server.peers.extend(args.peers);
+    if let Some(peer_listen) = args.peer_listen {
+        config.server.peer_listen = Some(peer_listen);
+    }
     block_on(serve(config))
 }
 
@@ -373,16 +381,30 @@ pub struct App {
     /// Whether bearer tokens are required (connections then count as unauthenticated until
     /// a request passed auth).
     pub(crate) auth_on: bool,
+    /// The peer port's router (`server.peer_listen`), when the peer channel has its own port.
+    pub(crate) peer_router: Option<axum::Router>,
 }
 
 /// Builds the whole gateway from its configuration: backend, runner, auth, router. `serve`
 /// binds it to a listener; tests drive the router in-process.
 pub async fn app(config: &Config) -> anyhow::Result<App> {
+    // First: the warm pools share their size among the replicas it finds.
+    let discovery = match &config.server.peer_service {
+        Some(service) => Some(
+            crate::peers::discovery::Discovery::start(&config.kubernetes, service, pod_name())
+                .await
+                .map_err(anyhow::Error::msg)?,
+        ),
+        None => None,
+    };
     let Prepared {
         runner,
         templates,
         capabilities,
-    } = prepare(config, false).await?;
+    } = {
+        let replicas = discovery.as_ref().map(|d| d.replicas());
+        prepare(config, false, peers(config, discovery)?, replicas).await?
+    };
     let drained = tokio_util::sync::CancellationToken::new();
     let state = AppState {
         runner: runner.clone(),
@@ -394,9 +416,7 @@ pub async fn app(config: &Config) -> anyhow::Result<App> {
             tools: Arc::new(config.tools.clone()),
             templates,
         },
-        auth: crate::auth::Auth::load(&config.auth, |k| std::env::var(k).ok())
-            .map_err(anyhow::Error::msg)?
-            .map(Arc::new),
+        auth: crate::auth::Auth::load(&config.auth, |k| std::env::var(k).ok())?.map(Arc::new),
         guard: Arc::new(
             crate::server::guard::Guard::new(
                 &config.server.allowed_hosts,
@@ -405,7 +425,7 @@ pub async fn app(config: &Config) -> anyhow::Result<App> {
             .with_body_timeout(Duration::from_secs(config.server.body_timeout_secs))
             .with_metrics(runner.metrics().clone()),
         ),
-        peers: peers(config)?,
+        peers: runner.peers().cloned(),
     };
     check_exposure(config, state.auth.is_some())?;
     if let Some(auth) = &state.auth {
@@ -418,17 +438,41 @@ pub async fn app(config: &Config) -> anyhow::Result<App> {
             "bearer-token auth on for every path but /healthz, /readyz and /metrics"
         );
     }
+    let auth_on = state.auth.is_some();
+    let (router, peer_router) = server::routers(
+        state,
+        config.server.max_body_bytes,
+        config.server.peer_listen.is_some(),
+    );
     Ok(App {
-        auth_on: state.auth.is_some(),
-        router: server::router(state, config.server.max_body_bytes),
+        auth_on,
+        router,
+        peer_router,
         runner,
         drained,
     })
 }
 
-/// The other replicas (`server.peers`) with the peer secret, or `None` without peers.
-fn peers(config: &Config) -> anyhow::Result<Option<Arc<crate::peers::Peers>>> {
-    if config.server.peers.is_empty() {
+/// The other replicas (`server.peers`, and those `server.peer_service` lists) with the peer
+/// secret, or `None` without peers.
+fn peers(
+    config: &Config,
+    discovery: Option<crate::peers::discovery::Discovery>,
+) -> anyhow::Result<Option<Arc<crate::peers::Peers>>> {
+    if let Some(peer) = config.server.peer_listen
+        && peer.port() != 0
+        && peer == config.server.listen
+    {
+        anyhow::bail!(
+            "server.peer_listen (--peer-listen) must differ from server.listen ({peer}): the peer channel needs its own port"
+        );
+    }
+    if config.server.peers.is_empty() && discovery.is_none() {
+        if config.server.peer_listen.is_some() {
+            anyhow::bail!(
+                "server.peer_listen (--peer-listen) serves the replicas' peer channel: it needs server.peers (--peer) or server.peer_service"
+            );
+        }
         return Ok(None);
     }
     let secret = crate::peers::load_secret(config.server.peer_secret_file.as_deref(), |k| {
@@ -437,18 +481,35 @@ fn peers(config: &Config) -> anyhow::Result<Option<Arc<crate::peers::Peers>>> {
     .map_err(anyhow::Error::msg)?
     .with_context(|| {
         format!(
-            "server.peers (--peer) needs the replicas' shared secret: set {} or server.peer_secret_file",
+            "server.peers (--peer) and server.peer_service need the replicas' shared secret: set {} or server.peer_secret_file",
             crate::peers::SECRET_ENV
         )
     })?;
-    let peers =
+    let mut peers =
         crate::peers::Peers::new(&config.server.peers, secret).map_err(anyhow::Error::msg)?;
+    if let Some(discovery) = discovery {
+        peers = peers.with_discovery(discovery);
+    }
     tracing::info!(
         replica = peers.tag(),
         peers = peers.len(),
-        "replica of a gateway with peers: MCP is stateless, kept outputs are read through any replica"
+        discovered = peers.discovers(),
+        "replica of a gateway with peers: MCP is stateless; kept outputs, workspaces and sessions are served through any replica"
     );
     Ok(Some(Arc::new(peers)))
+}
+
+/// This gateway's pod (`MCP_RUN_POD_NAME`, set by the chart), else the host name: how its
+/// own endpoint is told apart from the other replicas'.
+fn pod_name() -> Option<String> {
+    std::env::var("MCP_RUN_POD_NAME")
+        .ok()
+        .filter(|s| !s.is_empty())
+        .or_else(|| {
+            nix::unistd::gethostname()
+                .ok()
+                .and_then(|h| h.into_string().ok())
+        })
 }
 
 /// Runs the gateway until SIGTERM or SIGINT.
@@ -458,6 +519,7 @@ pub(crate) async fn serve(config: Config) -> anyhow::Result<()> {
         runner,
         drained,
         auth_on,
+        peer_router,
     } = app(&config).await?;
     crate::leftovers::claim_and_sweep(&[config.workspaces.local_dir()]);
     // Commands run as this user: without this, they could read the gateway's environment
@@ -469,24 +531,66 @@ pub(crate) async fn serve(config: Config) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot listen on {}", config.server.listen))?;
     let addr = listener.local_addr()?;
+    let limits = crate::server::connections::ConnectionLimits {
+        max_connections: config.server.max_connections,
+        max_unauthenticated: config.server.max_unauthenticated_connections,
+        header_timeout: Duration::from_secs(config.server.header_timeout_secs),
+        auth_on,
+    };
+    if let (Some(peer_addr), Some(peer_router)) = (config.server.peer_listen, peer_router) {
+        serve_peer_port(peer_addr, peer_router, &runner, &limits, drained.clone()).await?;
+    }
     tracing::info!(%addr, backend = runner.executor().name(), version = env!("CARGO_PKG_VERSION"), "mcp-run gateway listening");
     server::serve(
         listener,
         router,
         runner,
-        crate::server::connections::ConnectionLimits {
-            max_connections: config.server.max_connections,
-            max_unauthenticated: config.server.max_unauthenticated_connections,
-            header_timeout: Duration::from_secs(config.server.header_timeout_secs),
-            auth_on,
+        limits,
+        server::Shutdown {
+            signal: bounded_shutdown_signal(exit_bound(&config)),
+            grace: config.shutdown_grace(),
+            drained,
         },
-        bounded_shutdown_signal(exit_bound(&config)),
-        config.shutdown_grace(),
-        drained,
     )
     .await?;
     tracing::info!("stopped");
     crate::leftovers::release(&std::env::temp_dir());
+    Ok(())
+}
+
+/// Serves the peer channel on its own port until `drained`: a draining replica still answers
+/// its peers (the outputs it kept), until its running commands are done.
+async fn serve_peer_port(
+    addr: SocketAddr,
+    router: axum::Router,
+    runner: &Runner,
+    limits: &crate::server::connections::ConnectionLimits,
+    drained: tokio_util::sync::CancellationToken,
+) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on {addr} (server.peer_listen)"))?;
+    let local = listener.local_addr()?;
+    tracing::info!(addr = %local, "peer channel served on its own port (replicas only)");
+    let limits = crate::server::connections::ConnectionLimits {
+        // Peers prove the peer secret, checked by the peer routes.
+        auth_on: true,
+        ..limits.clone()
+    };
+    let metrics = runner.metrics().clone();
+    tokio::spawn(async move {
+        if let Err(e) = crate::server::connections::run(
+            listener,
+            router,
+            limits,
+            metrics,
+            drained.cancelled_owned(),
+        )
+        .await
+        {
+            tracing::warn!("the peer port stopped: {e}");
+        }
+    });
     Ok(())
 }
 
@@ -582,7 +686,7 @@ pub(crate) fn build_runner(
         .with_policy(crate::policy::Policy::new(
             config.policy.clone(),
             config.limits.clone(),
-        ))
+        )?)
         .with_redactor(redactor))
 }
 
@@ -595,11 +699,16 @@ struct Prepared {
 
 /// Builds the backend, the runner, the template store (`discover`: also the repository's
 /// `.mcp-run/config.yaml`, for `stdio`) and the capabilities document.
-async fn prepare(config: &Config, discover: bool) -> anyhow::Result<Prepared> {
+async fn prepare(
+    config: &Config,
+    discover: bool,
+    peers: Option<Arc<crate::peers::Peers>>,
+    replicas: Option<tokio::sync::watch::Receiver<Vec<String>>>,
+) -> anyhow::Result<Prepared> {
     // One registry per gateway, handed to whoever records (served on /metrics).
     let metrics = crate::metrics::Metrics::new();
-    let executor = build_executor(config, &metrics).await?;
-    let runner = Arc::new(build_runner(config, executor, metrics)?);
+    let executor = build_executor(config, &metrics, replicas).await?;
+    let runner = Arc::new(build_runner(config, executor, metrics)?.with_peers(peers));
     let templates = template_store(config, discover)?;
     let mut capabilities = capabilities(config, &runner).await;
     capabilities.templates = templates.names(&working_dir());
@@ -696,7 +805,7 @@ pub(crate) async fn stdio_with(config: Config, session: Option<String>) -> anyho
         runner,
         templates,
         capabilities,
-    } = prepare(&config, true).await?;
+    } = prepare(&config, true, None, None).await?;
     let service = McpService::new(runner.clone(), capabilities, &config.mcp)
         .with_tools(Arc::new(config.tools.clone()))
         .with_templates(templates, working_dir())

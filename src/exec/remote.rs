@@ -6,15 +6,19 @@ pub(crate) mod workspace;
 
 use std::time::{Duration, Instant};
 
-use bytes::{Buf, Bytes, BytesMut};
-use futures_util::StreamExt;
+use bytes::Bytes;
 use futures_util::future::BoxFuture;
+use futures_util::stream::BoxStream;
+use futures_util::{StreamExt, TryStreamExt};
 use tokio::sync::mpsc;
+use tokio_util::codec::FramedRead;
+use tokio_util::io::StreamReader;
 use tokio_util::sync::CancellationToken;
 
 use super::{EVENT_BUFFER, ExecSpec, Execution, Executor, StartOptions};
 use crate::contract::{
-    ErrorBody, ErrorCode, Event, ExitInfo, PROGRESS_HEADER, RunRequest, STDIN_CONTENT_TYPE,
+    ErrorBody, ErrorCode, Event, ExitInfo, LineDecoder, LineError, PROGRESS_HEADER, RunRequest,
+    STDIN_CONTENT_TYPE,
 };
 
 /// The remote backend's section of the configuration (`remote:`).
@@ -33,7 +37,7 @@ impl RemoteConfig {
     /// `(field, message)` on failure.
     pub fn validate(&self) -> Result<(), (String, String)> {
         if let Some(server) = &self.server {
-            parse_server_url(server).map_err(|m| ("remote.server".to_owned(), m))?;
+            parse_server_url(server).map_err(|e| ("remote.server".to_owned(), e.to_string()))?;
         }
         Ok(())
     }
@@ -50,15 +54,40 @@ pub struct RemoteExecutor {
     client: reqwest::Client,
     url: reqwest::Url,
     token: Option<String>,
+    /// Sent with every run (a replica forwarding a run names the caller it acts for).
+    headers: reqwest::header::HeaderMap,
 }
 
+/// Why the remote backend cannot be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    #[error("invalid gateway URL {url:?} ({reason}): {}", URL_HINT)]
+    Unparsable { url: String, reason: String },
+    #[error("invalid gateway URL {url:?}: {}", URL_HINT)]
+    NotHttp { url: String },
+    #[error("cannot build the HTTP client: {0}")]
+    Client(reqwest::Error),
+    #[error("--workspace {}: {source}", path.display())]
+    Workspace {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+    #[error("--workspace {}: not a directory", .0.display())]
+    NotADirectory(std::path::PathBuf),
+}
+
+const URL_HINT: &str = "it must be a full URL such as http://127.0.0.1:8080/raw";
+
 /// Checks that `server` is a full `http(s)://host[:port]/path` URL.
-pub(crate) fn parse_server_url(server: &str) -> Result<reqwest::Url, String> {
-    let hint = "it must be a full URL such as http://127.0.0.1:8080/raw";
-    let url = reqwest::Url::parse(server)
-        .map_err(|e| format!("invalid gateway URL {server:?} ({e}): {hint}"))?;
+pub(crate) fn parse_server_url(server: &str) -> Result<reqwest::Url, SetupError> {
+    let url = reqwest::Url::parse(server).map_err(|e| SetupError::Unparsable {
+        url: server.to_owned(),
+        reason: e.to_string(),
+    })?;
     if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none_or(str::is_empty) {
-        return Err(format!("invalid gateway URL {server:?}: {hint}"));
+        return Err(SetupError::NotHttp {
+            url: server.to_owned(),
+        });
     }
     Ok(url)
 }
@@ -81,7 +110,7 @@ pub(crate) fn client_builder(plain_http: bool) -> reqwest::ClientBuilder {
 
 impl RemoteExecutor {
     /// `url` is the gateway's `/raw` URL; `token`, when set, is sent as a bearer token.
-    pub fn new(url: &str, token: Option<String>) -> Result<Self, String> {
+    pub fn new(url: &str, token: Option<String>) -> Result<Self, SetupError> {
         let url = parse_server_url(url)?;
         let client = client_builder(url.scheme() == "http")
             // A POST with a body is not replayed elsewhere; a redirect is reported instead.
@@ -90,8 +119,29 @@ impl RemoteExecutor {
             .tcp_keepalive(Duration::from_secs(30))
             .user_agent(concat!("mcp-run/", env!("CARGO_PKG_VERSION")))
             .build()
-            .map_err(|e| format!("cannot build the HTTP client: {e}"))?;
-        Ok(Self { client, url, token })
+            .map_err(SetupError::Client)?;
+        Ok(Self {
+            client,
+            url,
+            token,
+            headers: reqwest::header::HeaderMap::new(),
+        })
+    }
+
+    /// Another replica of this gateway (`crate::peers`): `url` is its forwarded-run path,
+    /// `secret` the peer secret, `headers` go with every run; `client` is shared.
+    pub(crate) fn for_peer(
+        client: reqwest::Client,
+        url: reqwest::Url,
+        secret: String,
+        headers: reqwest::header::HeaderMap,
+    ) -> Self {
+        Self {
+            client,
+            url,
+            token: Some(secret),
+            headers,
+        }
     }
 
     pub fn url(&self) -> &reqwest::Url {
@@ -195,6 +245,7 @@ impl RemoteExecutor {
         let mut builder = self
             .client
             .post(self.url.clone())
+            .headers(self.headers.clone())
             .header(reqwest::header::ACCEPT, "application/x-ndjson");
         builder = match stdin {
             None => builder
@@ -235,11 +286,7 @@ impl RemoteExecutor {
                 &resp.text().await.unwrap_or_default(),
             ));
         }
-        let mut lines = Lines {
-            body: Box::pin(resp.bytes_stream()),
-            buf: BytesMut::new(),
-            scanned: 0,
-        };
+        let mut lines = Lines::new(resp);
         // Phases (and keep-alives) may come first when they were asked for.
         let context = loop {
             let next = tokio::select! {
@@ -310,56 +357,58 @@ async fn pump(mut lines: Lines, tx: mpsc::Sender<Event>, cancel: CancellationTok
     }
 }
 
-/// Splits a byte stream into NDJSON events.
-struct Lines {
-    body: std::pin::Pin<Box<dyn futures_util::Stream<Item = reqwest::Result<Bytes>> + Send>>,
-    buf: BytesMut,
-    /// How much of `buf` is known to hold no newline (lines span many network reads).
-    scanned: usize,
-}
+/// The gateway's response body, split into NDJSON events.
+struct Lines(
+    FramedRead<StreamReader<BoxStream<'static, std::io::Result<Bytes>>, Bytes>, LineDecoder>,
+);
 
 impl Lines {
+    fn new(resp: reqwest::Response) -> Self {
+        let body = resp.bytes_stream().map_err(std::io::Error::other).boxed();
+        Self(FramedRead::new(
+            StreamReader::new(body),
+            LineDecoder::new(MAX_LINE),
+        ))
+    }
+
     async fn next(&mut self) -> Result<Option<Event>, ErrorBody> {
         loop {
-            if let Some(pos) =
-                memchr::memchr(b'\n', &self.buf[self.scanned..]).map(|p| p + self.scanned)
-            {
-                let mut line = self.buf.split_to(pos + 1);
-                self.scanned = 0;
-                line.truncate(pos);
-                if line.iter().all(u8::is_ascii_whitespace) {
-                    continue;
-                }
-                return Event::from_line_mut(line).map(Some).map_err(|e| {
-                    ErrorBody::new(
-                        ErrorCode::ProtocolError,
-                        format!("malformed event from the gateway: {e}"),
-                    )
-                });
-            }
-            self.scanned = self.buf.len();
-            if self.buf.len() > MAX_LINE {
-                return Err(ErrorBody::new(
-                    ErrorCode::ProtocolError,
-                    "an event line from the gateway is too long",
-                ));
-            }
-            match self.body.next().await {
-                Some(Ok(chunk)) => self.buf.extend_from_slice(chunk.chunk()),
-                Some(Err(e)) => {
+            let line = match self.0.next().await {
+                Some(Ok(line)) => line,
+                None => return Ok(None),
+                Some(Err(LineError::TooLong(_))) => {
                     return Err(ErrorBody::new(
                         ErrorCode::ProtocolError,
-                        format!("the connection to the gateway broke: {}", error_chain(&e)),
+                        "an event line from the gateway is too long",
                     ));
                 }
-                None if self.buf.is_empty() => return Ok(None),
-                None => {
+                Some(Err(LineError::Unterminated(_))) => {
                     return Err(ErrorBody::new(
                         ErrorCode::ProtocolError,
                         "the gateway's stream ended mid-line",
                     ));
                 }
+                Some(Err(LineError::Io(e))) => {
+                    // The reqwest error inside: its message and causes, as before the wrapping.
+                    let chain = match e.get_ref() {
+                        Some(inner) => error_chain(inner),
+                        None => error_chain(&e),
+                    };
+                    return Err(ErrorBody::new(
+                        ErrorCode::ProtocolError,
+                        format!("the connection to the gateway broke: {chain}"),
+                    ));
+                }
+            };
+            if line.iter().all(u8::is_ascii_whitespace) {
+                continue;
             }
+            return Event::from_line_mut(line).map(Some).map_err(|e| {
+                ErrorBody::new(
+                    ErrorCode::ProtocolError,
+                    format!("malformed event from the gateway: {e}"),
+                )
+            });
         }
     }
 }

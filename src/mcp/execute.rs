@@ -104,9 +104,12 @@ pub(crate) async fn execute(
         .template
         .map(|t| t.for_command(&req.executable, &req.args));
     let ct = &context.ct;
+    // With peers, a client that closes the call's connection cancels it.
+    let gone = super::forward::connection_closed(context);
     let started = tokio::select! {
         s = runner.start_with(req, &caller, io) => s.map_err(Stopped::NotStarted),
         _ = ct.cancelled() => Err(Stopped::Cancelled),
+        _ = gone.cancelled() => Err(Stopped::Cancelled),
     };
     let execution = match started {
         Ok(e) => e,
@@ -144,6 +147,7 @@ pub(crate) async fn execute(
     let collected = tokio::select! {
         c = collect(execution, call.capture_bytes, on_output) => Some(c),
         _ = ct.cancelled() => None,
+        _ = gone.cancelled() => None,
     };
     if let Some(r) = reporter {
         r.stop();

@@ -5,6 +5,10 @@
 //!
 //! The owner applies today's bounds and expiry and the owner check; the forwarding replica
 //! only says so when the owner is gone (its outputs went with it).
+//!
+//! The caller's sessions (the tool `end_session`, the resource `mcp-run://sessions`) are its
+//! home replica's when they live in one process: [`end_session_at_home`] and
+//! [`sessions_at_home`] ask it (`crate::peers`, "homes").
 
 use rmcp::ErrorData as McpError;
 use rmcp::model::{ErrorCode, ReadResourceResult};
@@ -120,4 +124,77 @@ pub(crate) fn answer(
             refusal(status, e.code, e.message.into_owned())
         }
     }
+}
+
+/// The home's peers when `caller`'s sessions live on one replica (a backend whose sessions
+/// are not shared, with peers).
+fn session_peers(service: &McpService) -> Option<&std::sync::Arc<Peers>> {
+    service
+        .peers
+        .as_ref()
+        .filter(|_| !service.runner.sessions_shared())
+}
+
+/// Ends `caller`'s session `name` on its home replica: `None` when that is this one.
+pub(crate) async fn end_session_at_home(
+    service: &McpService,
+    caller: &Caller,
+    name: &str,
+) -> Option<Result<(), crate::contract::ErrorBody>> {
+    let peers = session_peers(service)?;
+    let path = format!("/sessions/{name}");
+    match peers
+        .call_home(caller, axum::http::Method::DELETE, &path)
+        .await?
+    {
+        Ok((204, _)) => Some(Ok(())),
+        Ok((status, body)) => Some(Err(crate::contract::ErrorBody::from_answer(
+            status,
+            &String::from_utf8_lossy(&body),
+        ))),
+        Err(e) => Some(Err(e)),
+    }
+}
+
+/// `caller`'s open sessions, from its home replica: `None` when that is this one.
+pub(crate) async fn sessions_at_home(
+    service: &McpService,
+    caller: &Caller,
+) -> Option<Result<crate::contract::SessionList, crate::contract::ErrorBody>> {
+    let peers = session_peers(service)?;
+    match peers
+        .call_home(caller, axum::http::Method::GET, "/sessions")
+        .await?
+    {
+        Ok((200, body)) => Some(serde_json::from_slice(&body).map_err(|e| {
+            crate::contract::ErrorBody::new(
+                crate::contract::ErrorCode::ProtocolError,
+                format!("the home replica's session list does not parse: {e}"),
+            )
+        })),
+        Ok((status, body)) => Some(Err(crate::contract::ErrorBody::from_answer(
+            status,
+            &String::from_utf8_lossy(&body),
+        ))),
+        Err(e) => Some(Err(e)),
+    }
+}
+
+/// In an MCP request's HTTP extensions, with peers: cancelled when the client's connection
+/// reaches EOF. Without MCP sessions, closing the call's connection is how a client cancels
+/// it (a 2026-07-28 client aborts the call's POST), and a write that fails comes late, or
+/// never before a call's first message.
+#[derive(Clone)]
+pub(crate) struct ConnectionClosed(pub(crate) tokio_util::sync::CancellationToken);
+
+/// The token of [`ConnectionClosed`] for the call in `context`; one that never fires without.
+pub(crate) fn connection_closed(
+    context: &rmcp::service::RequestContext<rmcp::RoleServer>,
+) -> tokio_util::sync::CancellationToken {
+    context
+        .extensions
+        .get::<axum::http::request::Parts>()
+        .and_then(|p| p.extensions.get::<ConnectionClosed>())
+        .map(|c| c.0.clone())
+        .unwrap_or_default()
 }

@@ -38,7 +38,9 @@ use crate::templates::{AUTO, RAW};
 
 pub(crate) use config::McpConfig;
 use execute::{Call, Stopped, execute};
-pub(crate) use forward::{READ_PATH as READ_OUTPUT_PATH, answer as answer_peer_read};
+pub(crate) use forward::{
+    ConnectionClosed, READ_PATH as READ_OUTPUT_PATH, answer as answer_peer_read,
+};
 use reply::error_result;
 use store::{Missing, OutputStore, StoreLimits};
 
@@ -157,7 +159,7 @@ impl McpService {
         tool
     }
 
-    fn end_session(
+    async fn end_session(
         &self,
         arguments: Option<Map<String, Value>>,
         context: &RequestContext<RoleServer>,
@@ -172,6 +174,15 @@ impl McpService {
             .to_owned();
         if let Err(e) = crate::contract::check_session_name(&name) {
             return error_result(&e);
+        }
+        // With peers, the session lives on the caller's home replica.
+        if let Some(ended) = forward::end_session_at_home(self, &caller, &name).await {
+            return match ended {
+                Ok(()) => CallToolResult::success(vec![rmcp::model::ContentBlock::text(format!(
+                    "session {name:?} ended"
+                ))]),
+                Err(e) => error_result(&e),
+            };
         }
         let Some(sessions) = self.runner.sessions() else {
             return error_result(&ErrorBody::new(
@@ -188,9 +199,18 @@ impl McpService {
     }
 
     /// The caller's open sessions as JSON.
-    fn sessions_json(&self, context: &RequestContext<RoleServer>) -> String {
+    async fn sessions_json(
+        &self,
+        context: &RequestContext<RoleServer>,
+    ) -> Result<String, McpError> {
         let caller = crate::auth::mcp_caller(&context.extensions)
             .unwrap_or_else(|| crate::auth::Caller::local("stdio"));
+        // With peers, the sessions live on the caller's home replica.
+        match forward::sessions_at_home(self, &caller).await {
+            Some(Ok(list)) => return Ok(serde_json::to_string_pretty(&list).unwrap_or_default()),
+            Some(Err(e)) => return Err(McpError::internal_error(e.message, None)),
+            None => {}
+        }
         let list = crate::contract::SessionList {
             sessions: self
                 .runner
@@ -198,7 +218,7 @@ impl McpService {
                 .map(|s| s.list(&caller))
                 .unwrap_or_default(),
         };
-        serde_json::to_string_pretty(&list).unwrap_or_default()
+        Ok(serde_json::to_string_pretty(&list).unwrap_or_default())
     }
 
     /// Takes output templates from this store, configured for this directory (the
@@ -489,8 +509,8 @@ impl McpService {
         uri: &str,
         context: &RequestContext<RoleServer>,
     ) -> Result<ReadResourceResult, McpError> {
-        let parsed =
-            resources::OutputUri::parse(uri).map_err(|m| McpError::invalid_params(m, None))?;
+        let parsed = resources::OutputUri::parse(uri)
+            .map_err(|e| McpError::invalid_params(e.to_string(), None))?;
         let caller = crate::auth::mcp_caller(&context.extensions)
             .unwrap_or_else(|| crate::auth::Caller::local("stdio"));
         if let Some(peers) = &self.peers
@@ -509,8 +529,8 @@ impl McpService {
         uri: &str,
         caller: &crate::auth::Caller,
     ) -> Result<ReadResourceResult, McpError> {
-        let parsed =
-            resources::OutputUri::parse(uri).map_err(|m| McpError::invalid_params(m, None))?;
+        let parsed = resources::OutputUri::parse(uri)
+            .map_err(|e| McpError::invalid_params(e.to_string(), None))?;
         let Some(store) = &self.store else {
             return Err(McpError::resource_not_found(
                 "this server keeps no outputs (its output directory could not be made)",
@@ -531,7 +551,7 @@ impl McpService {
             McpError::resource_not_found(message, None)
         })?;
         let page = resources::read(&run, &parsed, self.config.result_chars)
-            .map_err(|m| McpError::invalid_params(m, None))?;
+            .map_err(|e| McpError::invalid_params(e.to_string(), None))?;
         let contents = match page.blob {
             None => vec![ResourceContents::text(page.text, uri)],
             Some(bytes) => {
@@ -628,7 +648,7 @@ impl ServerHandler for McpService {
             return Ok(self.redact_error(r).into());
         }
         if request.name == END_SESSION_TOOL && self.runner.sessions().is_some() {
-            return Ok(self.end_session(request.arguments, &context).into());
+            return Ok(self.end_session(request.arguments, &context).await.into());
         }
         if request.name != TOOL {
             return Err(self.redact_mcp_error(McpError::invalid_params(
@@ -710,7 +730,10 @@ impl ServerHandler for McpService {
                 .map_err(|e| self.redact_mcp_error(e));
         }
         if request.uri == SESSIONS_URI && self.runner.sessions().is_some() {
-            let text = self.sessions_json(&context);
+            let text = self
+                .sessions_json(&context)
+                .await
+                .map_err(|e| self.redact_mcp_error(e))?;
             return Ok(
                 ReadResourceResult::new(vec![ResourceContents::text(text, SESSIONS_URI)]).into(),
             );

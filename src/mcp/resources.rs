@@ -36,13 +36,51 @@ pub(crate) struct Query {
     pub grep: Option<String>,
 }
 
+/// Why an output URI cannot be read (the MCP front answers each with `invalid_params`).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ResourceError {
+    #[error("not an output URI: {0:?}")]
+    NotOurs(String),
+    #[error("expected {TEMPLATE}, got {0:?}")]
+    Shape(String),
+    #[error("the stream is stdout or stderr, not {0:?}")]
+    Stream(String),
+    #[error("invalid run id {0:?}")]
+    RunId(String),
+    #[error("{0:?} is not UTF-8 once decoded")]
+    NotUtf8(String),
+    #[error("{what} must be START-END or START- (numbers from {min}), got {value:?}")]
+    Range {
+        what: &'static str,
+        min: u64,
+        value: String,
+    },
+    #[error("grep needs a pattern")]
+    EmptyGrep,
+    #[error("unknown parameter {0:?}: use lines, bytes or grep")]
+    UnknownParameter(String),
+    #[error("bytes cannot be combined with lines or grep")]
+    BytesWithLines,
+    #[error("invalid grep pattern {pattern:?}: {source}")]
+    Grep {
+        pattern: String,
+        source: regex::Error,
+    },
+    #[error("cannot read the output: {0}")]
+    Read(#[from] std::io::Error),
+}
+
 /// Whether `uri` is one of ours (so that a bad one gets a precise error).
 pub(crate) fn is_output_uri(uri: &str) -> bool {
     uri.starts_with(PREFIX)
 }
 
-fn range(v: &str, what: &str, min: u64) -> Result<(u64, Option<u64>), String> {
-    let bad = || format!("{what} must be START-END or START- (numbers from {min}), got {v:?}");
+fn range(v: &str, what: &'static str, min: u64) -> Result<(u64, Option<u64>), ResourceError> {
+    let bad = || ResourceError::Range {
+        what,
+        min,
+        value: v.to_owned(),
+    };
     let (a, b) = v.split_once('-').ok_or_else(bad)?;
     let a: u64 = a.parse().map_err(|_| bad())?;
     let b: Option<u64> = if b.is_empty() {
@@ -58,12 +96,12 @@ fn range(v: &str, what: &str, min: u64) -> Result<(u64, Option<u64>), String> {
 
 /// A query value as sent: `+` is a space (form encoding), `%XX` a byte; the bytes must be
 /// UTF-8. A `%` not followed by two hex digits stays as it is.
-fn percent_decode(s: &str) -> Result<String, String> {
+fn percent_decode(s: &str) -> Result<String, ResourceError> {
     let spaced = s.replace('+', " ");
     percent_encoding::percent_decode_str(&spaced)
         .decode_utf8()
         .map(|d| d.into_owned())
-        .map_err(|_| format!("{s:?} is not UTF-8 once decoded"))
+        .map_err(|_| ResourceError::NotUtf8(s.to_owned()))
 }
 
 /// What a query value may hold as it is (RFC 3986's unreserved characters); the rest is
@@ -79,21 +117,21 @@ fn encode(s: &str) -> String {
 }
 
 impl OutputUri {
-    pub(crate) fn parse(uri: &str) -> Result<OutputUri, String> {
+    pub(crate) fn parse(uri: &str) -> Result<OutputUri, ResourceError> {
         let rest = uri
             .strip_prefix(PREFIX)
-            .ok_or_else(|| format!("not an output URI: {uri:?}"))?;
+            .ok_or_else(|| ResourceError::NotOurs(uri.to_owned()))?;
         let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
         let (id, stream) = path
             .split_once('/')
-            .ok_or_else(|| format!("expected {TEMPLATE}, got {uri:?}"))?;
+            .ok_or_else(|| ResourceError::Shape(uri.to_owned()))?;
         let stream = match stream {
             "stdout" => Stream::Stdout,
             "stderr" => Stream::Stderr,
-            s => return Err(format!("the stream is stdout or stderr, not {s:?}")),
+            s => return Err(ResourceError::Stream(s.to_owned())),
         };
         if id.is_empty() || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
-            return Err(format!("invalid run id {id:?}"));
+            return Err(ResourceError::RunId(id.to_owned()));
         }
         let mut q = Query::default();
         for pair in query.split('&').filter(|p| !p.is_empty()) {
@@ -103,14 +141,12 @@ impl OutputUri {
                 "bytes" => q.bytes = Some(range(&v, "bytes", 0)?),
                 "lines" => q.lines = Some(range(&v, "lines", 1)?),
                 "grep" if !v.is_empty() => q.grep = Some(v),
-                "grep" => return Err("grep needs a pattern".into()),
-                k => {
-                    return Err(format!("unknown parameter {k:?}: use lines, bytes or grep"));
-                }
+                "grep" => return Err(ResourceError::EmptyGrep),
+                k => return Err(ResourceError::UnknownParameter(k.to_owned())),
             }
         }
         if q.bytes.is_some() && (q.lines.is_some() || q.grep.is_some()) {
-            return Err("bytes cannot be combined with lines or grep".into());
+            return Err(ResourceError::BytesWithLines);
         }
         Ok(OutputUri {
             id: id.to_owned(),
@@ -136,9 +172,9 @@ pub(crate) struct Page {
 }
 
 /// Reads one page of `uri` from `run`, at most `budget` characters (as [`cost`] counts).
-pub(crate) fn read(run: &Recording, uri: &OutputUri, budget: usize) -> Result<Page, String> {
+pub(crate) fn read(run: &Recording, uri: &OutputUri, budget: usize) -> Result<Page, ResourceError> {
     let path = run.path(uri.stream);
-    let file = std::fs::File::open(path).map_err(|e| format!("cannot read the output: {e}"))?;
+    let file = std::fs::File::open(path)?;
     let kept = run.kept(uri.stream);
     let total = run.total(uri.stream);
     let mut page = match (&uri.query.bytes, &uri.query.grep) {
@@ -173,7 +209,7 @@ fn bytes_page(
     end: Option<u64>,
     kept: u64,
     budget: usize,
-) -> Result<Page, String> {
+) -> Result<Page, ResourceError> {
     let end = end.unwrap_or(kept).min(kept);
     if start > end {
         return Ok(Page {
@@ -182,14 +218,11 @@ fn bytes_page(
             next: None,
         });
     }
-    file.seek(SeekFrom::Start(start))
-        .map_err(|e| format!("cannot read the output: {e}"))?;
+    file.seek(SeekFrom::Start(start))?;
     // A character costs at most 6 (a control byte escaped), and at least one byte.
     let want = (end - start).min(room(budget) as u64 * 4);
     let mut buf = Vec::with_capacity(want as usize);
-    file.take(want)
-        .read_to_end(&mut buf)
-        .map_err(|e| format!("cannot read the output: {e}"))?;
+    file.take(want).read_to_end(&mut buf)?;
     let n = crate::result::fit_head(&buf, room(budget));
     // Prefer to end the page after a newline, when one is near.
     let n = match memchr::memrchr(b'\n', &buf[..n]) {
@@ -223,7 +256,7 @@ fn bytes_page(
     })
 }
 
-fn lines_page(file: std::fs::File, uri: &OutputUri, budget: usize) -> Result<Page, String> {
+fn lines_page(file: std::fs::File, uri: &OutputUri, budget: usize) -> Result<Page, ResourceError> {
     let (first, last) = uri.query.lines.unwrap_or((1, None));
     let room = room(budget);
     let mut used = 0;
@@ -233,9 +266,7 @@ fn lines_page(file: std::fs::File, uri: &OutputUri, budget: usize) -> Result<Pag
     let mut no = 0u64;
     loop {
         line.clear();
-        let n = reader
-            .read_until(b'\n', &mut line)
-            .map_err(|e| format!("cannot read the output: {e}"))?;
+        let n = reader.read_until(b'\n', &mut line)?;
         if n == 0 {
             return Ok(Page {
                 text,
@@ -290,11 +321,14 @@ fn grep_page(
     uri: &OutputUri,
     re: &str,
     budget: usize,
-) -> Result<Page, String> {
+) -> Result<Page, ResourceError> {
     let pattern = regex::RegexBuilder::new(re)
         .size_limit(1 << 22)
         .build()
-        .map_err(|e| format!("invalid grep pattern {re:?}: {e}"))?;
+        .map_err(|source| ResourceError::Grep {
+            pattern: re.to_owned(),
+            source,
+        })?;
     let (first, last) = uri.query.lines.unwrap_or((1, None));
     let room = room(budget);
     let (mut used, mut matches) = (0, 0u64);
@@ -304,9 +338,7 @@ fn grep_page(
     let mut no = 0u64;
     loop {
         line.clear();
-        let n = reader
-            .read_until(b'\n', &mut line)
-            .map_err(|e| format!("cannot read the output: {e}"))?;
+        let n = reader.read_until(b'\n', &mut line)?;
         no += 1;
         if n == 0 || last.is_some_and(|l| no > l) {
             if matches == 0 {

@@ -80,3 +80,117 @@ fn refused(peers: &Peers, conn: Conn, headers: &HeaderMap) -> Option<Response> {
         .into_response(),
     )
 }
+
+/// Around the users' endpoints that need the caller's state (`/workspaces...`, and
+/// `/sessions...` unless the backend's sessions are shared): a request whose caller's home is another replica is relayed there
+/// (`crate::peers`, "homes"); the rest go on here.
+pub(super) async fn to_home(
+    axum::extract::State((peers, shared_sessions)): axum::extract::State<(Arc<Peers>, bool)>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if !crate::peers::path_needs_home(req.uri().path(), shared_sessions)
+        || req.extensions().get::<crate::peers::Forwarded>().is_some()
+    {
+        return next.run(req).await;
+    }
+    let caller = req
+        .extensions()
+        .get::<crate::auth::Caller>()
+        .cloned()
+        .unwrap_or_default();
+    let (parts, body) = req.into_parts();
+    let declared = parts
+        .headers
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let bodiless = matches!(
+        parts.method,
+        axum::http::Method::GET | axum::http::Method::DELETE | axum::http::Method::HEAD
+    );
+    let mut body = match declared {
+        _ if bodiless => crate::peers::Relayed::Buffered(Bytes::new()),
+        Some(n) if n <= crate::peers::REPLAYABLE_BYTES => {
+            match axum::body::to_bytes(body, crate::peers::REPLAYABLE_BYTES as usize).await {
+                Ok(b) => crate::peers::Relayed::Buffered(b),
+                Err(e) => {
+                    return ErrorBody::new(
+                        ErrorCode::InvalidRequest,
+                        format!("cannot read the request body: {e}"),
+                    )
+                    .into_response();
+                }
+            }
+        }
+        _ => crate::peers::Relayed::Streamed(body),
+    };
+    // A home found gone is left out, and the request goes to the next one (once more).
+    for _ in 0..2 {
+        match peers.home(&caller).await {
+            crate::peers::Home::Here => break,
+            crate::peers::Home::There(tag) => {
+                match peers.proxy(&tag, &caller, &parts, body).await {
+                    Ok(answer) => return answer,
+                    Err(again) => body = again,
+                }
+            }
+        }
+    }
+    let body = match body {
+        crate::peers::Relayed::Buffered(b) => axum::body::Body::from(b),
+        crate::peers::Relayed::Streamed(b) => b,
+    };
+    next.run(axum::extract::Request::from_parts(parts, body))
+        .await
+}
+
+/// Around the users' endpoints under [`crate::peers::HTTP_PREFIX`]: a request another
+/// replica forwarded, with the peer secret, acts for the caller its header names and is
+/// served here.
+pub(super) async fn from_peer(
+    axum::extract::State(peers): axum::extract::State<Arc<Peers>>,
+    conn: Conn,
+    mut req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if let Some(refused) = refused(&peers, conn, req.headers()) {
+        return refused;
+    }
+    let caller = match crate::peers::decode_caller(req.headers()) {
+        Ok(c) => c,
+        Err(e) => return e.into_response(),
+    };
+    // The peer secret is no token of the caller's: it goes no further.
+    req.headers_mut().remove(axum::http::header::AUTHORIZATION);
+    req.extensions_mut().insert(caller);
+    req.extensions_mut().insert(crate::peers::Forwarded);
+    next.run(req).await
+}
+
+/// Around `/mcp` with peers: a POST's handlers learn when the client's connection reaches EOF
+/// ([`crate::mcp::ConnectionClosed`]), watched as long as the answer streams.
+pub(super) async fn watch_mcp_close(
+    mut req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if req.method() != axum::http::Method::POST {
+        return next.run(req).await;
+    }
+    let until = tokio_util::sync::CancellationToken::new();
+    let closed = req
+        .extensions()
+        .get::<crate::server::connections::PeerClosed>()
+        .and_then(|p| p.watch(until.clone()));
+    if let Some(c) = closed {
+        req.extensions_mut().insert(crate::mcp::ConnectionClosed(c));
+    }
+    let guard = until.drop_guard();
+    next.run(req).await.map(move |body| {
+        use futures_util::StreamExt as _;
+        axum::body::Body::from_stream(body.into_data_stream().map(move |chunk| {
+            let _watching = &guard;
+            chunk
+        }))
+    })
+}

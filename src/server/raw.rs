@@ -11,22 +11,26 @@
 //! output, terminal) are one state machine over the same request.
 
 use std::convert::Infallible;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::{Body, BodyDataStream, Bytes};
 use axum::extract::{FromRequest, Request, State};
 use axum::http::{HeaderMap, HeaderValue, header};
 use axum::response::{IntoResponse, Response};
-use bytes::BytesMut;
 use futures_util::future::BoxFuture;
-use futures_util::stream::{self, Stream, StreamExt};
+use futures_util::stream::{Stream, StreamExt, TryStreamExt};
 use tokio::sync::{mpsc, oneshot};
-use tokio_util::sync::{CancellationToken, DropGuard};
+use tokio_util::codec::FramedRead;
+use tokio_util::io::StreamReader;
+use tokio_util::sync::{CancellationToken, DropGuard, WaitForCancellationFutureOwned};
 
 use super::AppState;
 use crate::auth::Caller;
 use crate::contract::{
-    ErrorBody, ErrorCode, Event, PROGRESS_HEADER, RunRequest, STDIN_CONTENT_TYPE,
+    ErrorBody, ErrorCode, Event, LineDecoder, LineError, PROGRESS_HEADER, RunRequest,
+    STDIN_CONTENT_TYPE,
 };
 use crate::exec::{Execution, Progress};
 use crate::runner::RunIo;
@@ -50,6 +54,7 @@ pub(super) async fn raw(
     caller: Option<axum::Extension<Caller>>,
     peer_closed: Option<axum::Extension<crate::server::connections::PeerClosed>>,
     axum::Extension(HeadLimit(head_limit)): axum::Extension<HeadLimit>,
+    forwarded: Option<axum::Extension<crate::peers::Forwarded>>,
     request: Request,
 ) -> Response {
     let headers = request.headers().clone();
@@ -95,8 +100,11 @@ pub(super) async fn raw(
         progress: sink,
         stdin: stdin_rx,
     };
-    let mut start: BoxFuture<'static, Result<Execution, ErrorBody>> =
-        Box::pin(async move { runner.start_with(req, &caller, io).await });
+    // A run another replica forwarded (this is the caller's home) runs here.
+    let mut start: BoxFuture<'static, Result<Execution, ErrorBody>> = match forwarded {
+        Some(_) => Box::pin(async move { runner.start_forwarded(req, &caller, io).await }),
+        None => Box::pin(async move { runner.start_with(req, &caller, io).await }),
+    };
     // Until the backend reports a phase, the answer is what it always was: an HTTP error if
     // the start fails, the stream from `started` on if it succeeds.
     // A client gone during a long start (a pod that waits for a node) must not keep the
@@ -116,28 +124,27 @@ pub(super) async fn raw(
     };
     let peer_eof = eof.is_cancelled();
     watching.cancel();
-    let stage = match first {
-        Err(Ok(execution)) => {
-            tracing::debug!(%command, context = ?execution.context(), "started");
-            // Phases the backend reported on its way to a quick start go first.
-            Stage::Flush(phases, Box::new(Stage::Started(execution)))
-        }
+    let (first, start) = match first {
+        // Phases the backend reported on its way to a quick start still go first.
+        Err(Ok(execution)) => (None, Box::pin(std::future::ready(Ok(execution))) as _),
         Err(Err(e)) => {
             tracing::info!(%command, code = %e.code, message = %e.message, "rejected");
             return e.into_response();
         }
         Ok(phase) => {
             tracing::debug!(%command, ?phase, "preparing");
-            Stage::Phase(phase, start, phases)
+            (Some(phase), start)
         }
     };
-    // Watched while the stream lives: the client's EOF starts probing (see `Run::step`).
+    // Watched while the stream lives: the client's EOF starts probing (see `KeepAlive`).
     let streaming = CancellationToken::new();
     let peer = peer_closed
         .and_then(|p| p.0.watch(streaming.clone()))
         .unwrap_or_default();
     let run = Run {
-        stage,
+        first,
+        start,
+        phases,
         keepalive: state.keepalive,
         stdin: stdin_guard,
         command,
@@ -193,7 +200,7 @@ async fn with_stdin(
     head_limit: usize,
 ) -> Result<(RunRequest, Option<Stdin>), ErrorBody> {
     let limits = state.runner.limits();
-    let mut body = body.into_data_stream();
+    let body = body.into_data_stream();
     // A refused request's body is still read for a moment (see `drain`).
     let refuse = |body: BodyDataStream, e: ErrorBody| {
         tokio::spawn(drain(body));
@@ -208,7 +215,8 @@ async fn with_stdin(
             ),
         );
     }
-    let (head, rest) = match read_head(&mut body, head_limit).await {
+    let (body, head) = read_head(body, head_limit).await;
+    let (head, rest) = match head {
         Ok(h) => h,
         Err(e) => return refuse(body, e),
     };
@@ -253,34 +261,33 @@ fn too_large(max: u64) -> ErrorBody {
 }
 
 /// Splits the first line (the request JSON) off the body; what follows it is stdin. A body
-/// without a newline is all request, with empty stdin.
-async fn read_head(body: &mut BodyDataStream, limit: usize) -> Result<(Bytes, Bytes), ErrorBody> {
-    let mut buf = BytesMut::new();
-    let mut scanned = 0;
-    loop {
-        if let Some(pos) = memchr::memchr(b'\n', &buf[scanned..]).map(|p| p + scanned) {
-            let mut head = buf.split_to(pos + 1);
-            head.truncate(pos);
-            return Ok((head.freeze(), buf.freeze()));
-        }
-        scanned = buf.len();
-        if buf.len() > limit {
-            return Err(ErrorBody::new(
-                ErrorCode::PayloadTooLarge,
-                "the request line is larger than the server accepts",
-            ));
-        }
-        match body.next().await {
-            Some(Ok(chunk)) => buf.extend_from_slice(&chunk),
-            Some(Err(e)) => {
-                return Err(ErrorBody::new(
-                    ErrorCode::InvalidRequest,
-                    format!("cannot read the request body: {e}"),
-                ));
-            }
-            None => return Ok((buf.freeze(), Bytes::new())),
-        }
+/// without a newline is all request, with empty stdin. The body comes back for what follows.
+async fn read_head(
+    body: BodyDataStream,
+    limit: usize,
+) -> (BodyDataStream, Result<(Bytes, Bytes), ErrorBody>) {
+    let reader = StreamReader::new(body.map_err(std::io::Error::other));
+    let mut lines = FramedRead::new(reader, LineDecoder::new(limit));
+    let head = match lines.next().await {
+        Some(Ok(head) | Err(LineError::Unterminated(head))) => Ok(head.freeze()),
+        None => Ok(Bytes::new()),
+        Some(Err(LineError::TooLong(_))) => Err(ErrorBody::new(
+            ErrorCode::PayloadTooLarge,
+            "the request line is larger than the server accepts",
+        )),
+        Some(Err(LineError::Io(e))) => Err(ErrorBody::new(
+            ErrorCode::InvalidRequest,
+            format!("cannot read the request body: {e}"),
+        )),
+    };
+    // Stdin begins with what was read past the newline, then the rest of a chunk read in part.
+    let parts = lines.into_parts();
+    let (body, chunk) = parts.io.into_inner_with_chunk();
+    let mut rest = parts.read_buf;
+    if let Some(chunk) = chunk {
+        rest.extend_from_slice(&chunk);
     }
+    (body.into_inner(), head.map(|head| (head, rest.freeze())))
 }
 
 /// Moves the body into the command's stdin, awaiting the channel (that is the back-pressure
@@ -356,29 +363,13 @@ async fn drain(mut body: BodyDataStream) {
     }
 }
 
-enum Stage {
-    /// A phase to send; the start is still under way.
-    Phase(
-        Event,
-        BoxFuture<'static, Result<Execution, ErrorBody>>,
-        mpsc::Receiver<Event>,
-    ),
-    Starting(
-        BoxFuture<'static, Result<Execution, ErrorBody>>,
-        mpsc::Receiver<Event>,
-    ),
-    /// Phases still queued, then the next stage.
-    Flush(mpsc::Receiver<Event>, Box<Stage>),
-    /// `started` to send.
-    Started(Execution),
-    /// A terminal event to send.
-    Failed(Event),
-    Running(Execution),
-    Done,
-}
-
 struct Run {
-    stage: Stage,
+    /// The first phase (or a keep-alive, at the client's EOF) to send.
+    first: Option<Event>,
+    /// The start, under way or done.
+    start: BoxFuture<'static, Result<Execution, ErrorBody>>,
+    /// The backend's phases (progress), sent before `started`.
+    phases: mpsc::Receiver<Event>,
     keepalive: Duration,
     stdin: Option<StdinGuard>,
     command: String,
@@ -397,112 +388,136 @@ const CLOSED_PEER_PROBE: Duration = Duration::from_millis(200);
 /// silent, one terminal event. The execution lives inside the stream, so a client that goes
 /// away drops it, and dropping it kills the command.
 fn events(run: Run) -> impl Stream<Item = Result<Bytes, Infallible>> + Send {
-    stream::unfold(run, |mut run| async move {
-        let line = run.step().await?;
-        Some((Ok(line), run))
-    })
+    let Run {
+        first,
+        mut start,
+        mut phases,
+        keepalive,
+        mut stdin,
+        command,
+        peer,
+        probing,
+        _watching,
+    } = run;
+    let events = async_stream::stream! {
+        let _watching = _watching;
+        if let Some(first) = first {
+            yield first;
+        }
+        let started = loop {
+            let phase = tokio::select! {
+                biased;
+                Some(phase) = phases.recv() => phase,
+                started = &mut start => break started,
+            };
+            yield phase;
+        };
+        if let Ok(execution) = &started {
+            tracing::debug!(%command, context = ?execution.context(), "started");
+        }
+        // Phases still queued go before what the start came to.
+        while let Ok(phase) = phases.try_recv() {
+            yield phase;
+        }
+        let mut execution = match started {
+            Ok(execution) => execution,
+            Err(e) => {
+                tracing::info!(%command, code = %e.code, message = %e.message, "failed to start");
+                yield Event::Error { code: e.code, message: e.message };
+                return;
+            }
+        };
+        yield Event::Started { context: execution.context().clone() };
+        loop {
+            let abort = stdin.as_mut().and_then(|s| s.abort.as_mut());
+            let event = tokio::select! {
+                biased;
+                aborted = wait_abort(abort) => match aborted {
+                    Some(e) => {
+                        // Dropping the execution below kills the command.
+                        execution.kill();
+                        Event::Error { code: e.code, message: e.message }
+                    }
+                    None => {
+                        // The pump ended normally: nothing more to watch.
+                        if let Some(s) = stdin.as_mut() {
+                            s.abort = None;
+                        }
+                        continue;
+                    }
+                },
+                next = execution.next() => match next {
+                    Some(event) => event,
+                    None => break,
+                },
+            };
+            if event.is_terminal() {
+                // The execution ends before its last event goes out.
+                drop(execution);
+                yield event;
+                break;
+            }
+            yield event;
+        }
+    };
+    KeepAlive {
+        events: Box::pin(events),
+        every: keepalive,
+        peer: (!probing).then(|| Box::pin(peer.cancelled_owned())),
+        silence: Box::pin(tokio::time::sleep(keepalive)),
+        armed: false,
+    }
+    .map(|event| Ok(event.to_line()))
 }
 
-impl Run {
-    async fn step(&mut self) -> Option<Bytes> {
-        loop {
-            match std::mem::replace(&mut self.stage, Stage::Done) {
-                Stage::Done => return None,
-                Stage::Phase(phase, start, phases) => {
-                    self.stage = Stage::Starting(start, phases);
-                    return Some(phase.to_line());
-                }
-                Stage::Flush(mut phases, next) => match phases.try_recv() {
-                    Ok(phase) => {
-                        self.stage = Stage::Flush(phases, next);
-                        return Some(phase.to_line());
-                    }
-                    Err(_) => self.stage = *next,
-                },
-                Stage::Failed(event) => return Some(event.to_line()),
-                Stage::Started(execution) => {
-                    let line = Event::Started {
-                        context: execution.context().clone(),
-                    }
-                    .to_line();
-                    self.stage = Stage::Running(execution);
-                    return Some(line);
-                }
-                Stage::Starting(mut start, mut phases) => {
-                    let event = tokio::select! {
-                        biased;
-                        Some(phase) = phases.recv() => {
-                            self.stage = Stage::Starting(start, phases);
-                            phase
-                        }
-                        started = &mut start => {
-                            let next = match started {
-                                Ok(execution) => {
-                                    tracing::debug!(command = %self.command, context = ?execution.context(), "started");
-                                    Stage::Started(execution)
-                                }
-                                Err(e) => {
-                                    tracing::info!(command = %self.command, code = %e.code, message = %e.message, "failed to start");
-                                    Stage::Failed(Event::Error { code: e.code, message: e.message })
-                                }
-                            };
-                            self.stage = Stage::Flush(phases, Box::new(next));
-                            continue;
-                        }
-                        _ = tokio::time::sleep(if self.probing { CLOSED_PEER_PROBE } else { self.keepalive }) => {
-                            self.stage = Stage::Starting(start, phases);
-                            Event::Keepalive
-                        }
-                    };
-                    return Some(event.to_line());
-                }
-                Stage::Running(mut execution) => {
-                    let wait = if self.probing {
-                        CLOSED_PEER_PROBE
-                    } else {
-                        self.keepalive
-                    };
-                    let abort = self.stdin.as_mut().and_then(|s| s.abort.as_mut());
-                    let event = tokio::select! {
-                        biased;
-                        aborted = wait_abort(abort) => match aborted {
-                            Some(e) => {
-                                // Dropping the execution below kills the command.
-                                execution.kill();
-                                Event::Error { code: e.code, message: e.message }
-                            }
-                            None => {
-                                // The pump ended normally: nothing more to watch.
-                                if let Some(s) = self.stdin.as_mut() {
-                                    s.abort = None;
-                                }
-                                self.stage = Stage::Running(execution);
-                                continue;
-                            }
-                        },
-                        () = self.peer.cancelled(), if !self.probing => {
-                            self.probing = true;
-                            self.stage = Stage::Running(execution);
-                            Event::Keepalive
-                        }
-                        next = tokio::time::timeout(wait, execution.next()) => match next {
-                            Ok(Some(event)) => {
-                                if !event.is_terminal() {
-                                    self.stage = Stage::Running(execution);
-                                }
-                                event
-                            }
-                            Ok(None) => return None,
-                            Err(_) => {
-                                self.stage = Stage::Running(execution);
-                                Event::Keepalive
-                            }
-                        },
-                    };
-                    return Some(event.to_line());
-                }
-            }
+/// A keep-alive after each `every` without an event (as axum's `Sse::keep_alive`), timed
+/// from when the next event was asked for. At the client's EOF one at once, and from then on
+/// every [`CLOSED_PEER_PROBE`]: writing to a gone client fails, which ends the stream.
+struct KeepAlive<S> {
+    events: Pin<Box<S>>,
+    every: Duration,
+    /// The client's EOF, until it came.
+    peer: Option<Pin<Box<WaitForCancellationFutureOwned>>>,
+    silence: Pin<Box<tokio::time::Sleep>>,
+    /// Whether `silence` runs (from the first poll after an event).
+    armed: bool,
+}
+
+impl<S: Stream<Item = Event>> Stream for KeepAlive<S> {
+    type Item = Event;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Event>> {
+        let this = &mut *self;
+        if let Some(peer) = &mut this.peer
+            && peer.as_mut().poll(cx).is_ready()
+        {
+            this.peer = None;
+            this.armed = false;
+            return Poll::Ready(Some(Event::Keepalive));
         }
+        if let Poll::Ready(event) = this.events.as_mut().poll_next(cx) {
+            this.armed = false;
+            if event.is_none() {
+                this.peer = None;
+            }
+            return Poll::Ready(event);
+        }
+        if !this.armed {
+            let wait = if this.peer.is_none() {
+                CLOSED_PEER_PROBE
+            } else {
+                this.every
+            };
+            this.silence
+                .as_mut()
+                .reset(tokio::time::Instant::now() + wait);
+            this.armed = true;
+        }
+        if this.silence.as_mut().poll(cx).is_ready() {
+            this.armed = false;
+            return Poll::Ready(Some(Event::Keepalive));
+        }
+        Poll::Pending
     }
 }
 
@@ -534,7 +549,9 @@ mod tests {
         phases: mpsc::Receiver<Event>,
     ) -> Run {
         Run {
-            stage: Stage::Starting(Box::pin(start), phases),
+            first: None,
+            start: Box::pin(start),
+            phases,
             keepalive: Duration::from_secs(60),
             stdin: None,
             command: "x".into(),

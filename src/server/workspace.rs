@@ -137,7 +137,7 @@ async fn post_manifest(
         if let Some(posted) = store2.post_again(&key, &owner) {
             return Ok(posted);
         }
-        store2.post_body(manifest, &owner, Some(key))
+        Ok(store2.post_body(manifest, &owner, Some(key))?)
     })
     .await;
     match posted {
@@ -174,7 +174,7 @@ async fn post_bundle(
     let owner = owner(caller);
     let ws = match store.get(&id, &owner) {
         Ok(ws) => ws,
-        Err(e) => return refuse(&metrics, e),
+        Err(e) => return refuse(&metrics, e.into()),
     };
     let gz = match gzip(&headers) {
         Ok(g) => g,
@@ -238,6 +238,7 @@ async fn put_blob(
     let owner = owner(caller);
     let checked = store
         .get(&id, &owner)
+        .map_err(ErrorBody::from)
         .and_then(|ws| declared(&ws, &hash))
         .and_then(|size| gzip(&headers).map(|gz| (size, gz)));
     let (size, gz) = match checked {
@@ -246,7 +247,7 @@ async fn put_blob(
     };
     let done = blocking(move || {
         let mut reader = body_reader(body, gz);
-        store.receive(&mut reader, &hash, size, &owner)
+        Ok(store.receive(&mut reader, &hash, size, &owner)?)
     })
     .await;
     match done {
@@ -277,6 +278,6 @@ async fn get_blob(
             *resp.status_mut() = StatusCode::OK;
             resp
         }
-        Err(e) => refuse(&metrics, e),
+        Err(e) => refuse(&metrics, e.into()),
     }
 }

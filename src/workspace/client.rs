@@ -62,10 +62,62 @@ async fn error_of(resp: reqwest::Response) -> ErrorBody {
     ErrorBody::from_answer(status, &resp.text().await.unwrap_or_default())
 }
 
+/// Why an answer of the gateway could not be read.
+#[derive(Debug, thiserror::Error)]
+enum AnswerError {
+    #[error(transparent)]
+    Read(#[from] reqwest::Error),
+    #[error(transparent)]
+    Json(#[from] serde_json::Error),
+}
+
 /// A JSON answer (reqwest is built without its `json` feature).
-async fn json<T: serde::de::DeserializeOwned>(resp: reqwest::Response) -> Result<T, String> {
-    let body = resp.bytes().await.map_err(|e| e.to_string())?;
-    serde_json::from_slice(&body).map_err(|e| e.to_string())
+async fn json<T: serde::de::DeserializeOwned>(resp: reqwest::Response) -> Result<T, AnswerError> {
+    let body = resp.bytes().await?;
+    Ok(serde_json::from_slice(&body)?)
+}
+
+/// Why a sync-back result was not written into the caller's tree.
+#[derive(Debug, thiserror::Error)]
+pub enum ResultError {
+    /// Its path breaks a rule (`results::check_result_path` says which).
+    #[error("{0}")]
+    Refused(String),
+    #[error("refused result {path}: {} is not a directory", dir.display())]
+    NotADirectory { path: String, dir: PathBuf },
+    #[error("refused result {path}: the local path is not a regular file")]
+    NotAFile { path: String },
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{}", .0.message)]
+    Gateway(ErrorBody),
+    #[error("the download broke off: {0}")]
+    BrokeOff(reqwest::Error),
+    #[error("the gateway sent more than the {size} bytes it announced")]
+    TooLong { size: u64 },
+    #[error("the gateway sent {got} bytes, not the {size} it announced")]
+    Short { got: u64, size: u64 },
+    #[error("the content does not hash to its announced hash")]
+    Hash,
+    #[error("{0}")]
+    Write(std::io::Error),
+    #[error("{0}")]
+    Join(#[from] tokio::task::JoinError),
+    #[error("cannot download {path}: {source}")]
+    Download {
+        path: String,
+        source: Box<ResultError>,
+    },
+}
+
+fn io_at(path: &Path) -> impl FnOnce(std::io::Error) -> ResultError + '_ {
+    move |source| ResultError::Io {
+        path: path.to_owned(),
+        source,
+    }
 }
 
 impl WorkspaceClient {
@@ -279,32 +331,27 @@ impl WorkspaceClient {
         hash: &str,
         size: u64,
         out: &mut std::fs::File,
-    ) -> Result<(), String> {
+    ) -> Result<(), ResultError> {
         use sha2::Digest as _;
-        let mut resp = self.download_response(hash).await.map_err(|e| e.message)?;
+        let mut resp = self
+            .download_response(hash)
+            .await
+            .map_err(ResultError::Gateway)?;
         let mut hasher = sha2::Sha256::new();
         let mut n = 0u64;
-        while let Some(chunk) = resp
-            .chunk()
-            .await
-            .map_err(|e| format!("the download broke off: {e}"))?
-        {
+        while let Some(chunk) = resp.chunk().await.map_err(ResultError::BrokeOff)? {
             n += chunk.len() as u64;
             if n > size {
-                return Err(format!(
-                    "the gateway sent more than the {size} bytes it announced"
-                ));
+                return Err(ResultError::TooLong { size });
             }
             hasher.update(&chunk);
-            out.write_all(&chunk).map_err(|e| e.to_string())?;
+            out.write_all(&chunk).map_err(ResultError::Write)?;
         }
         if n != size {
-            return Err(format!(
-                "the gateway sent {n} bytes, not the {size} it announced"
-            ));
+            return Err(ResultError::Short { got: n, size });
         }
         if super::hex(&hasher.finalize()) != hash {
-            return Err("the content does not hash to its announced hash".into());
+            return Err(ResultError::Hash);
         }
         Ok(())
     }
@@ -317,7 +364,7 @@ impl WorkspaceClient {
         root: &Path,
         files: &[ChangedFile],
         rules: &super::results::ResultRules,
-    ) -> Result<(Vec<ChangedFile>, Vec<String>), String> {
+    ) -> Result<(Vec<ChangedFile>, Vec<String>), ResultError> {
         let mut written = Vec::new();
         let mut refused = Vec::new();
         for f in files {
@@ -326,15 +373,15 @@ impl WorkspaceClient {
                 continue;
             }
             let (root2, f2) = (root.to_owned(), f.clone());
-            let mut temp = tokio::task::spawn_blocking(move || ResultTemp::beside(&root2, &f2))
-                .await
-                .map_err(|e| e.to_string())??;
+            let mut temp =
+                tokio::task::spawn_blocking(move || ResultTemp::beside(&root2, &f2)).await??;
             if let Err(e) = self.download_into(&f.hash, f.size, &mut temp.file).await {
-                return Err(format!("cannot download {}: {e}", f.path));
+                return Err(ResultError::Download {
+                    path: f.path.clone(),
+                    source: Box::new(e),
+                });
             }
-            tokio::task::spawn_blocking(move || temp.commit())
-                .await
-                .map_err(|e| e.to_string())??;
+            tokio::task::spawn_blocking(move || temp.commit()).await??;
             written.push(f.clone());
         }
         Ok((written, refused))
@@ -354,9 +401,9 @@ impl ResultTemp {
     /// Checks the way to `f.path` below `root` (creating missing directories, refusing
     /// symlinks and non-directories on the way, and a destination that is not a regular
     /// file) and creates the temporary file (0600) beside it.
-    pub(crate) fn beside(root: &Path, f: &ChangedFile) -> Result<Self, String> {
+    pub(crate) fn beside(root: &Path, f: &ChangedFile) -> Result<Self, ResultError> {
         use std::os::unix::fs::OpenOptionsExt as _;
-        super::results::check_result_path(&f.path)?;
+        super::results::check_result_path(&f.path).map_err(ResultError::Refused)?;
         let mut dir = root.to_owned();
         let parts: Vec<&str> = f.path.split('/').collect();
         for part in &parts[..parts.len() - 1] {
@@ -364,25 +411,21 @@ impl ResultTemp {
             match std::fs::symlink_metadata(&dir) {
                 Ok(m) if m.is_dir() => {}
                 Ok(_) => {
-                    return Err(format!(
-                        "refused result {}: {} is not a directory",
-                        f.path,
-                        dir.display()
-                    ));
+                    return Err(ResultError::NotADirectory {
+                        path: f.path.clone(),
+                        dir,
+                    });
                 }
-                Err(_) => {
-                    std::fs::create_dir(&dir).map_err(|e| format!("{}: {e}", dir.display()))?
-                }
+                Err(_) => std::fs::create_dir(&dir).map_err(io_at(&dir))?,
             }
         }
         let dest = root.join(&f.path);
         if let Ok(m) = std::fs::symlink_metadata(&dest)
             && !m.is_file()
         {
-            return Err(format!(
-                "refused result {}: the local path is not a regular file",
-                f.path
-            ));
+            return Err(ResultError::NotAFile {
+                path: f.path.clone(),
+            });
         }
         let path = dest.with_file_name(format!(
             ".{}.mcp-run-{}-{:08x}",
@@ -396,7 +439,7 @@ impl ResultTemp {
             .mode(0o600)
             .custom_flags(nix::libc::O_NOFOLLOW)
             .open(&path)
-            .map_err(|e| format!("{}: {e}", path.display()))?;
+            .map_err(io_at(&path))?;
         Ok(Self {
             path,
             dest,
@@ -407,13 +450,12 @@ impl ResultTemp {
     }
 
     /// Gives the file its mode (0644 or 0755) and renames it over the destination.
-    pub(crate) fn commit(mut self) -> Result<(), String> {
+    pub(crate) fn commit(mut self) -> Result<(), ResultError> {
         use std::os::unix::fs::PermissionsExt as _;
         self.file
             .set_permissions(std::fs::Permissions::from_mode(self.mode))
-            .map_err(|e| format!("{}: {e}", self.path.display()))?;
-        std::fs::rename(&self.path, &self.dest)
-            .map_err(|e| format!("{}: {e}", self.dest.display()))?;
+            .map_err(io_at(&self.path))?;
+        std::fs::rename(&self.path, &self.dest).map_err(io_at(&self.dest))?;
         self.done = true;
         Ok(())
     }
@@ -429,11 +471,9 @@ impl Drop for ResultTemp {
 
 /// Writes one result file below `root` (the rules of [`ResultTemp`]).
 #[cfg(test)]
-fn write_inside(root: &Path, f: &ChangedFile, data: &[u8]) -> Result<(), String> {
+fn write_inside(root: &Path, f: &ChangedFile, data: &[u8]) -> Result<(), ResultError> {
     let mut temp = ResultTemp::beside(root, f)?;
-    temp.file
-        .write_all(data)
-        .map_err(|e| format!("{}: {e}", temp.path.display()))?;
+    temp.file.write_all(data).map_err(io_at(&temp.path))?;
     temp.commit()
 }
 

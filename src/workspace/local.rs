@@ -151,7 +151,7 @@ pub(crate) fn collect_changes(root: &Path, run: &WorkspaceRun) -> (Vec<ChangedFi
                 });
             }
             Err(e) => {
-                tracing::warn!("sync-back of {rel:?} skipped: {}", e.message);
+                tracing::warn!("sync-back of {rel:?} skipped: {e}");
                 truncated = true;
             }
         }

@@ -120,12 +120,38 @@ impl ManifestEntry {
     }
 }
 
-fn invalid(message: String) -> ErrorBody {
-    ErrorBody::new(ErrorCode::InvalidRequest, message)
+/// Why a manifest is refused; the message says which entry and rule.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ManifestError {
+    /// `400 invalid_request`.
+    #[error("{0}")]
+    Invalid(String),
+    /// Over a limit: `413 payload_too_large`.
+    #[error("{0}")]
+    TooLarge(String),
 }
 
-fn too_large(message: String) -> ErrorBody {
-    ErrorBody::new(ErrorCode::PayloadTooLarge, message)
+impl ManifestError {
+    pub(crate) fn code(&self) -> ErrorCode {
+        match self {
+            ManifestError::Invalid(_) => ErrorCode::InvalidRequest,
+            ManifestError::TooLarge(_) => ErrorCode::PayloadTooLarge,
+        }
+    }
+}
+
+impl From<ManifestError> for ErrorBody {
+    fn from(e: ManifestError) -> Self {
+        ErrorBody::new(e.code(), e.to_string())
+    }
+}
+
+fn invalid(message: String) -> ManifestError {
+    ManifestError::Invalid(message)
+}
+
+fn too_large(message: String) -> ManifestError {
+    ManifestError::TooLarge(message)
 }
 
 /// Checks a relative path: not empty, `/`-separated normal components only, no NUL,
@@ -224,7 +250,7 @@ pub(crate) fn parse(
     reader: impl std::io::Read,
     max_files: usize,
     max_cost: u64,
-) -> Result<Manifest, ErrorBody> {
+) -> Result<Manifest, ManifestError> {
     use serde::de::DeserializeSeed as _;
     let mut de = serde_json::Deserializer::from_reader(reader);
     let m = ManifestSeed {
@@ -366,7 +392,7 @@ pub struct Checked {
 
 impl Manifest {
     /// Validates the manifest against the gateway's limits; every rule of the protocol.
-    pub fn check(mut self, limits: &WorkspaceConfig) -> Result<Checked, ErrorBody> {
+    pub fn check(mut self, limits: &WorkspaceConfig) -> Result<Checked, ManifestError> {
         if self.entries.len() > limits.max_files {
             return Err(too_large(format!(
                 "the manifest lists {} files, more than the gateway's maximum of {} (workspaces.max_files)",
@@ -585,7 +611,7 @@ mod tests {
         let m = |e: Vec<ManifestEntry>| Manifest { entries: e }.check(&limits());
         assert!(m(vec![f("a"), f("b/c")]).is_ok());
         assert_eq!(
-            m(vec![f("a"), f("a")]).unwrap_err().code,
+            m(vec![f("a"), f("a")]).unwrap_err().code(),
             ErrorCode::InvalidRequest
         );
         assert!(m(vec![f("a"), f("a/b")]).is_err());
@@ -606,7 +632,7 @@ mod tests {
         }
         .check(&small)
         .unwrap_err();
-        assert_eq!(e.code, ErrorCode::PayloadTooLarge);
+        assert_eq!(e.code(), ErrorCode::PayloadTooLarge);
     }
 
     #[test]
@@ -634,15 +660,15 @@ mod tests {
         })
         .unwrap();
         assert_eq!(parse(&two[..], 2, 1 << 20).unwrap().entries.len(), 2);
-        let e = parse(&two[..], 2, 300).unwrap_err();
+        let e = ErrorBody::from(parse(&two[..], 2, 300).unwrap_err());
         assert!(e.message.contains("max_registry_bytes"), "{}", e.message);
-        let e = parse(&two[..], 1, 1 << 20).unwrap_err();
+        let e = ErrorBody::from(parse(&two[..], 1, 1 << 20).unwrap_err());
         assert_eq!(e.code, ErrorCode::PayloadTooLarge, "{}", e.message);
         let long = format!(
             r#"{{"entries":[{{"path":"l","kind":"symlink","target":"{}"}}]}}"#,
             "x".repeat(5000)
         );
-        let e = parse(long.as_bytes(), 10, 1 << 20).unwrap_err();
+        let e = ErrorBody::from(parse(long.as_bytes(), 10, 1 << 20).unwrap_err());
         assert!(e.message.contains("PATH_MAX"), "{}", e.message);
         assert!(parse(&b"{\"entries\":[],\"x\":1}"[..], 10, 1 << 20).is_err());
     }

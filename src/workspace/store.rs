@@ -99,23 +99,93 @@ pub struct WorkspaceStore {
     inodes: Arc<tokio::sync::Semaphore>,
 }
 
-fn internal(what: &str, e: std::io::Error) -> ErrorBody {
-    tracing::error!("workspace cache: {what}: {e}");
-    ErrorBody::new(
-        ErrorCode::Internal,
-        format!("the gateway's workspace cache failed: {what}"),
-    )
+/// Why the workspace cache refused or failed; [`ErrorBody`] at the fronts, by [`StoreError::code`].
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The cache's own files failed: the cause is logged, the client learns what failed.
+    #[error("the gateway's workspace cache failed: {what}")]
+    Internal {
+        what: &'static str,
+        source: std::io::Error,
+    },
+    /// An id that does not exist or belongs to someone else (the same answer, so that ids
+    /// of others cannot be probed).
+    #[error(
+        "unknown workspace {0:?} (never posted, expired, or posted by another identity): post the manifest again"
+    )]
+    UnknownWorkspace(String),
+    /// The manifest's own checks.
+    #[error(transparent)]
+    Manifest(#[from] super::manifest::ManifestError),
+    #[error(
+        "the manifest would take about {memory} bytes of the gateway's memory, more than its registry of {max} bytes (workspaces.max_registry_bytes)"
+    )]
+    RegistryFull { memory: u64, max: u64 },
+    #[error("the upload of {hash} broke off or is not valid compressed data: {source}")]
+    UploadBroke {
+        hash: String,
+        source: std::io::Error,
+    },
+    #[error("content {hash} is longer than the manifest's {size} bytes")]
+    TooLong { hash: String, size: u64 },
+    #[error("content {hash} has {got} bytes, the manifest says {size}: the upload was cut short")]
+    CutShort { hash: String, got: u64, size: u64 },
+    #[error("the uploaded bytes hash to {got}, not {hash}: nothing was stored")]
+    HashMismatch { hash: String, got: String },
+    #[error("{what} is larger than {max} bytes")]
+    ResultTooLarge { what: String, max: u64 },
+    #[error("no content {0} for this caller (never stored, or evicted)")]
+    NoContent(String),
+    #[error("{0:?} is not a content hash (64 lowercase hex digits)")]
+    NotAHash(String),
+    #[error(
+        "workspace {id} lacks {missing} of its {total} contents (not uploaded, or evicted from the cache): post the manifest again and upload what it reports missing"
+    )]
+    Incomplete {
+        id: String,
+        missing: usize,
+        total: usize,
+    },
+    #[error(
+        "workspace {id} needs {n} files and directories, more than the {max} this gateway writes at once (workspaces.max_local_inodes)"
+    )]
+    TooManyInodes { id: String, n: u64, max: u64 },
+    #[error(
+        "runs in progress hold most of the {max} files and directories this gateway writes at once (workspaces.max_local_inodes); workspace {id} needs {n}: retry when they end"
+    )]
+    InodesBusy { id: String, n: u64, max: u64 },
 }
 
-/// The error for an id that does not exist or belongs to someone else (the same answer, so
-/// that ids of others cannot be probed).
-pub(crate) fn unknown_workspace(id: &str) -> ErrorBody {
-    ErrorBody::new(
-        ErrorCode::UnknownWorkspace,
-        format!(
-            "unknown workspace {id:?} (never posted, expired, or posted by another identity): post the manifest again"
-        ),
-    )
+impl StoreError {
+    fn code(&self) -> ErrorCode {
+        match self {
+            StoreError::Internal { .. } => ErrorCode::Internal,
+            StoreError::UnknownWorkspace(_) => ErrorCode::UnknownWorkspace,
+            StoreError::Manifest(e) => e.code(),
+            StoreError::RegistryFull { .. }
+            | StoreError::ResultTooLarge { .. }
+            | StoreError::TooManyInodes { .. } => ErrorCode::PayloadTooLarge,
+            StoreError::UploadBroke { .. }
+            | StoreError::TooLong { .. }
+            | StoreError::CutShort { .. }
+            | StoreError::NotAHash(_) => ErrorCode::InvalidRequest,
+            StoreError::HashMismatch { .. } => ErrorCode::HashMismatch,
+            StoreError::NoContent(_) => ErrorCode::NotFound,
+            StoreError::Incomplete { .. } => ErrorCode::WorkspaceIncomplete,
+            StoreError::InodesBusy { .. } => ErrorCode::TooManyRequests,
+        }
+    }
+}
+
+impl From<StoreError> for ErrorBody {
+    fn from(e: StoreError) -> Self {
+        ErrorBody::new(e.code(), e.to_string())
+    }
+}
+
+fn internal(what: &'static str, source: std::io::Error) -> StoreError {
+    tracing::error!("workspace cache: {what}: {source}");
+    StoreError::Internal { what, source }
 }
 
 impl WorkspaceStore {
@@ -227,7 +297,7 @@ impl WorkspaceStore {
         manifest: Manifest,
         owner: &Owner,
         key: Option<String>,
-    ) -> Result<Posted, ErrorBody> {
+    ) -> Result<Posted, StoreError> {
         let posted = self.post(manifest, owner)?;
         if let Some(key) = key {
             let mut inner = self.lock();
@@ -239,7 +309,7 @@ impl WorkspaceStore {
     }
 
     /// Registers a manifest and says which contents `owner` still has to upload.
-    pub fn post(&self, manifest: Manifest, owner: &Owner) -> Result<Posted, ErrorBody> {
+    pub fn post(&self, manifest: Manifest, owner: &Owner) -> Result<Posted, StoreError> {
         let checked = manifest.check(&self.cfg)?;
         let mut h = sha2::Sha256::new();
         h.update(owner.as_deref().unwrap_or("").as_bytes());
@@ -248,13 +318,10 @@ impl WorkspaceStore {
         let id = format!("ws_{}", &super::hex(&h.finalize())[..32]);
         let memory = registry_cost(&checked.manifest, checked.contents.len());
         if memory > self.cfg.max_registry_bytes {
-            return Err(ErrorBody::new(
-                ErrorCode::PayloadTooLarge,
-                format!(
-                    "the manifest would take about {memory} bytes of the gateway's memory, more than its registry of {} bytes (workspaces.max_registry_bytes)",
-                    self.cfg.max_registry_bytes
-                ),
-            ));
+            return Err(StoreError::RegistryFull {
+                memory,
+                max: self.cfg.max_registry_bytes,
+            });
         }
         let now = Instant::now();
         let mut inner = self.lock();
@@ -281,14 +348,14 @@ impl WorkspaceStore {
     }
 
     /// The workspace `id` if `owner` posted it.
-    pub fn get(&self, id: &str, owner: &Owner) -> Result<Arc<Workspace>, ErrorBody> {
+    pub fn get(&self, id: &str, owner: &Owner) -> Result<Arc<Workspace>, StoreError> {
         let mut inner = self.lock();
         match inner.workspaces.get_mut(id) {
             Some((ws, used)) if ws.owner == *owner => {
                 *used = Instant::now();
                 Ok(ws.clone())
             }
-            _ => Err(unknown_workspace(id)),
+            _ => Err(StoreError::UnknownWorkspace(id.to_owned())),
         }
     }
 
@@ -297,7 +364,7 @@ impl WorkspaceStore {
     }
 
     /// A new temporary file in the cache, removed unless persisted.
-    fn temp(&self) -> Result<Temp, ErrorBody> {
+    fn temp(&self) -> Result<Temp, StoreError> {
         let name = format!("{:032x}", rand::random::<u128>());
         let path = self.root.join("tmp").join(name);
         let file = File::create_new(&path).map_err(|e| internal("cannot create a file", e))?;
@@ -315,7 +382,7 @@ impl WorkspaceStore {
         hash: &str,
         size: u64,
         owner: &Owner,
-    ) -> Result<(), ErrorBody> {
+    ) -> Result<(), StoreError> {
         let mut temp = self.temp()?;
         let mut hasher = sha2::Sha256::new();
         let mut n = 0u64;
@@ -325,39 +392,36 @@ impl WorkspaceStore {
                 Ok(0) => break,
                 Ok(k) => k,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(e) => {
-                    return Err(ErrorBody::new(
-                        ErrorCode::InvalidRequest,
-                        format!(
-                            "the upload of {hash} broke off or is not valid compressed data: {e}"
-                        ),
-                    ));
+                Err(source) => {
+                    return Err(StoreError::UploadBroke {
+                        hash: hash.to_owned(),
+                        source,
+                    });
                 }
             };
             n += k as u64;
             if n > size {
-                return Err(ErrorBody::new(
-                    ErrorCode::InvalidRequest,
-                    format!("content {hash} is longer than the manifest's {size} bytes"),
-                ));
+                return Err(StoreError::TooLong {
+                    hash: hash.to_owned(),
+                    size,
+                });
             }
             hasher.update(&buf[..k]);
             temp.write(&buf[..k])?;
         }
         if n != size {
-            return Err(ErrorBody::new(
-                ErrorCode::InvalidRequest,
-                format!(
-                    "content {hash} has {n} bytes, the manifest says {size}: the upload was cut short"
-                ),
-            ));
+            return Err(StoreError::CutShort {
+                hash: hash.to_owned(),
+                got: n,
+                size,
+            });
         }
         let got = super::hex(&hasher.finalize());
         if got != hash {
-            return Err(ErrorBody::new(
-                ErrorCode::HashMismatch,
-                format!("the uploaded bytes hash to {got}, not {hash}: nothing was stored"),
-            ));
+            return Err(StoreError::HashMismatch {
+                hash: hash.to_owned(),
+                got,
+            });
         }
         self.persist(temp, hash, size, owner)
     }
@@ -369,7 +433,7 @@ impl WorkspaceStore {
         hash: &str,
         size: u64,
         owner: &Owner,
-    ) -> Result<(), ErrorBody> {
+    ) -> Result<(), StoreError> {
         let path = self.blob_path(hash);
         let now = Instant::now();
         let mut inner = self.lock();
@@ -407,7 +471,7 @@ impl WorkspaceStore {
         path: &Path,
         owner: &Owner,
         max: u64,
-    ) -> Result<(String, u64), ErrorBody> {
+    ) -> Result<(String, u64), StoreError> {
         use std::os::unix::fs::OpenOptionsExt as _;
         let mut src = std::fs::OpenOptions::new()
             .read(true)
@@ -430,7 +494,7 @@ impl WorkspaceStore {
         owner: &Owner,
         max: u64,
         keep: &dyn Fn(&str) -> bool,
-    ) -> Result<Option<(String, u64)>, ErrorBody> {
+    ) -> Result<Option<(String, u64)>, StoreError> {
         let mut temp = self.temp()?;
         let mut hasher = sha2::Sha256::new();
         let mut n = 0u64;
@@ -446,10 +510,10 @@ impl WorkspaceStore {
             }
             n += k as u64;
             if n > max {
-                return Err(ErrorBody::new(
-                    ErrorCode::PayloadTooLarge,
-                    format!("{what} is larger than {max} bytes"),
-                ));
+                return Err(StoreError::ResultTooLarge {
+                    what: what.to_owned(),
+                    max,
+                });
             }
             hasher.update(&buf[..k]);
             temp.write(&buf[..k])?;
@@ -463,18 +527,10 @@ impl WorkspaceStore {
     }
 
     /// Opens a content `owner` has (downloads of sync-back results).
-    pub fn open_blob(&self, hash: &str, owner: &Owner) -> Result<(File, u64), ErrorBody> {
-        let not_found = || {
-            ErrorBody::new(
-                ErrorCode::NotFound,
-                format!("no content {hash} for this caller (never stored, or evicted)"),
-            )
-        };
+    pub fn open_blob(&self, hash: &str, owner: &Owner) -> Result<(File, u64), StoreError> {
+        let not_found = || StoreError::NoContent(hash.to_owned());
         if !super::is_hash(hash) {
-            return Err(ErrorBody::new(
-                ErrorCode::InvalidRequest,
-                format!("{hash:?} is not a content hash (64 lowercase hex digits)"),
-            ));
+            return Err(StoreError::NotAHash(hash.to_owned()));
         }
         let size = {
             let mut inner = self.lock();
@@ -492,7 +548,7 @@ impl WorkspaceStore {
 
     /// Holds every content of `ws` in the cache until the returned guard is dropped, or
     /// says how many are missing (not uploaded, or evicted since).
-    pub fn pin(self: &Arc<Self>, ws: &Arc<Workspace>) -> Result<Pinned, ErrorBody> {
+    pub fn pin(self: &Arc<Self>, ws: &Arc<Workspace>) -> Result<Pinned, StoreError> {
         let now = Instant::now();
         let mut inner = self.lock();
         // One pass (a rerun pins every content of a large tree): pinned as found, undone
@@ -515,14 +571,11 @@ impl WorkspaceStore {
                     b.pins = b.pins.saturating_sub(1);
                 }
             }
-            return Err(ErrorBody::new(
-                ErrorCode::WorkspaceIncomplete,
-                format!(
-                    "workspace {} lacks {missing} of its {} contents (not uploaded, or evicted from the cache): post the manifest again and upload what it reports missing",
-                    ws.id,
-                    ws.contents.len()
-                ),
-            ));
+            return Err(StoreError::Incomplete {
+                id: ws.id.clone(),
+                missing,
+                total: ws.contents.len(),
+            });
         }
         Ok(Pinned {
             store: self.clone(),
@@ -536,29 +589,23 @@ impl WorkspaceStore {
     pub fn reserve_inodes(
         &self,
         ws: &Workspace,
-    ) -> Result<tokio::sync::OwnedSemaphorePermit, ErrorBody> {
+    ) -> Result<tokio::sync::OwnedSemaphorePermit, StoreError> {
         let max = self.cfg.max_local_inodes;
         let n = (ws.files + ws.dirs + 1) as u64;
         if n > max {
-            return Err(ErrorBody::new(
-                ErrorCode::PayloadTooLarge,
-                format!(
-                    "workspace {} needs {n} files and directories, more than the {max} this gateway writes at once (workspaces.max_local_inodes)",
-                    ws.id
-                ),
-            ));
+            return Err(StoreError::TooManyInodes {
+                id: ws.id.clone(),
+                n,
+                max,
+            });
         }
         self.inodes
             .clone()
             .try_acquire_many_owned(n as u32)
-            .map_err(|_| {
-                ErrorBody::new(
-                    ErrorCode::TooManyRequests,
-                    format!(
-                        "runs in progress hold most of the {max} files and directories this gateway writes at once (workspaces.max_local_inodes); workspace {} needs {n}: retry when they end",
-                        ws.id
-                    ),
-                )
+            .map_err(|_| StoreError::InodesBusy {
+                id: ws.id.clone(),
+                n,
+                max,
             })
     }
 
@@ -735,7 +782,7 @@ struct Temp {
 }
 
 impl Temp {
-    fn write(&mut self, data: &[u8]) -> Result<(), ErrorBody> {
+    fn write(&mut self, data: &[u8]) -> Result<(), StoreError> {
         match &mut self.file {
             Some(f) => f
                 .write_all(data)
@@ -789,7 +836,7 @@ mod tests {
         assert_eq!(p.missing.len(), 1);
         let h = p.missing[0].clone();
         let e = s.receive(&mut &b"hellO"[..], &h, 5, &alice).unwrap_err();
-        assert_eq!(e.code, ErrorCode::HashMismatch);
+        assert_eq!(e.code(), ErrorCode::HashMismatch);
         assert!(s.receive(&mut &b"hell"[..], &h, 5, &alice).is_err());
         assert!(s.receive(&mut &b"hello!"[..], &h, 5, &alice).is_err());
         assert_eq!(s.usage().1, 0, "nothing stored under a wrong hash");
@@ -801,7 +848,7 @@ mod tests {
         let bob = Some("bob".to_owned());
         assert_eq!(s.post(m, &bob).unwrap().missing.len(), 1);
         assert_eq!(
-            s.get(&p.workspace.id, &bob).unwrap_err().code,
+            s.get(&p.workspace.id, &bob).unwrap_err().code(),
             ErrorCode::UnknownWorkspace
         );
         assert!(s.open_blob(&h, &bob).is_err());

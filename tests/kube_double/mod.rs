@@ -17,6 +17,10 @@
 //! ## Served
 //! - `GET /version`, `/livez`, `/readyz`, `/healthz`, `/api`, `/apis`, `/api/v1`,
 //!   `/apis/authorization.k8s.io/v1` (minimal discovery, enough for kubectl).
+//! - discovery.k8s.io/v1 EndpointSlices (get, list, watch, create, delete; kubectl's Table),
+//!   which tests put and remove as the EndpointSlice controller would
+//!   (`put_endpoint_slice`, `remove_endpoint_slice`): what replica discovery watches
+//!   (`endpointslices.rs`).
 //! - Bodies are JSON; a protobuf body is 415 `UnsupportedMediaType`, except kubectl's protobuf
 //!   SelfSubjectAccessReview, which is read (`protobuf.rs`).
 //! - `kubectl get` without `-o` asks for server-side printing: pods are then answered as a
@@ -156,6 +160,7 @@
 
 mod admission;
 mod delete;
+mod endpointslices;
 mod exec;
 mod kubelet;
 pub mod podman;
@@ -342,6 +347,8 @@ pub(crate) struct State {
     pub delete_log: Vec<DeleteRecord>,
     /// PersistentVolumeClaims (pvcs.rs).
     pub pvcs: pvcs::PvcStore,
+    /// EndpointSlices (endpointslices.rs).
+    pub slices: endpointslices::SliceStore,
     /// OOM kills seen per real container (pod uid), `podman.rs`.
     pub oom_kills: std::collections::HashMap<String, u64>,
 }

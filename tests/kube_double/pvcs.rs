@@ -565,7 +565,7 @@ fn watch(shared: Arc<Shared>, ns: String, sel: Selector, q: &[(String, String)])
                     "{{\"type\":\"ERROR\",\"object\":{}}}\n",
                     gone.to_status()
                 )));
-                return Ok(stream(initial, None, timeout, ns, sel));
+                return Ok(stream(initial, None, timeout, Some(ns), sel));
             }
             for ev in st.pvcs.history.iter().filter(|e| e.rv > rv) {
                 if let Some((kind, obj)) = translate(ev, Some(&ns), &sel) {
@@ -577,14 +577,16 @@ fn watch(shared: Arc<Shared>, ns: String, sel: Selector, q: &[(String, String)])
     };
     // Events sent between the subscription and now are in `initial` already.
     while rx.try_recv().is_ok() {}
-    Ok(stream(initial, Some(rx), timeout, ns, sel))
+    Ok(stream(initial, Some(rx), timeout, Some(ns), sel))
 }
 
-fn stream(
+/// A watch's chunked body: `initial`, then what `rx` broadcasts that `ns` and `sel` select
+/// (also the EndpointSlices' watch).
+pub(super) fn stream(
     initial: Vec<Bytes>,
     rx: Option<broadcast::Receiver<Arc<Event>>>,
     timeout: Duration,
-    ns: String,
+    ns: Option<String>,
     sel: Selector,
 ) -> Response {
     let (tx, mut out) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(16);
@@ -602,7 +604,7 @@ fn stream(
                 _ = &mut deadline => return,
                 _ = tx.closed() => return,
                 ev = rx.recv() => match ev {
-                    Ok(ev) => match translate(&ev, Some(&ns), &sel) {
+                    Ok(ev) => match translate(&ev, ns.as_deref(), &sel) {
                         Some((kind, obj)) => event_line(kind, obj),
                         None => continue,
                     },

@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 
 use super::Shared;
 use super::status::{ApiError, json_response};
-use super::{delete, exec, pods, protobuf, pvcs, watch};
+use super::{delete, endpointslices, exec, pods, protobuf, pvcs, watch};
 
 const SSAR_PATH: &str = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews";
 
@@ -54,6 +54,19 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route(
             "/api/v1/namespaces/{ns}/persistentvolumeclaims/{name}",
             get(pvcs::get).delete(pvcs::delete).patch(pvcs::patch),
+        )
+        .route("/apis/discovery.k8s.io/v1", get(discovery_resources))
+        .route(
+            "/apis/discovery.k8s.io/v1/endpointslices",
+            get(endpointslices::list_all),
+        )
+        .route(
+            "/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices",
+            get(endpointslices::list).post(endpointslices::create),
+        )
+        .route(
+            "/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices/{name}",
+            get(endpointslices::get).delete(endpointslices::delete),
         )
         .fallback(unknown)
         .method_not_allowed_fallback(method_not_allowed)
@@ -205,7 +218,7 @@ async fn api_groups() -> Response {
         &json!({
             "kind": "APIGroupList",
             "apiVersion": "v1",
-            "groups": [group("authorization.k8s.io")]
+            "groups": [group("authorization.k8s.io"), group("discovery.k8s.io")]
         }),
     )
 }
@@ -225,6 +238,21 @@ async fn core_resources() -> Response {
                 {"name": "persistentvolumeclaims", "singularName": "persistentvolumeclaim", "namespaced": true,
                  "kind": "PersistentVolumeClaim", "verbs": ["create", "delete", "get", "list", "patch", "watch"],
                  "shortNames": ["pvc"], "categories": ["all"]}
+            ]
+        }),
+    )
+}
+
+async fn discovery_resources() -> Response {
+    json_response(
+        StatusCode::OK,
+        &json!({
+            "kind": "APIResourceList",
+            "apiVersion": "v1",
+            "groupVersion": "discovery.k8s.io/v1",
+            "resources": [
+                {"name": "endpointslices", "singularName": "endpointslice", "namespaced": true,
+                 "kind": "EndpointSlice", "verbs": ["create", "delete", "get", "list", "watch"]}
             ]
         }),
     )

@@ -93,6 +93,14 @@ app.kubernetes.io/managed-by: mcp-run
 {{- if not .Values.auth.enabled }}
 {{- $_ := set $server "insecure_no_auth" true }}
 {{- end }}
+{{- /* Replicas find each other from the headless Service's EndpointSlices and talk on
+     their own port, with the generated (or given) peer secret (docs/deployment.md
+     "Scaling"). */}}
+{{- if .Values.peers.enabled }}
+{{- $_ := set $server "peer_listen" (printf "0.0.0.0:%d" (int .Values.peers.port)) }}
+{{- $_ := set $server "peer_service" (include "mcp-run.peerServiceName" .) }}
+{{- $_ := set $server "peer_secret_file" "/etc/mcp-run/peer/secret" }}
+{{- end }}
 {{- $kube := merge (dict "namespace" (include "mcp-run.runnerNamespace" .) "instance" .Release.Name) (default dict $cfg.kubernetes) }}
 {{- $_ := set $cfg "server" $server }}
 {{- $_ := set $cfg "kubernetes" $kube }}
@@ -101,4 +109,12 @@ app.kubernetes.io/managed-by: mcp-run
 {{- $_ := set $cfg "auth" (dict "required" true) }}
 {{- end }}
 {{- toYaml $cfg }}
+{{- end }}
+
+{{- define "mcp-run.peerServiceName" -}}
+{{- printf "%s-peers" (include "mcp-run.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "mcp-run.peerSecretName" -}}
+{{- if .Values.peers.existingSecret }}{{ .Values.peers.existingSecret }}{{ else }}{{ printf "%s-peer" (include "mcp-run.fullname" .) | trunc 63 | trimSuffix "-" }}{{ end }}
 {{- end }}

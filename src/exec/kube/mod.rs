@@ -43,7 +43,7 @@ use tokio_util::task::TaskTracker;
 
 use self::config::{KubernetesConfig, Profile};
 use self::pod::Identity;
-pub(crate) use self::setup::KubeSetupError;
+pub(crate) use self::setup::{KubeSetupError, client_config};
 use super::{ExecSpec, Execution, Executor, StartOptions};
 use crate::contract::{ErrorBody, ErrorCode};
 
@@ -71,6 +71,9 @@ pub struct KubeExecutor {
     pools: std::sync::OnceLock<BTreeMap<String, Arc<pool::WarmPool>>>,
     /// The profiles' cache claims (docs/caches.md), when a profile declares caches.
     caches: Option<Arc<cache::KubeCaches>>,
+    /// The pods of this gateway's replicas (`server.peer_service`): the warm pools share
+    /// their size among them.
+    replicas: Option<tokio::sync::watch::Receiver<Vec<String>>>,
 }
 
 /// What pod guards need after the request that armed them is gone.

@@ -4,7 +4,12 @@
 //!
 //! - Pool pods are ordinary runner pods with two more labels: `mcp-run.dev/pool=<profile>`
 //!   and `mcp-run.dev/state=idle`. Every gateway replica watches the idle pods of its
-//!   installation (a reflector: no polling) and keeps `size` of its own in the pool.
+//!   installation (a reflector: no polling) and keeps its share of `size` of its own in the
+//!   pool: with the replicas found from the Kubernetes API (`server.peer_service`), the
+//!   sorted list of their pods splits `size` (the first `size % n` keep one more), so the
+//!   installation holds `size` idle pods whatever the number of replicas; a replica whose
+//!   share shrank deletes its surplus (idle pods only, preconditioned). Without that list
+//!   (`--peer` URLs, or one replica) each replica keeps `size`.
 //! - A request claims an idle pod with a JSON merge patch that sets `state=claimed` and
 //!   names the claiming gateway, carrying the pod's `metadata.resourceVersion` as a
 //!   precondition: if anyone changed the pod since it was seen (another replica claimed it),
@@ -58,6 +63,8 @@ pub(super) struct WarmPool {
     measured: Mutex<std::collections::HashSet<String>>,
     wake: Notify,
     stop: CancellationToken,
+    /// The pods of this gateway's replicas, sorted (`None`: not known, keep `size`).
+    replicas: Option<tokio::sync::watch::Receiver<Vec<String>>>,
 }
 
 impl WarmPool {
@@ -69,6 +76,7 @@ impl WarmPool {
         longest_request: Duration,
         start_timeout: Duration,
         stop: CancellationToken,
+        replicas: Option<tokio::sync::watch::Receiver<Vec<String>>>,
     ) -> Arc<Self> {
         let size = profile.warm_pool.size;
         let max_idle = Duration::from_secs(profile.warm_pool.max_idle_secs);
@@ -100,7 +108,23 @@ impl WarmPool {
             measured: Mutex::new(Default::default()),
             wake: Notify::new(),
             stop,
+            replicas,
         });
+        // A replica that comes or goes changes every replica's share.
+        if let Some(mut replicas) = pool.replicas.clone() {
+            let woken = pool.clone();
+            tokio::spawn(async move {
+                loop {
+                    tokio::select! {
+                        _ = woken.stop.cancelled() => return,
+                        changed = replicas.changed() => match changed {
+                            Ok(()) => woken.wake.notify_one(),
+                            Err(_) => return,
+                        }
+                    }
+                }
+            });
+        }
         let watch_pool = pool.clone();
         tokio::spawn(async move {
             let mut events = std::pin::pin!(events);
@@ -122,6 +146,15 @@ impl WarmPool {
 
     pub(super) fn size(&self) -> usize {
         self.size
+    }
+
+    /// How many idle pods this replica keeps: its share of `size` (see the module's
+    /// documentation).
+    fn target(&self) -> usize {
+        match &self.replicas {
+            Some(r) => share(self.size, &r.borrow(), &self.shared.identity.gateway),
+            None => self.size,
+        }
     }
 
     /// Claims a Running idle pod whose deadline leaves room for `timeout`; `None` is a miss.
@@ -165,7 +198,17 @@ impl WarmPool {
             let Some(rv) = p.resource_version() else {
                 continue;
             };
-            self.shared.track(&name);
+            // Tracked only if no other request of this gateway holds or is claiming it: the
+            // claim that loses (409) untracks the name, which must not free the winner's pod
+            // to the reaper.
+            let fresh = self
+                .shared
+                .live
+                .lock()
+                .is_ok_and(|mut live| live.insert(name.clone()));
+            if !fresh {
+                continue;
+            }
             let mut l = labels.clone();
             l[LABEL_STATE] = "claimed".into();
             l[LABEL_GATEWAY] = me.clone().into();
@@ -320,7 +363,21 @@ impl WarmPool {
             });
             c.len()
         };
-        let missing = self.size.saturating_sub(healthy + creating);
+        let target = self.target();
+        // A smaller share (a replica came): the youngest surplus pods go, if still idle.
+        if healthy > target {
+            let mut surplus: Vec<&Arc<Pod>> = mine.iter().collect();
+            surplus.sort_by_key(|p| std::cmp::Reverse(p.creation_timestamp().map(|t| t.0)));
+            for p in surplus.into_iter().take(healthy - target) {
+                tracing::debug!(
+                    pod = p.name_any(),
+                    target,
+                    "warm pod beyond this replica's share"
+                );
+                self.delete_unclaimed(p).await;
+            }
+        }
+        let missing = target.saturating_sub(healthy + creating);
         for _ in 0..missing {
             if self.stop.is_cancelled() {
                 break;
@@ -408,6 +465,20 @@ impl WarmPool {
     }
 }
 
+/// The part of a pool of `size` that the replica `me` keeps among `replicas` (pod names,
+/// any order; `me` counts even when not listed yet): the parts add up to `size`.
+fn share(size: usize, replicas: &[String], me: &str) -> usize {
+    let mut all: Vec<String> = replicas.iter().map(|r| pod::label_value(r)).collect();
+    if !all.iter().any(|r| r == me) {
+        all.push(me.to_owned());
+    }
+    all.sort();
+    all.dedup();
+    let n = all.len();
+    let i = all.iter().position(|r| r == me).unwrap_or(0);
+    size / n + usize::from(i < size % n)
+}
+
 /// How a refill pass went.
 enum Tended {
     Fine,
@@ -425,4 +496,27 @@ fn room_left(p: &Pod, now: Timestamp) -> Duration {
         .and_then(|t| t.parse::<Timestamp>().ok())
         .and_then(|t| Duration::try_from(t.duration_since(now)).ok())
         .unwrap_or(Duration::ZERO)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::share;
+
+    #[test]
+    fn the_replicas_shares_add_up_to_the_pool_size() {
+        let pods = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        for size in 0..7 {
+            for n in 1..5 {
+                let all: Vec<String> = (0..n).map(|i| format!("gw-{i}")).collect();
+                let total: usize = all.iter().map(|me| share(size, &all, me)).sum();
+                assert_eq!(total, size, "size {size}, {n} replicas");
+            }
+        }
+        assert_eq!(share(3, &pods(&["gw-b", "gw-a"]), "gw-a"), 2);
+        assert_eq!(share(3, &pods(&["gw-b", "gw-a"]), "gw-b"), 1);
+        // Not listed yet (its endpoint is not in the slices): counted anyway.
+        assert_eq!(share(4, &pods(&["gw-a"]), "gw-b"), 2);
+        // Nobody listed: the whole pool.
+        assert_eq!(share(4, &[], "gw-a"), 4);
+    }
 }

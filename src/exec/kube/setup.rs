@@ -32,7 +32,43 @@ pub enum KubeSetupError {
     Client(#[from] kube::Error),
 }
 
+/// The API server and credentials: the in-cluster account, else the kubeconfig (`KUBECONFIG`
+/// or `~/.kube/config`); `kubernetes.kubeconfig` / `kubernetes.context` pick one explicitly.
+/// Also what the replicas' discovery (`crate::peers::discovery`) connects with.
+pub(crate) async fn client_config(
+    config: &KubernetesConfig,
+) -> Result<kube::Config, KubeSetupError> {
+    // Whichever TLS user comes first installs the process's crypto provider.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    Ok(if config.kubeconfig.is_some() || config.context.is_some() {
+        let options = KubeConfigOptions {
+            context: config.context.clone(),
+            ..Default::default()
+        };
+        match &config.kubeconfig {
+            Some(path) => {
+                kube::Config::from_custom_kubeconfig(Kubeconfig::read_from(path)?, &options).await?
+            }
+            None => kube::Config::from_kubeconfig(&options).await?,
+        }
+    } else if let Ok(c) = kube::Config::incluster() {
+        c
+    } else {
+        kube::Config::infer().await?
+    })
+}
+
 impl KubeExecutor {
+    /// Shares the warm pools' sizes among the replicas that `replicas` lists (their pods),
+    /// so that the installation keeps `warm_pool.size` idle pods, not that many per replica.
+    pub(crate) fn with_replicas(
+        mut self,
+        replicas: Option<tokio::sync::watch::Receiver<Vec<String>>>,
+    ) -> Self {
+        self.replicas = replicas;
+        self
+    }
+
     /// Connects with the in-cluster account, else the kubeconfig (`KUBECONFIG` or
     /// `~/.kube/config`); `kubernetes.kubeconfig` / `kubernetes.context` pick one explicitly.
     pub async fn connect(
@@ -40,25 +76,7 @@ impl KubeExecutor {
         profiles: BTreeMap<String, Profile>,
         metrics: crate::metrics::Metrics,
     ) -> Result<Self, KubeSetupError> {
-        // Whichever TLS user comes first installs the process's crypto provider.
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        let kube_config = if config.kubeconfig.is_some() || config.context.is_some() {
-            let options = KubeConfigOptions {
-                context: config.context.clone(),
-                ..Default::default()
-            };
-            match &config.kubeconfig {
-                Some(path) => {
-                    kube::Config::from_custom_kubeconfig(Kubeconfig::read_from(path)?, &options)
-                        .await?
-                }
-                None => kube::Config::from_kubeconfig(&options).await?,
-            }
-        } else if let Ok(c) = kube::Config::incluster() {
-            c
-        } else {
-            kube::Config::infer().await?
-        };
+        let kube_config = client_config(&config).await?;
         let namespace = config
             .namespace
             .clone()
@@ -116,6 +134,7 @@ impl KubeExecutor {
             missing: Mutex::new(None),
             pools: std::sync::OnceLock::new(),
             caches: None,
+            replicas: None,
         })
     }
 
@@ -151,6 +170,7 @@ impl KubeExecutor {
                     longest_request + Duration::from_secs(self.config.pod_start_timeout_secs),
                     Duration::from_secs(self.config.pod_start_timeout_secs),
                     self.reaper.child_token(),
+                    self.replicas.clone(),
                 );
                 tracing::info!(profile = name, size = pool.size(), "warm pool started");
                 (name.clone(), pool)

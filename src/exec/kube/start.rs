@@ -30,6 +30,16 @@ fn shutting_down() -> ErrorBody {
     ErrorBody::new(ErrorCode::ShuttingDown, "the gateway is shutting down")
 }
 
+/// A pod whose runner container runs, ready for the command.
+struct RunningPod {
+    /// Owns the pod: it goes when the run ends.
+    guard: PodGuard,
+    timings: Timings,
+    node: String,
+    /// The end of the start budget, which the exec's start counts against too.
+    budget_end: Instant,
+}
+
 impl KubeExecutor {
     /// Creates the pod, waits until it runs, starts the command.
     pub(super) async fn run(
@@ -51,18 +61,13 @@ impl KubeExecutor {
                 opts.progress
                     .report(Phase::Scheduled, Some(format!("warm pod {name} on {node}")));
                 let guard = PodGuard::arm(self.shared.clone(), name, permit);
-                return self
-                    .exec_in(
-                        spec,
-                        opts,
-                        guard,
-                        timings,
-                        node,
-                        &profile_name,
-                        &profile,
-                        budget_end,
-                    )
-                    .await;
+                let pod = RunningPod {
+                    guard,
+                    timings,
+                    node,
+                    budget_end,
+                };
+                return self.exec_in(spec, opts, pod, &profile_name, &profile).await;
             }
         }
         let deadline =
@@ -114,17 +119,14 @@ impl KubeExecutor {
             _ = opts.cancel.cancelled() => return Err(shutting_down()),
         };
         self.shared.metrics.observe_pod_start(timings.since_start());
+        let pod = RunningPod {
+            guard,
+            timings,
+            node,
+            budget_end,
+        };
         let execution = self
-            .exec_in(
-                spec,
-                opts,
-                guard,
-                timings,
-                node,
-                &profile_name,
-                &profile,
-                budget_end,
-            )
+            .exec_in(spec, opts, pod, &profile_name, &profile)
             .await?;
         Ok(match caches {
             Some(c) => {
@@ -249,19 +251,21 @@ impl KubeExecutor {
             && l.get(LABEL_GATEWAY) == Some(&self.shared.identity.gateway)
     }
 
-    /// Starts the command in a running pod that `guard` owns.
-    #[allow(clippy::too_many_arguments)]
+    /// Starts the command in a running pod of `profile`.
     async fn exec_in(
         &self,
         spec: ExecSpec,
         opts: StartOptions,
-        mut guard: PodGuard,
-        mut timings: Timings,
-        node: String,
+        pod: RunningPod,
         profile_name: &str,
         profile: &Profile,
-        budget_end: Instant,
     ) -> Result<Execution, ErrorBody> {
+        let RunningPod {
+            mut guard,
+            mut timings,
+            node,
+            budget_end,
+        } = pod;
         let name = guard.name.clone();
         let pod_start = timings.since_start();
         opts.progress.report(

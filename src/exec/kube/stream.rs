@@ -97,32 +97,123 @@ pub(super) async fn supervise<S>(
         before_exit,
     } = ending;
     let started = Instant::now();
-    let (sink, mut frames) = ws.split();
+    let (sink, frames) = ws.split();
     let stop_writer = CancellationToken::new();
     let _stop_writer = stop_writer.clone().drop_guard();
     tokio::spawn(write_input(sink, input, stop_writer.clone()));
+    let Some(seen) = read_frames(frames, &tx, &cancel, &mut guard, &stop_writer).await else {
+        // Killed: the pod goes now; with it the command and everything it started.
+        let duration = started.elapsed();
+        guard.delete_now().await;
+        let _ = tx
+            .send(Event::Exit(ExitInfo {
+                code: None,
+                signal: Some(9),
+                duration_ms: duration.as_millis() as u64,
+                timed_out: false,
+            }))
+            .await;
+        return;
+    };
+    let duration_ms = started.elapsed().as_millis() as u64;
+    let exit = |code, signal| {
+        Event::Exit(ExitInfo {
+            code,
+            signal,
+            duration_ms,
+            timed_out: false,
+        })
+    };
+    let event = match how_it_ended(&seen, &executable, wrapped) {
+        Ended::Exit { code, signal } => exit(code, signal),
+        Ended::Killed => match pod_fate(&guard, POD_FATE_WAIT).await {
+            Some(why) => Event::Error {
+                code: ErrorCode::PodFailed,
+                message: format!("the command was killed: {why}"),
+            },
+            None => exit(None, Some(9)),
+        },
+        Ended::NoShell => Event::Error {
+            code: ErrorCode::ContainerConfigError,
+            message: format!(
+                "the runner image has no shell {shell} (the profile's `shell`): it is needed to apply the request's cwd and env; send neither, or use an image with a POSIX shell"
+            ),
+        },
+        Ended::NotStarted { stderr, code } => {
+            let _ = tx
+                .send(Event::Stderr {
+                    data: stderr.into(),
+                })
+                .await;
+            exit(Some(code), None)
+        }
+        Ended::Failed {
+            ask_if_missing: true,
+            ..
+        } if exists_in_pod(&guard, &shell, &executable).await == Some(false) => {
+            let _ = tx
+                .send(Event::Stderr {
+                    data: format!("mcp-run: {executable}: command not found\n").into(),
+                })
+                .await;
+            exit(Some(127), None)
+        }
+        Ended::Failed {
+            message, fate_wait, ..
+        } => match pod_fate(&guard, fate_wait).await {
+            Some(why) => Event::Error {
+                code: ErrorCode::PodFailed,
+                message: format!("{message}: {why}"),
+            },
+            None => Event::Error {
+                code: ErrorCode::BackendError,
+                message,
+            },
+        },
+    };
+    if let (Event::Exit(_), Some(hook)) = (&event, before_exit)
+        && !tx.is_closed()
+    {
+        for e in hook().await {
+            if tx.send(e).await.is_err() {
+                return;
+            }
+        }
+    }
+    let _ = tx.send(event).await;
+}
+
+/// What the exec's frames told about the end of the command.
+#[derive(Debug, Default)]
+struct Seen {
+    /// The exec status, when one came and parsed.
+    status: Option<Status>,
+    /// Whether the command wrote any output.
+    first_byte: bool,
+    /// Why the stream broke, if it did.
+    transport_error: Option<String>,
+}
+
+/// Forwards output frames as events, in order, until the stream ends (or the status came
+/// and [`DRAIN_GRACE`] passed without more output). `None`: cancelled.
+async fn read_frames<F>(
+    mut frames: F,
+    tx: &mpsc::Sender<Event>,
+    cancel: &CancellationToken,
+    guard: &mut PodGuard,
+    stop_writer: &CancellationToken,
+) -> Option<Seen>
+where
+    F: Stream<Item = Result<Message, tungstenite::Error>> + Unpin,
+{
     let mut status: Option<Option<Status>> = None;
-    let mut first_byte = false;
-    let mut transport_error = None;
+    let mut seen = Seen::default();
     let drain = tokio::time::sleep(Duration::MAX / 4);
     tokio::pin!(drain);
-
     loop {
         let frame = tokio::select! {
             biased;
-            _ = cancel.cancelled() => {
-                // The pod goes now; with it the command and everything it started.
-                let duration = started.elapsed();
-                drop(frames);
-                guard.delete_now().await;
-                let _ = tx.send(Event::Exit(ExitInfo {
-                    code: None,
-                    signal: Some(9),
-                    duration_ms: duration.as_millis() as u64,
-                    timed_out: false,
-                })).await;
-                return;
-            }
+            _ = cancel.cancelled() => return None,
             _ = &mut drain, if status.is_some() => break,
             m = frames.next() => m,
         };
@@ -132,7 +223,7 @@ pub(super) async fn supervise<S>(
             Some(Ok(Message::Text(t))) => Bytes::copy_from_slice(t.as_bytes()),
             Some(Ok(_)) => continue,
             Some(Err(e)) => {
-                transport_error = Some(e.to_string());
+                seen.transport_error = Some(e.to_string());
                 break;
             }
             None => break,
@@ -142,7 +233,7 @@ pub(super) async fn supervise<S>(
         };
         let event = match ch {
             STDOUT | STDERR if !payload.is_empty() => {
-                mark_first(&mut first_byte, &mut guard);
+                mark_first(&mut seen.first_byte, guard);
                 let data = data.slice(1..);
                 if ch == STDOUT {
                     Event::Stdout { data }
@@ -178,95 +269,64 @@ pub(super) async fn supervise<S>(
                 .reset(tokio::time::Instant::now() + DRAIN_GRACE);
         }
     }
-    drop(frames);
-    let duration_ms = started.elapsed().as_millis() as u64;
-    let status = status.flatten();
-    let exit = |code, signal| {
-        Event::Exit(ExitInfo {
-            code,
-            signal,
-            duration_ms,
-            timed_out: false,
-        })
-    };
-    let event = match status::exec_end(status.as_ref(), &executable) {
-        // A kubelet reports 137 for every process it kills with the pod: look at the pod
-        // before calling it a signal.
+    seen.status = status.flatten();
+    Some(seen)
+}
+
+/// How a command ended, as far as its exec stream tells; what is still to be looked up
+/// (the pod's fate, whether the program exists) is named.
+#[derive(Debug, PartialEq)]
+enum Ended {
+    Exit {
+        code: Option<i32>,
+        signal: Option<i32>,
+    },
+    /// SIGKILL, which a kubelet reports for every process it kills with the pod: the pod's
+    /// fate tells which (else it is a signal).
+    Killed,
+    /// The wrapper (for `cwd` or `env`) found no shell in the image.
+    NoShell,
+    /// The program could not be started: this on stderr, this exit code.
+    NotStarted { stderr: String, code: i32 },
+    /// A failure; the pod's fate (watched for `fate_wait`) may say why.
+    Failed {
+        message: String,
+        fate_wait: Duration,
+        /// The runtime refused to start the program in words no pattern knows (each runtime
+        /// has its own), before any output: a program missing from the pod is exit 127.
+        ask_if_missing: bool,
+    },
+}
+
+fn how_it_ended(seen: &Seen, executable: &str, wrapped: bool) -> Ended {
+    let status = seen.status.as_ref();
+    match status::exec_end(status, executable) {
         ExecEnd::Exit {
             code: None,
             signal: Some(9),
-        } => match pod_fate(&guard, POD_FATE_WAIT).await {
-            Some(why) => Event::Error {
-                code: ErrorCode::PodFailed,
-                message: format!("the command was killed: {why}"),
-            },
-            None => exit(None, Some(9)),
-        },
-        ExecEnd::Exit { code, signal } => exit(code, signal),
-        ExecEnd::NotStarted { code: 127, .. } if wrapped => Event::Error {
-            code: ErrorCode::ContainerConfigError,
-            message: format!(
-                "the runner image has no shell {shell} (the profile's `shell`): it is needed to apply the request's cwd and env; send neither, or use an image with a POSIX shell"
-            ),
-        },
-        ExecEnd::NotStarted { stderr, code } => {
-            let _ = tx
-                .send(Event::Stderr {
-                    data: stderr.into(),
-                })
-                .await;
-            exit(Some(code), None)
-        }
-        // The runtime refused to start the program in words no pattern knows (each runtime
-        // has its own): ask the pod whether the program exists at all.
-        ExecEnd::Error(_)
-            if status
-                .as_ref()
-                .is_some_and(|s| s.reason.as_deref() != Some("NonZeroExitCode"))
-                && !first_byte
-                && exists_in_pod(&guard, &shell, &executable).await == Some(false) =>
-        {
-            let _ = tx
-                .send(Event::Stderr {
-                    data: format!("mcp-run: {executable}: command not found\n").into(),
-                })
-                .await;
-            exit(Some(127), None)
-        }
+        } => Ended::Killed,
+        ExecEnd::Exit { code, signal } => Ended::Exit { code, signal },
+        ExecEnd::NotStarted { code: 127, .. } if wrapped => Ended::NoShell,
+        ExecEnd::NotStarted { stderr, code } => Ended::NotStarted { stderr, code },
         ExecEnd::Error(message) => {
-            let message = match transport_error {
+            let message = match &seen.transport_error {
                 Some(t) if status.is_none() => format!("{message} ({t})"),
                 _ => message,
             };
-            // Say what happened to the pod, when something did; a broken stream may be the
-            // pod's end whose status is not written yet.
-            let wait = if status.is_none() {
-                POD_FATE_WAIT
-            } else {
-                Duration::ZERO
-            };
-            match pod_fate(&guard, wait).await {
-                Some(why) => Event::Error {
-                    code: ErrorCode::PodFailed,
-                    message: format!("{message}: {why}"),
+            Ended::Failed {
+                message,
+                // A broken stream may be the pod's end whose status is not written yet.
+                fate_wait: if status.is_none() {
+                    POD_FATE_WAIT
+                } else {
+                    Duration::ZERO
                 },
-                None => Event::Error {
-                    code: ErrorCode::BackendError,
-                    message,
-                },
-            }
-        }
-    };
-    if let (Event::Exit(_), Some(hook)) = (&event, before_exit)
-        && !tx.is_closed()
-    {
-        for e in hook().await {
-            if tx.send(e).await.is_err() {
-                return;
+                ask_if_missing: status
+                    .is_some_and(|s| s.reason.as_deref() != Some("NonZeroExitCode"))
+                    && !seen.first_byte,
             }
         }
     }
-    let _ = tx.send(event).await;
 }
 
 /// Whether `executable` exists in the runner container, asked through the profile's shell
@@ -444,6 +504,99 @@ fn mark_first(seen: &mut bool, guard: &mut PodGuard) {
 mod tests {
     use super::*;
     use std::sync::{Arc, Mutex};
+
+    fn seen(status: Option<serde_json::Value>, first_byte: bool, broke: Option<&str>) -> Seen {
+        Seen {
+            status: status.map(|s| serde_json::from_value(s).unwrap()),
+            first_byte,
+            transport_error: broke.map(str::to_owned),
+        }
+    }
+
+    fn exit_code(code: i32) -> serde_json::Value {
+        serde_json::json!({
+            "metadata": {}, "status": "Failure", "reason": "NonZeroExitCode",
+            "details": {"causes": [{"reason": "ExitCode", "message": code.to_string()}]}
+        })
+    }
+
+    fn refused(message: &str) -> serde_json::Value {
+        serde_json::json!({
+            "metadata": {}, "status": "Failure", "reason": "InternalError", "message": message
+        })
+    }
+
+    #[test]
+    fn how_a_run_ended_follows_from_its_frames() {
+        let ok = serde_json::json!({"metadata": {}, "status": "Success"});
+        let exit = |code, signal| Ended::Exit { code, signal };
+        assert_eq!(
+            how_it_ended(&seen(Some(ok), false, None), "x", false),
+            exit(Some(0), None)
+        );
+        assert_eq!(
+            how_it_ended(&seen(Some(exit_code(3)), true, None), "x", false),
+            exit(Some(3), None)
+        );
+        assert_eq!(
+            how_it_ended(&seen(Some(exit_code(143)), true, None), "x", false),
+            exit(None, Some(15))
+        );
+        // 137: a kubelet says so for every process it kills with the pod; the pod decides.
+        assert_eq!(
+            how_it_ended(&seen(Some(exit_code(137)), true, None), "x", false),
+            Ended::Killed
+        );
+
+        let missing = refused("exec: \"nope\": executable file not found in $PATH");
+        assert_eq!(
+            how_it_ended(&seen(Some(missing.clone()), false, None), "nope", false),
+            Ended::NotStarted {
+                stderr: "mcp-run: nope: command not found\n".into(),
+                code: 127
+            }
+        );
+        // Through the wrapper, what was not found is the shell.
+        assert_eq!(
+            how_it_ended(&seen(Some(missing), false, None), "nope", true),
+            Ended::NoShell
+        );
+
+        // Words no pattern knows: before any output the pod is asked whether the program exists.
+        let odd = refused("runtime said no");
+        let failed =
+            |first_byte| how_it_ended(&seen(Some(odd.clone()), first_byte, None), "x", false);
+        assert_eq!(
+            failed(false),
+            Ended::Failed {
+                message: "exec failed: InternalError: runtime said no".into(),
+                fate_wait: Duration::ZERO,
+                ask_if_missing: true
+            }
+        );
+        assert!(matches!(
+            failed(true),
+            Ended::Failed {
+                ask_if_missing: false,
+                ..
+            }
+        ));
+
+        // A broken stream without a status: the break is named and the pod's fate awaited.
+        assert_eq!(
+            how_it_ended(&seen(None, true, Some("connection reset")), "x", false),
+            Ended::Failed {
+                message: "the exec stream ended without an exit status (connection reset)".into(),
+                fate_wait: POD_FATE_WAIT,
+                ask_if_missing: false
+            }
+        );
+        // A status that came: a break after it is not the story.
+        assert_eq!(
+            how_it_ended(&seen(Some(exit_code(2)), false, Some("reset")), "x", false),
+            exit(Some(2), None)
+        );
+    }
 
     /// What `write_input` sends on a silent exec without stdin over `silence`, as (time
     /// since the start, frame).

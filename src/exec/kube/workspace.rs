@@ -306,10 +306,17 @@ pub(super) async fn sync_back(
     run: &WorkspaceRun,
     cancel: &CancellationToken,
 ) -> Vec<Event> {
-    let (files, truncated, problem) = match fetch_changes(pods, pod, path, shell, run, cancel).await
-    {
-        Ok((files, truncated, problem)) => (files, truncated, problem),
-        Err(e) => (Vec::new(), true, Some(e)),
+    let Changes {
+        files,
+        truncated,
+        problem,
+    } = match fetch_changes(pods, pod, path, shell, run, cancel).await {
+        Ok(changes) => changes,
+        Err(e) => Changes {
+            files: Vec::new(),
+            truncated: true,
+            problem: Some(e.to_string()),
+        },
     };
     let mut events = Vec::new();
     if let Some(p) = problem {
@@ -326,6 +333,30 @@ pub(super) async fn sync_back(
     events
 }
 
+/// What a sync-back read from the pod.
+struct Changes {
+    files: Vec<ChangedFile>,
+    /// Whether the list is cut short.
+    truncated: bool,
+    /// What went wrong in the pod after the files were read.
+    problem: Option<String>,
+}
+
+/// Why no changed files could be read.
+#[derive(Debug, thiserror::Error)]
+enum SyncBackError {
+    #[error("cannot exec: {0}")]
+    Exec(kube::Error),
+    #[error("cancelled")]
+    Cancelled,
+    #[error("no stdout on the exec")]
+    NoStdout,
+    #[error("the archive is not valid: {0}")]
+    Archive(std::io::Error),
+    #[error("reading the archive failed: {0}")]
+    Reader(tokio::task::JoinError),
+}
+
 /// The changed files, whether the list is cut short, and what went wrong in the pod.
 async fn fetch_changes(
     pods: &Api<Pod>,
@@ -334,7 +365,7 @@ async fn fetch_changes(
     shell: &str,
     run: &WorkspaceRun,
     cancel: &CancellationToken,
-) -> Result<(Vec<ChangedFile>, bool, Option<String>), String> {
+) -> Result<Changes, SyncBackError> {
     let params = AttachParams {
         container: Some(CONTAINER.into()),
         stdin: false,
@@ -353,12 +384,12 @@ async fn fetch_changes(
     ];
     argv.extend(run.sync_back.iter().map(|g| widen(g)));
     let mut attached = tokio::select! {
-        r = pods.exec(pod, argv, &params) => r.map_err(|e| format!("cannot exec: {e}"))?,
-        _ = cancel.cancelled() => return Err("cancelled".into()),
+        r = pods.exec(pod, argv, &params) => r.map_err(SyncBackError::Exec)?,
+        _ = cancel.cancelled() => return Err(SyncBackError::Cancelled),
     };
     let Some(stdout) = attached.stdout() else {
         attached.abort();
-        return Err("no stdout on the exec".into());
+        return Err(SyncBackError::NoStdout);
     };
     let stderr = attached.stderr();
     let status = attached.take_status();
@@ -381,31 +412,35 @@ async fn fetch_changes(
         r = parse => r,
         _ = cancel.cancelled() => {
             attached.abort();
-            return Err("cancelled".into());
+            return Err(SyncBackError::Cancelled);
         }
     };
     let parsed = match parsed {
         Ok(Ok(p)) => p,
         Ok(Err(e)) => {
             attached.abort();
-            return Err(format!("the archive is not valid: {e}"));
+            return Err(SyncBackError::Archive(e));
         }
         Err(e) => {
             attached.abort();
-            return Err(format!("reading the archive failed: {e}"));
+            return Err(SyncBackError::Reader(e));
         }
     };
     let (files, truncated, complete) = parsed;
     if !complete {
         // Cut short at the limits: the rest of the stream is not wanted.
         attached.abort();
-        return Ok((files, truncated, None));
+        return Ok(Changes {
+            files,
+            truncated,
+            problem: None,
+        });
     }
     let err_text = tokio::select! {
         t = err_text => t.unwrap_or_default(),
         _ = cancel.cancelled() => {
             attached.abort();
-            return Err("cancelled".into());
+            return Err(SyncBackError::Cancelled);
         }
     };
     let status = match status {
@@ -413,14 +448,18 @@ async fn fetch_changes(
             s = s => s,
             _ = cancel.cancelled() => {
                 attached.abort();
-                return Err("cancelled".into());
+                return Err(SyncBackError::Cancelled);
             }
         },
         None => None,
     };
     let ok = status.as_ref().and_then(|s| s.status.as_deref()) == Some("Success");
     if ok {
-        return Ok((files, truncated, None));
+        return Ok(Changes {
+            files,
+            truncated,
+            problem: None,
+        });
     }
     let why = status
         .and_then(|s| s.message)
@@ -430,11 +469,11 @@ async fn fetch_changes(
     } else {
         ""
     };
-    Ok((
+    Ok(Changes {
         files,
-        true,
-        Some(format!("{}{hint}: {}", why.trim(), err_text.trim())),
-    ))
+        truncated: true,
+        problem: Some(format!("{}{hint}: {}", why.trim(), err_text.trim())),
+    })
 }
 
 /// Reads the pod's tar stream: `(files, truncated, read to the end)`. Blocking.
@@ -502,7 +541,7 @@ fn read_changes(
                     None
                 }
                 Err(e) => {
-                    tracing::warn!("sync-back of {rel:?} skipped: {}", e.message);
+                    tracing::warn!("sync-back of {rel:?} skipped: {e}");
                     truncated = true;
                     None
                 }

@@ -14,7 +14,7 @@ use futures_util::future::BoxFuture;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::RemoteExecutor;
+use super::{RemoteExecutor, SetupError};
 use crate::contract::{ChangedFile, ErrorBody, ErrorCode, Event, RunRequest};
 use crate::exec::{ExecSpec, Execution, Executor, StartOptions};
 use crate::workspace::client::{SyncError, WorkspaceClient};
@@ -27,12 +27,13 @@ pub(crate) struct SyncedRemote {
 }
 
 impl SyncedRemote {
-    pub(crate) fn new(remote: RemoteExecutor, dir: &Path) -> Result<Self, String> {
-        let root = dir
-            .canonicalize()
-            .map_err(|e| format!("--workspace {}: {e}", dir.display()))?;
+    pub(crate) fn new(remote: RemoteExecutor, dir: &Path) -> Result<Self, SetupError> {
+        let root = dir.canonicalize().map_err(|source| SetupError::Workspace {
+            path: dir.to_owned(),
+            source,
+        })?;
         if !root.is_dir() {
-            return Err(format!("--workspace {}: not a directory", root.display()));
+            return Err(SetupError::NotADirectory(root));
         }
         Ok(Self {
             client: remote.workspace_client(),
@@ -273,4 +274,5 @@ async fn store_result(
     tokio::task::spawn_blocking(move || store.receive(&mut reader, &hash, size, &owner))
         .await
         .map_err(|e| ErrorBody::new(ErrorCode::Internal, e.to_string()))?
+        .map_err(ErrorBody::from)
 }
