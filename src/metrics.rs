@@ -115,6 +115,12 @@ struct SessionLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CacheLabels {
+    cache: String,
+    event: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct VersionLabels {
     version: &'static str,
 }
@@ -146,6 +152,7 @@ pub struct Metrics {
     /// Sessions open now, what happened to sessions, and calls run in sessions.
     sessions_open: Gauge,
     session_events: Family<SessionLabels, Counter>,
+    cache_events: Family<CacheLabels, Counter>,
     session_calls: Counter,
 }
 
@@ -187,6 +194,7 @@ impl Metrics {
             pool_refill: Family::new_with_constructor(pod_start_histogram as fn() -> Histogram),
             sessions_open: Gauge::default(),
             session_events: Family::default(),
+            cache_events: Family::default(),
             session_calls: Counter::default(),
         };
         registry.register(
@@ -238,6 +246,11 @@ impl Metrics {
             "mcp_run_sessions",
             "Sessions by what happened to them (created, ended, expired, lost)",
             m.session_events.clone(),
+        );
+        registry.register(
+            "mcp_run_cache_events",
+            "Cache volumes by what happened: created, mounted (an existing one reused), waited (held by another run), skipped (run without it), deleted (idle)",
+            m.cache_events.clone(),
         );
         registry.register(
             "mcp_run_session_calls",
@@ -323,11 +336,22 @@ impl Metrics {
         self.session_events
             .get_or_create(&SessionLabels { event })
             .inc();
-        if event == "created" {
+        // Adopted: opened by another replica, open on this one now too.
+        if event == "created" || event == "adopted" {
             self.sessions_open.inc();
         } else {
             self.sessions_open.dec();
         }
+    }
+
+    /// Counts a cache event (see the metric's help) of the profile's cache `cache`.
+    pub fn cache(&self, cache: &str, event: &'static str) {
+        self.cache_events
+            .get_or_create(&CacheLabels {
+                cache: cache.to_owned(),
+                event,
+            })
+            .inc();
     }
 
     /// Counts a call run in a session.

@@ -590,9 +590,12 @@ impl Runner {
             None => {
                 let keep = crate::exec::KeepFor {
                     owner: crate::session::label_hash(&[&caller.key()]),
-                    name: crate::session::label_hash(&[&caller.key(), "steps"]),
+                    // Three parts: never the hash of a session's (owner, name).
+                    name: crate::session::label_hash(&[&caller.key(), "", "steps"]),
                     expires_at: std::time::SystemTime::now()
                         + steps.iter().map(|(s, _)| s.timeout).sum::<Duration>(),
+                    session: None,
+                    first_call: steps.iter().map(|(s, _)| s.timeout).sum::<Duration>(),
                 };
                 let opts = StartOptions {
                     cancel: self.shutdown.child_token(),

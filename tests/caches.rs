@@ -684,4 +684,20 @@ async fn kube_session_pods_mount_the_caches_of_their_identity() {
     assert!(wait_until(Duration::from_secs(20), || released(&double)));
     let a2 = run_as(&mut gw, ALICE, append("a2", "default")).await;
     assert_eq!(a2.stdout_str(), "a1\ns1\ns2\n", "{a2:?}");
+    // Counted: two claims created (alice's, bob's), alice's mounted again twice (the session
+    // once, for its pod, then the last one-shot run).
+    let metrics = support::http()
+        .get(gw.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for line in [
+        "mcp_run_cache_events_total{cache=\"build\",event=\"created\"} 2",
+        "mcp_run_cache_events_total{cache=\"build\",event=\"mounted\"} 2",
+    ] {
+        assert!(metrics.contains(line), "{line} in {metrics}");
+    }
 }

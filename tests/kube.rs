@@ -991,7 +991,7 @@ async fn a_session_is_one_pod_and_each_later_call_one_exec() {
 }
 
 /// A session pod goes on idle TTL and at shutdown; after a gateway SIGKILL it is left, and
-/// the restarted gateway deletes it (sessions are not adopted: docs/sessions.md).
+/// the restarted gateway serves it (docs/sessions.md).
 #[tokio::test(flavor = "multi_thread")]
 async fn session_pods_go_on_ttl_shutdown_and_after_a_crash() {
     let double = KubeDouble::start();
@@ -1025,8 +1025,22 @@ async fn session_pods_go_on_ttl_shutdown_and_after_a_crash() {
     let pid = gw.pid().unwrap() as i32;
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL).unwrap();
     drop(gw);
-    assert_eq!(double.pod_names(NS).len(), 1, "the crash left the pod");
-    let _restarted = gateway(&double, &[]);
+    let pods = double.pod_names(NS);
+    assert_eq!(pods.len(), 1, "the crash left the pod");
+    // The restarted gateway's reaper leaves the live session's pod; its next call runs in
+    // it (found by its labels), and ending it deletes it.
+    let restarted = gateway(&double, &[]);
+    let r = in_session(&restarted, "k", "true").await;
+    assert_eq!(r.code(), Some(0), "{r:?}");
+    let ctx = r.context.unwrap();
+    assert_eq!(ctx.pod.as_ref(), Some(&pods[0]));
+    assert_eq!(ctx.session_call, Some(2));
+    let ended = http()
+        .delete(restarted.url("/sessions/k"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ended.status(), 204);
     no_pods_left(&double, Duration::from_secs(10));
 }
 
@@ -1215,4 +1229,140 @@ fn session_tree(gw: &Gateway, double: &KubeDouble, home: &std::path::Path, profi
         .map(|e| e.file_name())
         .collect();
     assert_eq!(written, [std::ffi::OsString::from("x")], "{profile}");
+}
+
+/// A gateway replica on the double: `name` is its pod name (its runner pods' label).
+fn replica(double: &KubeDouble, name: &str) -> Gateway {
+    let kubeconfig = double.kubeconfig();
+    Gateway::start_with_env(
+        &[
+            "--backend",
+            "kube",
+            "--kubeconfig",
+            kubeconfig.to_str().unwrap(),
+        ],
+        &[("MCP_RUN_POD_NAME", name)],
+    )
+}
+
+/// Any replica serves a kube session: opened through A, a call through B runs in the same
+/// pod (found by its labels, no new pod); one call at a time across both (409 with `fail`,
+/// `queued` then run with `wait`); A SIGKILLed, B carries on, and A restarted (its start-up
+/// reaper) leaves the live session's pod alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn any_replica_serves_a_kube_session() {
+    let double = KubeDouble::start_with(DoubleOptions {
+        exec_survives_disconnect: true,
+        ..Default::default()
+    });
+    let a = replica(&double, "gw-a");
+    let b = replica(&double, "gw-b");
+    let dir = tempfile::tempdir().unwrap();
+    let (state, started, go) = (
+        dir.path().join("state"),
+        dir.path().join("started"),
+        dir.path().join("go"),
+    );
+    let first = in_session(&a, "s", &format!("echo kept > {}", state.display())).await;
+    assert_eq!(first.code(), Some(0), "{first:?}");
+    let pod = first.context.unwrap().pod.unwrap();
+    let via_b = in_session(&b, "s", &format!("cat {}", state.display())).await;
+    assert_eq!(via_b.stdout_str(), "kept\n", "{via_b:?}");
+    let ctx = via_b.context.unwrap();
+    assert_eq!(ctx.pod.as_deref(), Some(pod.as_str()), "the same pod");
+    assert_eq!(double.created_pods().len(), 1, "no second pod");
+    let annotations = || double.pod(NS, &pod).unwrap().metadata.annotations.unwrap();
+    assert_eq!(annotations()["mcp-run.dev/session-name"], "s");
+    // Given back once the call's consumer let go.
+    assert!(
+        wait_until(Duration::from_secs(10), || !annotations()
+            .contains_key("mcp-run.dev/busy-by")),
+        "{:?}",
+        annotations()
+    );
+
+    // Busy across replicas: A's call holds the pod until `go` exists.
+    let script = format!(
+        "touch {}; while [ ! -e {} ]; do sleep 0.05; done; echo a-done",
+        started.display(),
+        go.display()
+    );
+    let long = {
+        let url = a.raw_url();
+        let body = json!({"executable": "sh", "args": ["-c", script], "session": "s"});
+        tokio::spawn(async move {
+            http()
+                .post(url)
+                .json(&body)
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+        })
+    };
+    assert!(wait_until(Duration::from_secs(20), || started.exists()));
+    let busy = raw(
+        &b,
+        json!({"executable": "true", "session": "s", "session_busy": "fail"}),
+    )
+    .await;
+    assert_eq!(busy.status, 409, "{busy:?}");
+    assert!(
+        busy.rejection
+            .unwrap()
+            .error
+            .message
+            .contains("another gateway replica")
+    );
+    let waiting = {
+        let url = b.raw_url();
+        let body = json!({"executable": "echo", "args": ["b-ran"], "session": "s"});
+        tokio::spawn(async move {
+            http()
+                .post(url)
+                .header("mcp-run-progress", "1")
+                .json(&body)
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap()
+        })
+    };
+    std::fs::write(&go, "").unwrap();
+    let long = long.await.unwrap().unwrap();
+    // Output is base64 on the wire: "a-done\n".
+    assert!(long.contains("YS1kb25lCg=="), "{long}");
+    let text = waiting.await.unwrap();
+    assert!(text.contains("Yi1yYW4K"), "b-ran: {text}");
+    assert!(
+        text.contains("another gateway replica"),
+        "queued phase: {text}"
+    );
+
+    // A dies; B carries on in the same pod; A restarted leaves it alone.
+    let pid = a.pid().unwrap() as i32;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL).unwrap();
+    drop(a);
+    let after = in_session(&b, "s", &format!("cat {}", state.display())).await;
+    assert_eq!(after.stdout_str(), "kept\n", "{after:?}");
+    assert_eq!(after.context.unwrap().pod.as_deref(), Some(pod.as_str()));
+    let a2 = replica(&double, "gw-a");
+    let again = in_session(&a2, "s", &format!("cat {}", state.display())).await;
+    assert_eq!(again.stdout_str(), "kept\n", "{again:?}");
+    assert_eq!(again.context.unwrap().pod.as_deref(), Some(pod.as_str()));
+    assert_eq!(double.created_pods().len(), 1);
+    // Ended through the replica that served the last call: gone for both.
+    let ended = http().delete(a2.url("/sessions/s")).send().await.unwrap();
+    assert_eq!(ended.status(), 204);
+    no_pods_left(&double, Duration::from_secs(10));
+    let fresh = in_session(&b, "s", "true").await;
+    assert_eq!(fresh.code(), Some(0), "{fresh:?}");
+    assert_eq!(
+        fresh.context.unwrap().session_call,
+        Some(1),
+        "a new session"
+    );
 }

@@ -142,6 +142,33 @@ pub struct KeepFor {
     /// When the runner must be gone at the latest (its maximum lifetime), whatever happens
     /// to the gateway.
     pub expires_at: std::time::SystemTime,
+    /// A session's name and idle TTL, when any replica may serve it (a multi-step run's
+    /// runner has none: it is nobody else's to find).
+    pub session: Option<(String, Duration)>,
+    /// The first call's timeout: how long that call holds the runner.
+    pub first_call: Duration,
+}
+
+/// Why a kept runner is gone ([`KeptRunner::check`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Gone {
+    /// Lost: its pod was evicted or deleted, its node went, its directory was removed.
+    Lost(String),
+    /// Another replica ended it at its owner's request: the name is free again.
+    Ended,
+    /// Another replica ended it at its idle TTL or maximum lifetime (the reason).
+    Expired(String),
+}
+
+/// A session's runner found by its labels (made by another replica, or by this one before
+/// it restarted), with what its objects say about the session.
+pub struct FoundRunner {
+    pub runner: std::sync::Arc<dyn KeptRunner>,
+    pub profile: String,
+    pub opened: std::time::SystemTime,
+    pub expires_at: std::time::SystemTime,
+    pub idle_ttl: Duration,
+    pub last_used: Option<std::time::SystemTime>,
 }
 
 /// A runner that lives across commands ("one runner, many execs"): a session's, or the one
@@ -163,9 +190,40 @@ pub trait KeptRunner: Send + Sync + 'static {
         sync_tree: bool,
     ) -> BoxFuture<'_, Result<Execution, ErrorBody>>;
 
-    /// Whether the runner is still there: `Err(reason)` when it was lost (pod evicted or
-    /// deleted, node gone, directory removed).
-    fn check(&self) -> BoxFuture<'_, Result<(), String>>;
+    /// Whether the runner is still there: `Err` when it was lost (pod evicted or deleted,
+    /// node gone, directory removed) or another replica ended it.
+    fn check(&self) -> BoxFuture<'_, Result<(), Gone>>;
+
+    /// Takes the runner for one call until `until` at the latest, across gateway replicas
+    /// (this replica's calls are one at a time already): waits while another replica's call
+    /// holds it (within `deadline`, as the phase `queued`), or fails at once with 409
+    /// `session_busy` when `fail`. Runners only one gateway reaches need nothing.
+    fn begin_call(
+        &self,
+        _until: std::time::SystemTime,
+        _fail: bool,
+        _deadline: tokio::time::Instant,
+        _progress: &Progress,
+    ) -> BoxFuture<'_, Result<Option<String>, ErrorBody>> {
+        Box::pin(async { Ok(None) })
+    }
+
+    /// Gives the runner back after a call (and records its use, for every replica): `hold`
+    /// is what [`KeptRunner::begin_call`] returned.
+    fn end_call(&self, _hold: Option<String>) -> BoxFuture<'_, ()> {
+        Box::pin(async {})
+    }
+
+    /// When any replica last used it, as its objects say (`None`: only this gateway uses it).
+    fn last_used(&self) -> Option<std::time::SystemTime> {
+        None
+    }
+
+    /// Records why the session ends (its owner ended it, or it expired: the reason) where
+    /// the other replicas see it, before [`KeptRunner::close`].
+    fn ending(&self, _expired: Option<String>) -> BoxFuture<'_, ()> {
+        Box::pin(async {})
+    }
 
     /// Releases the runner (kills what still runs, deletes the pod or directory). Called
     /// once; the runner is not used afterwards.
@@ -224,6 +282,16 @@ pub trait Executor: Send + Sync + 'static {
                 ),
             ))
         })
+    }
+
+    /// Finds the runner of the session `name` (a hash, see [`KeepFor`]) of `owner` (a hash)
+    /// that another replica made, when [`Executor::sessions_shared`].
+    fn find_kept(
+        &self,
+        _owner: &str,
+        _name: &str,
+    ) -> BoxFuture<'_, Result<Option<FoundRunner>, ErrorBody>> {
+        Box::pin(async { Ok(None) })
     }
 
     /// Whether [`Executor::keep`] can make runners that live across commands (sessions and

@@ -25,7 +25,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::caller::Caller;
 use crate::contract::{ErrorBody, ErrorCode, Phase, RunContext, SessionBusy, SessionInfo};
-use crate::exec::{ExecSpec, Executor, KeepFor, KeptRunner, Progress, StartOptions};
+use crate::exec::{
+    ExecSpec, Executor, FoundRunner, Gone, KeepFor, KeptRunner, Progress, StartOptions,
+};
 use crate::metrics::Metrics;
 
 /// The `sessions:` section of the configuration.
@@ -129,6 +131,9 @@ type Key = (String, String);
 const TOMBSTONE_TTL: Duration = Duration::from_secs(3600);
 /// The most such answers kept (the oldest go first).
 const MAX_TOMBSTONES: usize = 4096;
+/// Beyond its timeout, how long a call may hold its runner against other replicas (its kill
+/// and its sync-back).
+const CALL_SLACK: Duration = Duration::from_secs(30);
 
 struct Session {
     name: String,
@@ -161,7 +166,7 @@ impl Session {
                 self.max_lifetime.as_secs()
             ));
         }
-        let idle = now.duration_since(*lock(&self.last_used));
+        let idle = self.idle(now);
         (!self.running.load(Ordering::Acquire) && idle >= self.idle_ttl).then(|| {
             format!(
                 "session {:?} expired after {} s without a call (its idle TTL)",
@@ -171,12 +176,26 @@ impl Session {
         })
     }
 
+    /// How long nobody used it: on this replica, or (a runner every replica reaches) on any.
+    fn idle(&self, now: Instant) -> Duration {
+        let here = now.duration_since(*lock(&self.last_used));
+        let anywhere = self
+            .runner
+            .get()
+            .and_then(|r| r.last_used())
+            .and_then(|t| SystemTime::now().duration_since(t).ok());
+        match anywhere {
+            Some(a) => here.min(a),
+            None => here,
+        }
+    }
+
     fn info(&self, now: Instant) -> SessionInfo {
         let running = self.running.load(Ordering::Acquire);
         let idle = if running {
             Duration::ZERO
         } else {
-            now.duration_since(*lock(&self.last_used))
+            self.idle(now)
         };
         let to_idle = self.idle_ttl.saturating_sub(idle);
         let to_max = self
@@ -221,6 +240,8 @@ pub(crate) struct SessionCall {
     session: Arc<Session>,
     runner: Arc<dyn KeptRunner>,
     number: u64,
+    /// The runner's hold across replicas ([`KeptRunner::begin_call`]).
+    hold: Option<String>,
     _busy: tokio::sync::OwnedMutexGuard<()>,
 }
 
@@ -248,6 +269,14 @@ impl Drop for SessionCall {
     fn drop(&mut self) {
         *lock(&self.session.last_used) = Instant::now();
         self.session.running.store(false, Ordering::Release);
+        // Given back where other replicas see it; this replica's next call waits for the
+        // local lock only (its own hold is its to take over).
+        let (runner, hold) = (self.runner.clone(), self.hold.take());
+        if hold.is_some()
+            && let Ok(rt) = tokio::runtime::Handle::try_current()
+        {
+            rt.spawn(async move { runner.end_call(hold).await });
+        }
     }
 }
 
@@ -369,6 +398,11 @@ impl Sessions {
             // The killed call reports its exit within the kill grace.
             let _ = tokio::time::timeout(Duration::from_secs(15), s.busy.lock()).await;
             if let Some(r) = s.runner.get() {
+                match event {
+                    "ended" => r.ending(None).await,
+                    "expired" => r.ending(Some(why.message.clone())).await,
+                    _ => {}
+                }
                 r.close().await;
                 metrics.session(event);
                 let context = lock(&s.context).clone();
@@ -401,11 +435,22 @@ impl Sessions {
                     "the gateway is shutting down",
                 ));
             }
-            let found = {
+            let known = {
                 let mut st = lock(&self.state);
                 if let Some((e, _)) = st.tombstones.remove(&key) {
                     return Err(e);
                 }
+                st.open.contains_key(&key)
+            };
+            if !known && executor.sessions_shared() {
+                // Opened by another replica (or by this one before a restart): its pod says.
+                let (owner, hashed) = (label_hash(&[&key.0]), label_hash(&[&key.0, &key.1]));
+                if let Some(found) = executor.find_kept(&owner, &hashed).await? {
+                    self.adopt(&key, caller, found);
+                }
+            }
+            let found = {
+                let mut st = lock(&self.state);
                 match st.open.get(&key) {
                     Some(s) => Ok(s.clone()),
                     None => Err(self.insert(&mut st, &key, caller, &profile)?),
@@ -474,13 +519,34 @@ impl Sessions {
                 s.ended.cancel();
                 continue;
             };
-            if let Err(reason) = runner.check().await {
-                let e = ErrorBody::new(
-                    ErrorCode::SessionLost,
-                    format!(
-                        "session {name:?} was lost: {reason}; the next call with this name opens a new session"
+            if let Err(gone) = runner.check().await {
+                let (e, event) = match gone {
+                    Gone::Lost(reason) => (
+                        ErrorBody::new(
+                            ErrorCode::SessionLost,
+                            format!(
+                                "session {name:?} was lost: {reason}; the next call with this name opens a new session"
+                            ),
+                        ),
+                        "lost",
                     ),
-                );
+                    Gone::Expired(why) => (ErrorBody::new(ErrorCode::SessionExpired, why), "gone"),
+                    Gone::Ended => {
+                        // Its owner ended it through another replica: the name is free.
+                        let mut st = lock(&self.state);
+                        if st.open.get(&key).is_some_and(|x| Arc::ptr_eq(x, &s)) {
+                            st.open.remove(&key);
+                        }
+                        drop(st);
+                        drop(guard);
+                        self.finish(
+                            s,
+                            "gone",
+                            ErrorBody::new(ErrorCode::UnknownSession, "ended by its owner"),
+                        );
+                        continue;
+                    }
+                };
                 {
                     let mut st = lock(&self.state);
                     if st.open.get(&key).is_some_and(|x| Arc::ptr_eq(x, &s)) {
@@ -488,9 +554,14 @@ impl Sessions {
                     }
                 }
                 drop(guard);
-                self.finish(s, "lost", e.clone());
+                self.finish(s, event, e.clone());
                 return Err(e);
             }
+            // Across replicas: another one's call may hold the runner.
+            let until = SystemTime::now() + spec.timeout + CALL_SLACK;
+            let hold = runner
+                .begin_call(until, busy == SessionBusy::Fail, deadline, progress)
+                .await?;
             {
                 // Under the map's lock, which the expiry holds while it looks at `running`:
                 // a session is either still open and now busy, or ended before this call.
@@ -510,9 +581,63 @@ impl Sessions {
                 session: s,
                 runner,
                 number,
+                hold,
                 _busy: guard,
             });
         }
+    }
+
+    /// Takes a session found on its runner's objects into this replica's map (unless one
+    /// came meanwhile). Not counted against this replica's caps: it is open already.
+    fn adopt(&self, key: &Key, caller: &Caller, found: FoundRunner) {
+        let now = Instant::now();
+        let age = SystemTime::now()
+            .duration_since(found.opened)
+            .unwrap_or_default();
+        let opened = now.checked_sub(age).unwrap_or(now);
+        let max_lifetime = found
+            .expires_at
+            .duration_since(found.opened)
+            .unwrap_or_default();
+        let runner = found.runner.clone();
+        let context = runner.context();
+        let profile = found.profile.clone();
+        let s = Arc::new(Session {
+            name: key.1.clone(),
+            owner: key.0.clone(),
+            who: caller.describe(),
+            profile: found.profile,
+            runner: tokio::sync::OnceCell::new_with(Some(runner.clone())),
+            context: Mutex::new(context.clone()),
+            opened,
+            idle_ttl: found.idle_ttl,
+            max_lifetime,
+            last_used: Mutex::new(now),
+            // At least the opening call ran (elsewhere); the count is this replica's.
+            calls: AtomicU64::new(1),
+            running: AtomicBool::new(false),
+            busy: Arc::new(tokio::sync::Mutex::new(())),
+            ended: self.stop.child_token(),
+            end_reason: Mutex::new(None),
+        });
+        let mut st = lock(&self.state);
+        if st.open.contains_key(key) {
+            drop(st);
+            // Another call of this replica took it meanwhile: this copy only stops watching.
+            tokio::spawn(async move { drop(runner) });
+            return;
+        }
+        st.open.insert(key.clone(), s);
+        drop(st);
+        self.metrics.session("adopted");
+        crate::audit::session(
+            &caller.describe(),
+            &key.1,
+            "adopted",
+            &profile,
+            &context,
+            "session found on its pod (opened by another gateway replica)",
+        );
     }
 
     /// Puts a new session in the map, its busy lock taken by the caller.
@@ -582,6 +707,8 @@ impl Sessions {
             owner: label_hash(&[&s.owner]),
             name: label_hash(&[&s.owner, &s.name]),
             expires_at: SystemTime::now() + s.max_lifetime,
+            session: Some((s.name.clone(), s.idle_ttl)),
+            first_call: spec.timeout + CALL_SLACK,
         };
         let opts = StartOptions {
             cancel: s.ended.child_token(),
@@ -627,10 +754,18 @@ impl Sessions {
             "session opened",
         );
         s.calls.store(1, Ordering::Relaxed);
+        // The pod was made held by this call: no API call.
+        let until = SystemTime::now() + spec.timeout + CALL_SLACK;
+        let deadline = tokio::time::Instant::now() + spec.timeout;
+        let hold = runner
+            .begin_call(until, false, deadline, progress)
+            .await
+            .unwrap_or_default();
         Ok(SessionCall {
             session: s,
             runner,
             number: 1,
+            hold,
             _busy: guard,
         })
     }
@@ -740,7 +875,7 @@ mod tests {
         {
             Box::pin(async { Err(ErrorBody::new(ErrorCode::Internal, "not here")) })
         }
-        fn check(&self) -> futures_util::future::BoxFuture<'_, Result<(), String>> {
+        fn check(&self) -> futures_util::future::BoxFuture<'_, Result<(), Gone>> {
             Box::pin(async { Ok(()) })
         }
         fn close(&self) -> futures_util::future::BoxFuture<'_, ()> {

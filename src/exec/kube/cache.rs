@@ -263,6 +263,8 @@ impl KubeCaches {
                     {
                         Ok(_) => {
                             tracing::info!(claim = name, cache = c.name, "cache claim created");
+                            self.shared.metrics.cache(&c.name, "created");
+                            crate::audit::cache(&key.owner_hash, &c.name, "created", &name, pod);
                             return Ok(Some(CacheState::Created));
                         }
                         // Another run or replica created it first: take it as found.
@@ -278,7 +280,11 @@ impl KubeCaches {
             let why = match self.judge(&current, pod).await {
                 Found::Free => {
                     match self.hold(&current, pod, lifetime).await {
-                        Ok(()) => return Ok(Some(CacheState::Reused)),
+                        Ok(()) => {
+                            self.shared.metrics.cache(&c.name, "mounted");
+                            crate::audit::cache(&key.owner_hash, &c.name, "mounted", &name, pod);
+                            return Ok(Some(CacheState::Reused));
+                        }
                         // Changed since it was read (another run took it), or deleted since:
                         // look again.
                         Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => {
@@ -291,6 +297,7 @@ impl KubeCaches {
                 Found::Busy(why) => why,
             };
             if c.when_busy == WhenBusy::Skip {
+                self.shared.metrics.cache(&c.name, "skipped");
                 progress.report(
                     Phase::Queued,
                     Some(format!("cache {} is {why}; running without it", c.name)),
@@ -298,6 +305,7 @@ impl KubeCaches {
                 return Ok(None);
             }
             if !told {
+                self.shared.metrics.cache(&c.name, "waited");
                 progress.report(
                     Phase::Queued,
                     Some(format!(
@@ -503,6 +511,18 @@ impl KubeCaches {
             match self.pvcs.delete(&name, &params).await {
                 Ok(_) => {
                     tracing::info!(claim = name, "idle cache claim deleted");
+                    let cache = p
+                        .labels()
+                        .get("mcp-run.dev/cache")
+                        .cloned()
+                        .unwrap_or_default();
+                    let owner = p
+                        .labels()
+                        .get("mcp-run.dev/owner")
+                        .cloned()
+                        .unwrap_or_default();
+                    self.shared.metrics.cache(&cache, "deleted");
+                    crate::audit::cache(&owner, &cache, "deleted", &name, "");
                     n += 1;
                 }
                 // Taken (or deleted) by someone else since it was listed.

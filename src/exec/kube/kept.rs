@@ -35,7 +35,7 @@ use super::guard::{PodGuard, Timings};
 use super::pod::{self, ANNOTATION_EXPIRES, CONTAINER, LABEL_SESSION, LABEL_SESSION_OWNER};
 use super::{DEADLINE_MARGIN_SECS, KubeExecutor, Shared};
 use crate::contract::{ErrorBody, ErrorCode, Phase, RunContext};
-use crate::exec::{ExecSpec, Execution, KeepFor, KeptRunner, StartOptions};
+use crate::exec::{ExecSpec, Execution, FoundRunner, Gone, KeepFor, KeptRunner, StartOptions};
 
 /// A kept runner's pod and what its calls need.
 pub(super) struct KubeKept {
@@ -61,6 +61,18 @@ pub(super) struct KubeKept {
     tracked: tokio::sync::Mutex<std::collections::BTreeSet<String>>,
     /// What happened to the pod, once something did (set by the fate watch).
     lost: Arc<Mutex<Option<String>>>,
+    /// A session any replica may serve (not a multi-step run's runner): its calls take the
+    /// pod with a preconditioned annotation ([`ANNOTATION_BUSY_BY`]).
+    shared_session: bool,
+    /// This runner's holds are `ID-N` (this process's copy; N counts its calls).
+    id: String,
+    calls: std::sync::atomic::AtomicU64,
+    /// The hold the pod was created with, for the opening call.
+    opening: Mutex<Option<String>>,
+    /// The pod's resourceVersion and annotations as last seen (the fate watch, patches).
+    seen: Arc<Mutex<Seen>>,
+    /// Woken by every change the fate watch sees.
+    changed: Arc<tokio::sync::Notify>,
     /// Stops the fate watch when the runner closes (or is dropped).
     _watch: DropGuard,
     watch: CancellationToken,
@@ -88,9 +100,31 @@ impl KubeExecutor {
             .duration_since(SystemTime::now())
             .unwrap_or(Duration::ZERO)
             .max(Duration::from_secs(1));
-        let expires = k8s_openapi::jiff::Timestamp::try_from(keep.expires_at)
-            .unwrap_or_else(|_| k8s_openapi::jiff::Timestamp::now())
-            .to_string();
+        let expires = timestamp(keep.expires_at);
+        let id = hold_id(&self.shared.identity.gateway);
+        let opening = keep.session.as_ref().map(|_| format!("{id}-0"));
+        // Everything any replica needs to serve the session, on the pod.
+        let mut annotations = serde_json::json!({ANNOTATION_EXPIRES: expires});
+        if let (Some((session, idle_ttl)), Some(hold)) = (&keep.session, &opening) {
+            let now = SystemTime::now();
+            let a = annotations.as_object_mut().expect("an object");
+            for (k, v) in [
+                (ANNOTATION_SESSION_NAME, session.clone()),
+                (ANNOTATION_IDLE_TTL, idle_ttl.as_secs().to_string()),
+                (ANNOTATION_OPENED, timestamp(now)),
+                (ANNOTATION_LAST_USED, timestamp(now)),
+                (ANNOTATION_BUSY_BY, hold.clone()),
+                (
+                    ANNOTATION_BUSY_UNTIL,
+                    timestamp(
+                        now + Duration::from_secs(self.config.pod_start_timeout_secs)
+                            + keep.first_call,
+                    ),
+                ),
+            ] {
+                a.insert(k.into(), v.into());
+            }
+        }
         let permit = self.slot(budget_end, &opts).await?;
         let mut timings = Timings::new();
         let pool = self.pools.get().and_then(|p| p.get(&profile_name)).cloned();
@@ -100,7 +134,7 @@ impl KubeExecutor {
                 pool.claim_with(
                     lifetime,
                     serde_json::json!({LABEL_SESSION_OWNER: keep.owner, LABEL_SESSION: keep.name}),
-                    serde_json::json!({ANNOTATION_EXPIRES: expires}),
+                    annotations.clone(),
                 )
                 .await
             }
@@ -143,9 +177,10 @@ impl KubeExecutor {
                 let labels = meta.labels.get_or_insert_default();
                 labels.insert(LABEL_SESSION_OWNER.into(), keep.owner.clone());
                 labels.insert(LABEL_SESSION.into(), keep.name.clone());
-                meta.annotations
-                    .get_or_insert_default()
-                    .insert(ANNOTATION_EXPIRES.into(), expires);
+                let all = meta.annotations.get_or_insert_default();
+                for (k, v) in annotations.as_object().into_iter().flatten() {
+                    all.insert(k.clone(), v.as_str().unwrap_or_default().to_owned());
+                }
                 if let Some(c) = &caches {
                     c.mount(&mut manifest);
                 }
@@ -175,10 +210,16 @@ impl KubeExecutor {
         );
         let watch = CancellationToken::new();
         let lost = Arc::new(Mutex::new(None));
+        let seen = Arc::new(Mutex::new(Seen::default()));
+        let changed = Arc::new(tokio::sync::Notify::new());
         tokio::spawn(watch_fate(
             self.shared.clone(),
             name.clone(),
-            lost.clone(),
+            Fate {
+                lost: lost.clone(),
+                seen: seen.clone(),
+                changed: changed.clone(),
+            },
             watch.clone(),
         ));
         let context = RunContext {
@@ -210,10 +251,255 @@ impl KubeExecutor {
             start_timeout,
             permit: Mutex::new(permit),
             lost,
+            shared_session: keep.session.is_some(),
+            id,
+            calls: std::sync::atomic::AtomicU64::new(0),
+            opening: Mutex::new(opening),
+            seen,
+            changed,
             _watch: watch.clone().drop_guard(),
             watch,
         })
     }
+
+    /// The session pod of `owner`'s session `name` (hashes), made by any replica, still
+    /// live: a runner for this replica's calls, and what its annotations say.
+    pub(super) async fn find_session_pod(
+        &self,
+        owner: &str,
+        name: &str,
+    ) -> Result<Option<FoundRunner>, ErrorBody> {
+        use kube::ResourceExt as _;
+        let selector = format!(
+            "{},{LABEL_SESSION_OWNER}={owner},{LABEL_SESSION}={name}",
+            self.shared.identity.instance_selector()
+        );
+        self.shared.throttle.acquire().await;
+        let pods = self
+            .shared
+            .pods
+            .list(&kube::api::ListParams::default().labels(&selector))
+            .await
+            .map_err(|e| {
+                ErrorBody::new(
+                    ErrorCode::BackendError,
+                    format!(
+                        "cannot look for the session's pod: {}",
+                        super::backoff::describe(&e)
+                    ),
+                )
+            })?;
+        let now = k8s_openapi::jiff::Timestamp::now();
+        let Some(p) = pods.items.into_iter().find(|p| {
+            let running = p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
+            running
+                && p.metadata.deletion_timestamp.is_none()
+                && super::reaper::session_alive(p, now) == Some(true)
+        }) else {
+            return Ok(None);
+        };
+        let pod_name = p.name_any();
+        let ann = p.annotations().clone();
+        let Some(profile_name) = p.labels().get(pod::LABEL_PROFILE).cloned() else {
+            return Ok(None);
+        };
+        let Ok(profile) = self.profile(&profile_name).cloned() else {
+            // A profile this replica does not have (a configuration being rolled out).
+            return Ok(None);
+        };
+        let time = |k: &str| -> Option<SystemTime> {
+            ann.get(k)
+                .and_then(|t| t.parse::<k8s_openapi::jiff::Timestamp>().ok())
+                .map(SystemTime::from)
+        };
+        let created = p
+            .creation_timestamp()
+            .map(|t| SystemTime::from(t.0))
+            .unwrap_or_else(SystemTime::now);
+        let opened = time(ANNOTATION_OPENED).unwrap_or(created);
+        let expires_at = time(ANNOTATION_EXPIRES).unwrap_or(opened);
+        let idle_ttl = Duration::from_secs(
+            ann.get(ANNOTATION_IDLE_TTL)
+                .and_then(|t| t.parse().ok())
+                .unwrap_or(0),
+        );
+        let last_used = time(ANNOTATION_LAST_USED);
+        let watch = CancellationToken::new();
+        let lost = Arc::new(Mutex::new(None));
+        let seen = Arc::new(Mutex::new(Seen {
+            rv: p.resource_version(),
+            annotations: ann.clone(),
+        }));
+        let changed = Arc::new(tokio::sync::Notify::new());
+        tokio::spawn(watch_fate(
+            self.shared.clone(),
+            pod_name.clone(),
+            Fate {
+                lost: lost.clone(),
+                seen: seen.clone(),
+                changed: changed.clone(),
+            },
+            watch.clone(),
+        ));
+        let context = RunContext {
+            backend: "kubernetes".into(),
+            namespace: Some(self.shared.namespace.clone()),
+            pod: Some(pod_name.clone()),
+            node: p.spec.as_ref().and_then(|s| s.node_name.clone()),
+            container: Some(CONTAINER.into()),
+            image: Some(profile.image().to_string()),
+            profile: Some(profile_name.clone()),
+            pod_start_ms: Some(0),
+            ..Default::default()
+        };
+        // Every cache of the profile is mounted at its path (a claim or an emptyDir).
+        let cache_env = profile
+            .caches
+            .iter()
+            .flat_map(|c| c.env_at(&c.path))
+            .collect();
+        tracing::info!(
+            pod = pod_name,
+            "session pod found (opened by another replica)"
+        );
+        let kept = KubeKept {
+            shared: self.shared.clone(),
+            name: pod_name,
+            context,
+            shell: profile.shell().to_owned(),
+            start_timeout: Duration::from_secs(self.config.pod_start_timeout_secs),
+            // The replica that made it holds its slot (or held it, before it went).
+            permit: Mutex::new(None),
+            cache_env,
+            caches: Mutex::new(None),
+            workspace_path: profile.workspace_path.clone(),
+            profile: profile_name.clone(),
+            // Files deleted in the checkout before this replica served the session stay.
+            tracked: Default::default(),
+            lost,
+            shared_session: true,
+            id: hold_id(&self.shared.identity.gateway),
+            calls: std::sync::atomic::AtomicU64::new(0),
+            opening: Mutex::new(None),
+            seen,
+            changed,
+            _watch: watch.clone().drop_guard(),
+            watch,
+        };
+        Ok(Some(FoundRunner {
+            runner: Arc::new(kept),
+            profile: profile_name,
+            opened,
+            expires_at,
+            idle_ttl,
+            last_used,
+        }))
+    }
+}
+
+impl KubeKept {
+    /// A merge patch of the pod (preconditioned when it names a resourceVersion); what it
+    /// returns is the pod as now seen.
+    async fn patch(&self, patch: &serde_json::Value) -> Result<(), kube::Error> {
+        self.shared.throttle.acquire().await;
+        let p = self
+            .shared
+            .pods
+            .patch(
+                &self.name,
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(patch),
+            )
+            .await?;
+        lock(&self.seen).update(&p);
+        Ok(())
+    }
+
+    /// Reads the pod again (after a conflict).
+    async fn refresh(&self) -> Result<(), ErrorBody> {
+        self.shared.throttle.acquire().await;
+        match self.shared.pods.get(&self.name).await {
+            Ok(p) => {
+                lock(&self.seen).update(&p);
+                Ok(())
+            }
+            Err(kube::Error::Api(s)) if s.code == 404 => Err(ErrorBody::new(
+                ErrorCode::SessionLost,
+                format!("its pod {} was deleted", self.name),
+            )),
+            Err(e) => Err(ErrorBody::new(
+                ErrorCode::BackendError,
+                format!(
+                    "cannot read session pod {}: {}",
+                    self.name,
+                    super::backoff::describe(&e)
+                ),
+            )),
+        }
+    }
+}
+
+/// A session's name (annotation: names are not secret; the owner is only a hash).
+pub(super) const ANNOTATION_SESSION_NAME: &str = "mcp-run.dev/session-name";
+/// The session's idle TTL in seconds.
+pub(super) const ANNOTATION_IDLE_TTL: &str = "mcp-run.dev/idle-ttl-secs";
+pub(super) const ANNOTATION_OPENED: &str = "mcp-run.dev/opened-at";
+/// When a call last gave the pod back, on any replica.
+pub(super) const ANNOTATION_LAST_USED: &str = "mcp-run.dev/last-used";
+/// The call holding the pod (`ID-N`) and until when at the latest.
+pub(super) const ANNOTATION_BUSY_BY: &str = "mcp-run.dev/busy-by";
+pub(super) const ANNOTATION_BUSY_UNTIL: &str = "mcp-run.dev/busy-until";
+/// Why the session ended (`ended`, or `expired: REASON`), set before the pod is deleted.
+pub(super) const ANNOTATION_ENDED: &str = "mcp-run.dev/ended";
+
+fn timestamp(t: SystemTime) -> String {
+    k8s_openapi::jiff::Timestamp::try_from(t)
+        .unwrap_or_else(|_| k8s_openapi::jiff::Timestamp::now())
+        .to_string()
+}
+
+/// `GATEWAY/PROCESS-RUNNER`: the replica, this process of it, this runner's copy.
+fn hold_id(gateway: &str) -> String {
+    format!("{}-{:08x}", process_prefix(gateway), rand::random::<u32>())
+}
+
+/// `GATEWAY/PROCESS`: a hold with this replica's name but another process's is a hold of
+/// this replica before it restarted, which nothing will give back.
+fn process_prefix(gateway: &str) -> String {
+    static PROCESS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    format!("{gateway}/{:016x}", PROCESS.get_or_init(rand::random))
+}
+
+/// The pod as last seen.
+#[derive(Default)]
+struct Seen {
+    rv: Option<String>,
+    annotations: std::collections::BTreeMap<String, String>,
+}
+
+impl Seen {
+    fn update(&mut self, p: &k8s_openapi::api::core::v1::Pod) {
+        self.rv = p.metadata.resource_version.clone();
+        self.annotations = p.metadata.annotations.clone().unwrap_or_default();
+    }
+
+    /// Who holds the pod now (a hold past its time holds nothing).
+    fn holder(&self) -> Option<&str> {
+        let until = self
+            .annotations
+            .get(ANNOTATION_BUSY_UNTIL)
+            .and_then(|t| t.parse::<k8s_openapi::jiff::Timestamp>().ok())?;
+        (until > k8s_openapi::jiff::Timestamp::now())
+            .then(|| self.annotations.get(ANNOTATION_BUSY_BY).map(String::as_str))
+            .flatten()
+    }
+}
+
+/// Where the fate watch reports.
+struct Fate {
+    lost: Arc<Mutex<Option<String>>>,
+    seen: Arc<Mutex<Seen>>,
+    changed: Arc<tokio::sync::Notify>,
 }
 
 fn shutting_down() -> ErrorBody {
@@ -222,19 +508,26 @@ fn shutting_down() -> ErrorBody {
 
 /// Watches the kept pod until the runner closes; records the first thing that happened to
 /// it (deleted, evicted, OOM-killed, failed). A watch that breaks is reopened.
-async fn watch_fate(
-    shared: Arc<Shared>,
-    name: String,
-    lost: Arc<Mutex<Option<String>>>,
-    stop: CancellationToken,
-) {
+async fn watch_fate(shared: Arc<Shared>, name: String, fate: Fate, stop: CancellationToken) {
+    let Fate {
+        lost,
+        seen: last,
+        changed,
+    } = fate;
     loop {
         // Far enough that the watch ends only by an event or a failure; the runner's close
         // stops it.
         let end = Instant::now() + Duration::from_secs(24 * 3600);
-        let seen = super::backoff::watch_pod(&shared.pods, &name, end, |pod| match pod {
-            None => Some(format!("its pod {name} was deleted")),
-            Some(p) => super::stream::fate(&p),
+        let seen = super::backoff::watch_pod(&shared.pods, &name, end, |pod| {
+            let why = match pod {
+                None => Some(format!("its pod {name} was deleted")),
+                Some(p) => {
+                    lock(&last).update(&p);
+                    super::stream::fate(&p)
+                }
+            };
+            changed.notify_one();
+            why
         });
         let r = tokio::select! {
             r = seen => r,
@@ -376,11 +669,181 @@ impl KeptRunner for KubeKept {
     }
 
     /// No API call: the fate watch has recorded a loss already.
-    fn check(&self) -> BoxFuture<'_, Result<(), String>> {
+    fn check(&self) -> BoxFuture<'_, Result<(), Gone>> {
         Box::pin(async move {
-            match lock(&self.lost).clone() {
-                Some(why) => Err(why),
-                None => Ok(()),
+            let Some(why) = lock(&self.lost).clone() else {
+                return Ok(());
+            };
+            // Deleted by another replica that said why first.
+            let ended = lock(&self.seen).annotations.get(ANNOTATION_ENDED).cloned();
+            Err(match ended {
+                Some(e) if e == "ended" => Gone::Ended,
+                Some(e) => Gone::Expired(e.strip_prefix("expired: ").unwrap_or(&e).to_owned()),
+                None => Gone::Lost(why),
+            })
+        })
+    }
+
+    fn begin_call(
+        &self,
+        until: SystemTime,
+        fail: bool,
+        deadline: tokio::time::Instant,
+        progress: &crate::exec::Progress,
+    ) -> BoxFuture<'_, Result<Option<String>, ErrorBody>> {
+        let progress = progress.clone();
+        Box::pin(async move {
+            if !self.shared_session {
+                return Ok(None);
+            }
+            if let Some(hold) = lock(&self.opening).take() {
+                return Ok(Some(hold));
+            }
+            let n = self
+                .calls
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                + 1;
+            let hold = format!("{}-{n}", self.id);
+            let mut queued = false;
+            loop {
+                let changed = self.changed.notified();
+                let (rv, holder) = {
+                    let s = lock(&self.seen);
+                    (s.rv.clone(), s.holder().map(str::to_owned))
+                };
+                // This process's earlier call (its release may still be on its way) is
+                // this call's to take over: calls of one replica are one at a time.
+                let gateway = format!("{}/", self.shared.identity.gateway);
+                let me = process_prefix(&self.shared.identity.gateway);
+                let stale = |h: &str| h.starts_with(&gateway) && !h.starts_with(&me);
+                if let Some(h) = holder.filter(|h| !h.starts_with(&self.id) && !stale(h)) {
+                    let busy = |m: &str| ErrorBody::new(ErrorCode::SessionBusy, m.to_owned());
+                    if fail {
+                        return Err(busy(&format!(
+                            "another call of the session is running (through another gateway replica, {h}); the request asked not to wait: session_busy is fail"
+                        )));
+                    }
+                    if !queued {
+                        queued = true;
+                        progress.report(
+                            Phase::Queued,
+                            Some("waiting for the running call of the session (on another gateway replica) to end".into()),
+                        );
+                    }
+                    tokio::select! {
+                        _ = changed => {}
+                        // A hold past its time frees the pod without a change.
+                        _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                        _ = tokio::time::sleep_until(deadline) => {
+                            return Err(busy("another call of the session was still running (through another gateway replica) when this call's timeout ran out"));
+                        }
+                    }
+                    continue;
+                }
+                let patch = serde_json::json!({"metadata": {
+                    "resourceVersion": rv,
+                    "annotations": {
+                        ANNOTATION_BUSY_BY: hold,
+                        ANNOTATION_BUSY_UNTIL: timestamp(until),
+                        ANNOTATION_LAST_USED: timestamp(SystemTime::now()),
+                    }
+                }});
+                match self.patch(&patch).await {
+                    Ok(()) => return Ok(Some(hold)),
+                    // Changed meanwhile (another replica took it, or a status update): look again.
+                    Err(kube::Error::Api(s)) if s.code == 409 => self.refresh().await?,
+                    Err(kube::Error::Api(s)) if s.code == 404 => {
+                        return Err(ErrorBody::new(
+                            ErrorCode::SessionLost,
+                            format!("its pod {} was deleted", self.name),
+                        ));
+                    }
+                    // No `patch` on pods (a Role made for one replica without a warm pool):
+                    // calls are one at a time on this replica only.
+                    Err(kube::Error::Api(s)) if s.code == 403 => {
+                        static TOLD: std::sync::Once = std::sync::Once::new();
+                        TOLD.call_once(|| {
+                            tracing::warn!(
+                                "no permission to patch pods: a session's calls are one at a time per gateway replica only, not across replicas (grant `patch` on pods)"
+                            )
+                        });
+                        return Ok(None);
+                    }
+                    Err(e) => {
+                        return Err(ErrorBody::new(
+                            ErrorCode::BackendError,
+                            format!(
+                                "cannot take session pod {}: {}",
+                                self.name,
+                                super::backoff::describe(&e)
+                            ),
+                        ));
+                    }
+                }
+            }
+        })
+    }
+
+    fn end_call(&self, hold: Option<String>) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            let Some(hold) = hold else { return };
+            for _ in 0..8 {
+                let rv = {
+                    let s = lock(&self.seen);
+                    if s.annotations.get(ANNOTATION_BUSY_BY) != Some(&hold) {
+                        // Taken over by this replica's next call, or by another after its time.
+                        return;
+                    }
+                    s.rv.clone()
+                };
+                let patch = serde_json::json!({"metadata": {
+                    "resourceVersion": rv,
+                    "annotations": {
+                        ANNOTATION_BUSY_BY: null,
+                        ANNOTATION_BUSY_UNTIL: null,
+                        ANNOTATION_LAST_USED: timestamp(SystemTime::now()),
+                    }
+                }});
+                match self.patch(&patch).await {
+                    Ok(()) => return,
+                    Err(kube::Error::Api(s)) if s.code == 409 => {
+                        if self.refresh().await.is_err() {
+                            return;
+                        }
+                    }
+                    Err(kube::Error::Api(s)) if s.code == 404 || s.code == 403 => return,
+                    Err(e) => {
+                        tracing::warn!(pod = self.name, "cannot give the session pod back: {e}");
+                        return;
+                    }
+                }
+            }
+        })
+    }
+
+    fn last_used(&self) -> Option<SystemTime> {
+        if !self.shared_session {
+            return None;
+        }
+        lock(&self.seen)
+            .annotations
+            .get(ANNOTATION_LAST_USED)
+            .and_then(|t| t.parse::<k8s_openapi::jiff::Timestamp>().ok())
+            .map(SystemTime::from)
+    }
+
+    fn ending(&self, expired: Option<String>) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            if !self.shared_session {
+                return;
+            }
+            let why = match expired {
+                Some(e) => format!("expired: {e}"),
+                None => "ended".into(),
+            };
+            let patch = serde_json::json!({"metadata": {"annotations": {ANNOTATION_ENDED: why}}});
+            if let Err(e) = self.patch(&patch).await {
+                tracing::debug!(pod = self.name, "cannot mark the session pod ended: {e}");
             }
         })
     }

@@ -128,6 +128,16 @@ impl Executor for KubeExecutor {
         true
     }
 
+    /// By the session pod's labels ([`kept`]).
+    fn find_kept(
+        &self,
+        owner: &str,
+        name: &str,
+    ) -> BoxFuture<'_, Result<Option<super::FoundRunner>, ErrorBody>> {
+        let (owner, name) = (owner.to_owned(), name.to_owned());
+        Box::pin(async move { self.find_session_pod(&owner, &name).await })
+    }
+
     fn keep(
         &self,
         spec: &ExecSpec,

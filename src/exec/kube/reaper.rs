@@ -34,7 +34,13 @@ impl Reaper {
             .list(&ListParams::default().labels(&self.identity.gateway_selector()))
             .await?;
         let mut n = 0;
+        let now = Timestamp::now();
         for p in pods.items {
+            // A live session's pod outlives the gateway that made it: any replica (this one
+            // after its restart too) serves it.
+            if session_alive(&p, now) == Some(true) {
+                continue;
+            }
             if p.metadata.deletion_timestamp.is_none() && self.delete(&p).await {
                 n += 1;
             }
@@ -99,6 +105,13 @@ pub(super) fn is_leftover(
     }
     let name = p.name_any();
     let labels = p.labels();
+    if labels.get(LABEL_GATEWAY) == Some(&me.gateway) && is_live(&name) {
+        return false;
+    }
+    // A session's pod: whoever made it, it goes once its session is over.
+    if let Some(alive) = session_alive(p, now) {
+        return !alive;
+    }
     let expired = p
         .annotations()
         .get(ANNOTATION_EXPIRES)
@@ -124,6 +137,34 @@ pub(super) fn is_leftover(
     expired || finished
 }
 
+/// For a session's pod any replica may serve (`None` for other pods): whether its session
+/// lives, by its annotations: not ended, within its maximum lifetime, and held by a call or
+/// used within its idle TTL.
+pub(super) fn session_alive(p: &Pod, now: Timestamp) -> Option<bool> {
+    use super::kept::{
+        ANNOTATION_BUSY_UNTIL, ANNOTATION_ENDED, ANNOTATION_IDLE_TTL, ANNOTATION_LAST_USED,
+        ANNOTATION_OPENED, ANNOTATION_SESSION_NAME,
+    };
+    let a = p.annotations();
+    a.get(ANNOTATION_SESSION_NAME)?;
+    let time = |k: &str| a.get(k).and_then(|t| t.parse::<Timestamp>().ok());
+    if a.contains_key(ANNOTATION_ENDED) || time(ANNOTATION_EXPIRES).is_none_or(|t| t <= now) {
+        return Some(false);
+    }
+    if time(ANNOTATION_BUSY_UNTIL).is_some_and(|t| t > now) {
+        return Some(true);
+    }
+    let ttl: u64 = a
+        .get(ANNOTATION_IDLE_TTL)
+        .and_then(|t| t.parse().ok())
+        .unwrap_or(0);
+    let last = time(ANNOTATION_LAST_USED)
+        .or_else(|| time(ANNOTATION_OPENED))
+        .or_else(|| p.creation_timestamp().map(|t| t.0));
+    let idle_until = last.and_then(|l| l.checked_add(Duration::from_secs(ttl)).ok());
+    Some(idle_until.is_some_and(|t| t > now))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -147,6 +188,56 @@ mod tests {
             "status": {"phase": phase}
         }))
         .unwrap()
+    }
+
+    /// A session pod lives while its annotations say so, whoever made it: not ended, within
+    /// its lifetime, and held or used within its idle TTL; other pods are not judged so.
+    #[test]
+    fn session_pods_live_by_their_annotations() {
+        let now: Timestamp = "2026-11-23T12:00:00Z".parse().unwrap();
+        let session = |extra: serde_json::Value| -> Pod {
+            let mut a = serde_json::json!({
+                "mcp-run.dev/session-name": "build",
+                "mcp-run.dev/expires-at": "2026-11-23T20:00:00Z",
+                "mcp-run.dev/idle-ttl-secs": "900",
+                "mcp-run.dev/last-used": "2026-11-23T11:50:00Z",
+            });
+            for (k, v) in extra.as_object().unwrap() {
+                a[k] = v.clone();
+            }
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "s", "creationTimestamp": "2026-11-23T10:00:00Z",
+                             "labels": {"mcp-run.dev/gateway": "gw-b"}, "annotations": a}
+            }))
+            .unwrap()
+        };
+        let none_live = |_: &str| false;
+        let min = Duration::from_secs(300);
+        assert_eq!(
+            session_alive(&session(serde_json::json!({})), now),
+            Some(true)
+        );
+        let idle = session(serde_json::json!({"mcp-run.dev/last-used": "2026-11-23T11:40:00Z"}));
+        assert_eq!(session_alive(&idle, now), Some(false));
+        assert!(is_leftover(&idle, &me(), now, min, &none_live));
+        let held = session(serde_json::json!({
+            "mcp-run.dev/last-used": "2026-11-23T11:00:00Z",
+            "mcp-run.dev/busy-until": "2026-11-23T12:05:00Z",
+        }));
+        assert_eq!(session_alive(&held, now), Some(true));
+        assert!(!is_leftover(&held, &me(), now, min, &none_live));
+        let ended = session(serde_json::json!({"mcp-run.dev/ended": "ended"}));
+        assert_eq!(session_alive(&ended, now), Some(false));
+        let expired =
+            session(serde_json::json!({"mcp-run.dev/expires-at": "2026-11-23T11:59:00Z"}));
+        assert_eq!(session_alive(&expired, now), Some(false));
+        let other = pod(
+            "gw-b",
+            "2026-11-23T10:00:00Z",
+            "2026-11-23T20:00:00Z",
+            "Running",
+        );
+        assert_eq!(session_alive(&other, now), None);
     }
 
     #[test]

@@ -183,15 +183,15 @@ impl KeptRunner for LocalKept {
         })
     }
 
-    fn check(&self) -> BoxFuture<'_, Result<(), String>> {
+    fn check(&self) -> BoxFuture<'_, Result<(), crate::exec::Gone>> {
         Box::pin(async move {
             if self.work.is_dir() && self.tmp.is_dir() {
                 Ok(())
             } else {
-                Err(format!(
+                Err(crate::exec::Gone::Lost(format!(
                     "its directory {} (or its work/ or tmp/) was removed",
                     self.dir.display()
-                ))
+                )))
             }
         })
     }
