@@ -132,20 +132,6 @@ pub(crate) fn session(
     );
 }
 
-/// A cache volume's event (`created`, `mounted`, `deleted`): whose (a hash of the owner's
-/// identity, as its labels), which cache, its claim and the pod it went to.
-pub(crate) fn cache(owner_hash: &str, cache: &str, event: &str, claim: &str, pod: &str) {
-    tracing::info!(
-        target: TARGET,
-        owner = %owner_hash,
-        cache = %cache,
-        outcome = %format!("cache_{event}"),
-        claim = %claim,
-        pod = %pod,
-        "cache {event}"
-    );
-}
-
 /// The env names of a request as a JSON array (the values are never logged).
 pub(crate) fn env_names(spec_env: &std::collections::BTreeMap<String, String>) -> String {
     serde_json::to_string(&spec_env.keys().collect::<Vec<_>>()).unwrap_or_default()

@@ -264,7 +264,7 @@ impl KubeCaches {
                         Ok(_) => {
                             tracing::info!(claim = name, cache = c.name, "cache claim created");
                             self.shared.metrics.cache(&c.name, "created");
-                            crate::audit::cache(&key.owner_hash, &c.name, "created", &name, pod);
+                            audit_line(&key.owner_hash, &c.name, "created", &name, pod);
                             return Ok(Some(CacheState::Created));
                         }
                         // Another run or replica created it first: take it as found.
@@ -282,7 +282,7 @@ impl KubeCaches {
                     match self.hold(&current, pod, lifetime).await {
                         Ok(()) => {
                             self.shared.metrics.cache(&c.name, "mounted");
-                            crate::audit::cache(&key.owner_hash, &c.name, "mounted", &name, pod);
+                            audit_line(&key.owner_hash, &c.name, "mounted", &name, pod);
                             return Ok(Some(CacheState::Reused));
                         }
                         // Changed since it was read (another run took it), or deleted since:
@@ -522,7 +522,7 @@ impl KubeCaches {
                         .cloned()
                         .unwrap_or_default();
                     self.shared.metrics.cache(&cache, "deleted");
-                    crate::audit::cache(&owner, &cache, "deleted", &name, "");
+                    audit_line(&owner, &cache, "deleted", &name, "");
                     n += 1;
                 }
                 // Taken (or deleted) by someone else since it was listed.
@@ -720,6 +720,20 @@ impl Drop for KubeHold {
             Err(_) => tracing::error!("no runtime to release cache claims"),
         }
     }
+}
+
+/// The audit line of a claim's life (`created`, `mounted`, `deleted`), in the audit log
+/// (`crate::audit`'s target; this layer sits below it, so the line is written here).
+fn audit_line(owner_hash: &str, cache: &str, event: &str, claim: &str, pod: &str) {
+    tracing::info!(
+        target: "mcp_run::audit",
+        owner = %owner_hash,
+        cache = %cache,
+        outcome = %format!("cache_{event}"),
+        claim = %claim,
+        pod = %pod,
+        "cache {event}"
+    );
 }
 
 #[cfg(test)]

@@ -294,7 +294,7 @@ impl KubeExecutor {
             let running = p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
             running
                 && p.metadata.deletion_timestamp.is_none()
-                && super::reaper::session_alive(p, now) == Some(true)
+                && session_alive(p, now) == Some(true)
         }) else {
             return Ok(None);
         };
@@ -861,6 +861,37 @@ impl KeptRunner for KubeKept {
             drop(lock(&self.caches).take());
         })
     }
+}
+
+/// For a session's pod any replica may serve (`None` for other pods): whether its session
+/// lives, by its annotations: not ended, within its maximum lifetime, and held by a call or
+/// used within its idle TTL.
+pub(super) fn session_alive(
+    p: &k8s_openapi::api::core::v1::Pod,
+    now: k8s_openapi::jiff::Timestamp,
+) -> Option<bool> {
+    use kube::ResourceExt as _;
+    let a = p.annotations();
+    a.get(ANNOTATION_SESSION_NAME)?;
+    let time = |k: &str| {
+        a.get(k)
+            .and_then(|t| t.parse::<k8s_openapi::jiff::Timestamp>().ok())
+    };
+    if a.contains_key(ANNOTATION_ENDED) || time(ANNOTATION_EXPIRES).is_none_or(|t| t <= now) {
+        return Some(false);
+    }
+    if time(ANNOTATION_BUSY_UNTIL).is_some_and(|t| t > now) {
+        return Some(true);
+    }
+    let ttl: u64 = a
+        .get(ANNOTATION_IDLE_TTL)
+        .and_then(|t| t.parse().ok())
+        .unwrap_or(0);
+    let last = time(ANNOTATION_LAST_USED)
+        .or_else(|| time(ANNOTATION_OPENED))
+        .or_else(|| p.creation_timestamp().map(|t| t.0));
+    let idle_until = last.and_then(|l| l.checked_add(Duration::from_secs(ttl)).ok());
+    Some(idle_until.is_some_and(|t| t > now))
 }
 
 #[cfg(test)]

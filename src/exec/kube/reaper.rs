@@ -18,6 +18,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt as _;
 use kube::api::{Api, DeleteParams, ListParams};
 
+use super::kept::session_alive;
 use super::pod::{ANNOTATION_EXPIRES, Identity, LABEL_GATEWAY, LABEL_STATE};
 
 pub(super) struct Reaper {
@@ -135,34 +136,6 @@ pub(super) fn is_leftover(
         .and_then(|s| s.phase.as_deref())
         .is_some_and(|ph| ph == "Succeeded" || ph == "Failed");
     expired || finished
-}
-
-/// For a session's pod any replica may serve (`None` for other pods): whether its session
-/// lives, by its annotations: not ended, within its maximum lifetime, and held by a call or
-/// used within its idle TTL.
-pub(super) fn session_alive(p: &Pod, now: Timestamp) -> Option<bool> {
-    use super::kept::{
-        ANNOTATION_BUSY_UNTIL, ANNOTATION_ENDED, ANNOTATION_IDLE_TTL, ANNOTATION_LAST_USED,
-        ANNOTATION_OPENED, ANNOTATION_SESSION_NAME,
-    };
-    let a = p.annotations();
-    a.get(ANNOTATION_SESSION_NAME)?;
-    let time = |k: &str| a.get(k).and_then(|t| t.parse::<Timestamp>().ok());
-    if a.contains_key(ANNOTATION_ENDED) || time(ANNOTATION_EXPIRES).is_none_or(|t| t <= now) {
-        return Some(false);
-    }
-    if time(ANNOTATION_BUSY_UNTIL).is_some_and(|t| t > now) {
-        return Some(true);
-    }
-    let ttl: u64 = a
-        .get(ANNOTATION_IDLE_TTL)
-        .and_then(|t| t.parse().ok())
-        .unwrap_or(0);
-    let last = time(ANNOTATION_LAST_USED)
-        .or_else(|| time(ANNOTATION_OPENED))
-        .or_else(|| p.creation_timestamp().map(|t| t.0));
-    let idle_until = last.and_then(|l| l.checked_add(Duration::from_secs(ttl)).ok());
-    Some(idle_until.is_some_and(|t| t > now))
 }
 
 #[cfg(test)]

@@ -20,7 +20,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use futures_util::future::BoxFuture;
 
 use crate::contract::{ErrorBody, ErrorCode, RunContext};
-use crate::exec::{ExecSpec, Execution, KeptRunner, StartOptions};
+use crate::exec::{ExecSpec, Execution, Gone, KeptRunner, Progress, StartOptions};
 
 /// The budget and its bound (`workspaces.max_local_inodes`).
 #[derive(Clone)]
@@ -213,8 +213,30 @@ impl KeptRunner for Budgeted {
         })
     }
 
-    fn check(&self) -> BoxFuture<'_, Result<(), String>> {
+    fn check(&self) -> BoxFuture<'_, Result<(), Gone>> {
         self.inner.check()
+    }
+
+    fn begin_call(
+        &self,
+        until: std::time::SystemTime,
+        fail: bool,
+        deadline: tokio::time::Instant,
+        progress: &Progress,
+    ) -> BoxFuture<'_, Result<Option<String>, ErrorBody>> {
+        self.inner.begin_call(until, fail, deadline, progress)
+    }
+
+    fn end_call(&self, hold: Option<String>) -> BoxFuture<'_, ()> {
+        self.inner.end_call(hold)
+    }
+
+    fn last_used(&self) -> Option<std::time::SystemTime> {
+        self.inner.last_used()
+    }
+
+    fn ending(&self, expired: Option<String>) -> BoxFuture<'_, ()> {
+        self.inner.ending(expired)
     }
 
     fn close(&self) -> BoxFuture<'_, ()> {
