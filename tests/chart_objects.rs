@@ -482,7 +482,7 @@ fn default_manifests_parse_strictly_and_are_hardened() {
             "{ns}"
         );
     }
-    // Defaults: no warm pool, so no patch; no ServiceMonitor; auth on, with the token from
+    // Defaults: no ServiceMonitor; auth on, with the token from
     // the Secret `mcp-run-auth` and the peer secret from `mcp-run-peer`, which the user
     // creates (none in the file, which is published).
     let pod = i.deployments[0]
@@ -507,7 +507,8 @@ fn default_manifests_parse_strictly_and_are_hardened() {
         .iter()
         .flat_map(|r| &r.verbs)
         .collect();
-    assert!(!verbs.contains(&&"patch".to_string()), "{verbs:?}");
+    // Sessions are on by default: a call holds its session's pod by patching it.
+    assert!(verbs.contains(&&"patch".to_string()), "{verbs:?}");
     // No profile declares caches: no PersistentVolumeClaim rule.
     assert!(
         i.roles[0]
@@ -533,7 +534,7 @@ fn full_render_parses_strictly_and_is_hardened() {
         i.roles[0].metadata.namespace.as_deref(),
         Some("mcp-runners")
     );
-    // The warm pool adds patch on pods.
+    // Patch on pods (sessions, and the warm pool's claims).
     assert!(
         i.roles[0].rules.as_ref().unwrap()[0]
             .verbs
