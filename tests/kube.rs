@@ -1365,4 +1365,10 @@ async fn any_replica_serves_a_kube_session() {
         Some(1),
         "a new session"
     );
+    // Ended through a replica that never served it: found on its pod, ended for both.
+    let ended = http().delete(a2.url("/sessions/s")).send().await.unwrap();
+    assert_eq!(ended.status(), 204);
+    no_pods_left(&double, Duration::from_secs(10));
+    let next = in_session(&b, "s", "true").await;
+    assert_eq!(next.context.unwrap().session_call, Some(1), "a new session");
 }

@@ -190,7 +190,10 @@ impl McpService {
                 "this server keeps no sessions itself (sessions are off, or its backend keeps them: end them there)",
             ));
         };
-        match sessions.end(&caller, &name) {
+        match sessions
+            .end(self.runner.executor().as_ref(), &caller, &name)
+            .await
+        {
             Ok(()) => CallToolResult::success(vec![rmcp::model::ContentBlock::text(format!(
                 "session {name:?} ended"
             ))]),

@@ -44,7 +44,10 @@ pub(super) async fn end(
     if let Err(e) = crate::contract::check_session_name(&name) {
         return e.into_response();
     }
-    match sessions.end(&caller, &name) {
+    match sessions
+        .end(state.runner.executor().as_ref(), &caller, &name)
+        .await
+    {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => e.into_response(),
     }

@@ -785,9 +785,23 @@ impl Sessions {
         out
     }
 
-    /// Ends `caller`'s session `name`: its running call is killed, its runner released.
-    pub(crate) fn end(&self, caller: &Caller, name: &str) -> Result<(), ErrorBody> {
+    /// Ends `caller`'s session `name`: its running call is killed, its runner released. A
+    /// session another replica opened, when the backend's runners are shared (kube: its
+    /// pod), is found on its runner's objects and taken over first, so any replica ends it.
+    pub(crate) async fn end(
+        &self,
+        executor: &dyn Executor,
+        caller: &Caller,
+        name: &str,
+    ) -> Result<(), ErrorBody> {
         let key: Key = (caller.key(), name.to_owned());
+        let known = lock(&self.state).open.contains_key(&key);
+        if !known && executor.sessions_shared() {
+            let (owner, hashed) = (label_hash(&[&key.0]), label_hash(&[&key.0, &key.1]));
+            if let Some(found) = executor.find_kept(&owner, &hashed).await? {
+                self.adopt(&key, caller, found);
+            }
+        }
         let s = lock(&self.state).open.remove(&key);
         match s {
             Some(s) => {
@@ -942,7 +956,7 @@ mod tests {
             })
         };
         // Opening: not listed yet, but its owner can end it.
-        while sessions.end(&caller, "s").is_err() {
+        while sessions.end(fake.as_ref(), &caller, "s").await.is_err() {
             tokio::task::yield_now().await;
         }
         assert!(sessions.list(&caller).is_empty());
