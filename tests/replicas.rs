@@ -1234,7 +1234,7 @@ async fn kube_replicas_find_each_other_from_endpointslices_behind_a_round_robin_
     // The live replicas delete their pods at shutdown. A pod the SIGKILLed replica still had
     // (its run was in flight on a loaded machine) is left for that replica's restart or for
     // its deadline: its reaper judges only its own pods.
-    let dead_label = mcp_run::label_value(&pods[dead]);
+    let dead_label = mcp_run::label_value(pods[dead]);
     let of_the_living = || {
         double
             .pod_names("default")
