@@ -385,6 +385,14 @@ fn escapes_from_the_process_group_and_the_tag_are_killed() {
         &[],
         &[("TMPDIR", tmp.path().to_str().unwrap())],
     );
+    if plain.log_text().contains("cannot start the reaper process") {
+        // uid 65534 cannot reach the gateway's binary (a checkout below a 0700 directory,
+        // such as `mktemp -d`): without its reaper the gateway is not a subreaper either.
+        eprintln!(
+            "SKIPPED the run without cgroups: uid 65534 cannot start the gateway's reaper here"
+        );
+        return;
+    }
     escapees_die(&plain, 987660);
     let log = plain.log_text();
     assert!(
@@ -412,7 +420,7 @@ fn escapees_die(gw: &Gateway, n: u32) {
     // Ends at once, leaving the escapee behind.
     let evs = run(gw, json!({"executable": "sh", "args": ["-c", escape(n)]}));
     assert_eq!(stdout_of(&evs), "started\n");
-    assert!(gone(n), "the escapee outlived its run");
+    assert!(gone(n), "the escapee outlived its run: {}", gw.log_text());
 
     // Cut by its timeout.
     let evs = run(
