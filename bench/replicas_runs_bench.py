@@ -24,22 +24,13 @@ import http.client
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SECRET = "bench-peer-secret-0123456789abcdef"
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+# The peer secret, ports and paths of the kept-output bench (same directory).
+from replicas_bench import ROOT, SECRET, free_port
 
 
 def start(binary, port, peers):

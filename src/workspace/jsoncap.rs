@@ -6,7 +6,8 @@
 use std::io::Read;
 
 /// The longest JSON string accepted in raw bytes: a path or target of
-/// [`super::manifest::MAX_MANIFEST_STRING`] bytes, every character escaped (`\uXXXX`).
+/// [`super::manifest::MAX_MANIFEST_STRING`] bytes with every character escaped (`\u` and
+/// four hex digits).
 pub(crate) const MAX_RAW_STRING: usize = 6 * super::manifest::MAX_MANIFEST_STRING + 64;
 
 /// Fails the read that would pass a JSON string longer than [`MAX_RAW_STRING`] bytes.
