@@ -341,6 +341,8 @@ pub struct StreamFilter {
     /// Quiet lines are taken many at once ([`StreamFilter::skip_quiet`]); off only in the
     /// test that checks it changes nothing.
     skip: bool,
+    /// A reused buffer for the chunk in lowercase.
+    lower: Vec<u8>,
 }
 
 impl StreamFilter {
@@ -386,6 +388,7 @@ impl StreamFilter {
             shrink_only: true,
             saw_summary: false,
             skip: true,
+            lower: Vec::new(),
         }
     }
 
@@ -447,9 +450,17 @@ impl StreamFilter {
     }
 
     fn feed(&mut self, mut data: &[u8]) {
+        // The chunk in lowercase, for the prefilter's literals (made once per chunk, not per
+        // search).
+        let mut lower = std::mem::take(&mut self.lower);
+        lower.clear();
+        if self.skip && self.template.prefilter().is_some() {
+            lower.extend(data.iter().map(u8::to_ascii_lowercase));
+        }
+        let whole = data.len();
         while !data.is_empty() {
-            if self.skip && self.partial.is_empty() && !self.busy() {
-                let n = self.skip_quiet(data);
+            if !lower.is_empty() && self.partial.is_empty() && !self.busy() {
+                let n = self.skip_quiet(data, &lower[whole - data.len()..]);
                 data = &data[n..];
                 if data.is_empty() {
                     break;
@@ -473,25 +484,24 @@ impl StreamFilter {
             }
             data = &data[n..];
         }
+        self.lower = lower;
     }
 
-    /// Takes the whole lines at the start of `data` that no pattern matches, with one
-    /// search over all of them instead of one per line (most lines of a log), and does for
-    /// them what [`StreamFilter::line`] does for such a line; returns the bytes taken.
-    fn skip_quiet(&mut self, data: &[u8]) -> usize {
+    /// Takes the whole lines at the start of `data` that no pattern matches, found by the
+    /// template's prefilter (one SIMD search for literals over all of them, and a small DFA
+    /// over each line's first bytes) instead of the patterns (most lines of a log), and does
+    /// for them what [`StreamFilter::line`] does for such a line; returns the bytes taken.
+    /// `lower` is `data` in ASCII lowercase.
+    fn skip_quiet(&mut self, data: &[u8], lower: &[u8]) -> usize {
         let Some(last) = memchr::memrchr(b'\n', data) else {
             return 0;
         };
-        let Some(re) = self.template.any_lines() else {
+        let Some(prefilter) = self.template.prefilter() else {
             return 0;
         };
         let region = &data[..=last];
-        // The first match ends on or after the start of the first line that matches:
-        // everything before that line is quiet.
-        let mut stop = match re.shortest_match(region) {
-            Some(end) => memchr::memrchr(b'\n', &region[..end]).map_or(0, |i| i + 1),
-            None => region.len(),
-        };
+        // No line before the first literal's can match the literal side of the rules.
+        let mut stop = prefilter.first_literal_line(&lower[..=last]);
         // Patterns see lines without colour: a line with an escape goes the long way.
         if let Some(e) = memchr::memchr(super::ansi::ESC, &region[..stop]) {
             stop = memchr::memrchr(b'\n', &region[..e]).map_or(0, |i| i + 1);
@@ -506,6 +516,9 @@ impl StreamFilter {
                 break;
             }
             let line = &region[start..=end];
+            if prefilter.line_may_match(content(line)) {
+                break;
+            }
             let no = self.lines;
             self.lines += 1;
             if self.first.len() <= SHORT_STREAM_LINES {
