@@ -450,17 +450,45 @@ impl StreamFilter {
     }
 
     fn feed(&mut self, mut data: &[u8]) {
-        // The chunk in lowercase, for the prefilter's literals (made once per chunk, not per
-        // search).
+        let prefilter = if self.skip {
+            self.template.prefilter()
+        } else {
+            None
+        };
+        // The whole lines of the chunk in lowercase, for the prefilter's literals (made once
+        // per chunk, not per search).
+        let lines_end = memchr::memrchr(b'\n', data).map_or(0, |i| i + 1);
         let mut lower = std::mem::take(&mut self.lower);
         lower.clear();
-        if self.skip && self.template.prefilter().is_some() {
-            lower.extend(data.iter().map(u8::to_ascii_lowercase));
+        if prefilter.is_some() {
+            lower.extend(data[..lines_end].iter().map(u8::to_ascii_lowercase));
         }
-        let whole = data.len();
+        let chunk = data;
+        // Where the next line with a literal starts, and the next escape, once searched: a
+        // search goes on from where the last one stopped, not again from each line judged.
+        let (mut literal_at, mut escape_at) = (None, None);
         while !data.is_empty() {
-            if !lower.is_empty() && self.partial.is_empty() && !self.busy() {
-                let n = self.skip_quiet(data, &lower[whole - data.len()..]);
+            let at = chunk.len() - data.len();
+            if let Some(p) = &prefilter
+                && at < lines_end
+                && self.partial.is_empty()
+                && !self.busy()
+            {
+                let literal = *match &mut literal_at {
+                    Some(l) if *l >= at => l,
+                    slot => slot.insert(at + p.first_literal_line(&lower[at..lines_end])),
+                };
+                let escape = *match &mut escape_at {
+                    Some(e) if *e >= at => e,
+                    slot => slot.insert(
+                        memchr::memchr(super::ansi::ESC, &chunk[at..lines_end])
+                            .map_or(lines_end, |i| at + i),
+                    ),
+                };
+                // Patterns see lines without colour: a line with an escape goes the long way.
+                let escape_line =
+                    memchr::memrchr(b'\n', &chunk[at..escape]).map_or(at, |i| at + i + 1);
+                let n = self.skip_quiet(p, &chunk[at..literal.min(escape_line)]);
                 data = &data[n..];
                 if data.is_empty() {
                     break;
@@ -487,26 +515,11 @@ impl StreamFilter {
         self.lower = lower;
     }
 
-    /// Takes the whole lines at the start of `data` that no pattern matches, found by the
-    /// template's prefilter (one SIMD search for literals over all of them, and a small DFA
-    /// over each line's first bytes) instead of the patterns (most lines of a log), and does
-    /// for them what [`StreamFilter::line`] does for such a line; returns the bytes taken.
-    /// `lower` is `data` in ASCII lowercase.
-    fn skip_quiet(&mut self, data: &[u8], lower: &[u8]) -> usize {
-        let Some(last) = memchr::memrchr(b'\n', data) else {
-            return 0;
-        };
-        let Some(prefilter) = self.template.prefilter() else {
-            return 0;
-        };
-        let region = &data[..=last];
-        // No line before the first literal's can match the literal side of the rules.
-        let mut stop = prefilter.first_literal_line(&lower[..=last]);
-        // Patterns see lines without colour: a line with an escape goes the long way.
-        if let Some(e) = memchr::memchr(super::ansi::ESC, &region[..stop]) {
-            stop = memchr::memrchr(b'\n', &region[..e]).map_or(0, |i| i + 1);
-        }
-        let region = &region[..stop];
+    /// Takes the whole lines at the start of `region` (whole lines up to the first one with
+    /// a literal of the prefilter or an escape) that the prefilter's line DFA passes over, so
+    /// that no pattern matches them (most lines of a log), and does for them what
+    /// [`StreamFilter::line`] does for such a line; returns the bytes taken.
+    fn skip_quiet(&mut self, prefilter: &super::prefilter::Prefilter, region: &[u8]) -> usize {
         let tail = self.template.tail_paragraphs > 0;
         let mut start = 0;
         let mut previous = None;
