@@ -653,7 +653,7 @@ impl KeptRunner for KubeKept {
                     &run,
                 );
             }
-            super::start::exec_command(
+            Ok(super::start::exec_command(
                 &self.shared,
                 command,
                 spec.executable,
@@ -664,7 +664,7 @@ impl KeptRunner for KubeKept {
                 Instant::now() + self.start_timeout,
                 before_exit,
             )
-            .await
+            .await?)
         })
     }
 

@@ -16,6 +16,7 @@
 mod backoff;
 mod cache;
 pub(crate) mod config;
+mod error;
 mod guard;
 mod kept;
 mod kept_tree;

@@ -314,8 +314,7 @@ impl WarmPool {
                     tracing::warn!(
                         profile = self.profile_name,
                         pod = name,
-                        "warm pod cannot start: {}",
-                        e.message
+                        "warm pod cannot start: {e}"
                     );
                     failed = true;
                     self.delete_unclaimed(p).await;
