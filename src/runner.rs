@@ -268,8 +268,7 @@ impl Runner {
         }
         let workspace = store.get(id, &caller.identity)?;
         let cwd = crate::workspace::run_cwd(&workspace, req.cwd.as_deref())?;
-        crate::workspace::local::globs(&req.sync_back)
-            .map_err(|m| ErrorBody::new(ErrorCode::InvalidRequest, m))?;
+        crate::workspace::local::globs(&req.sync_back)?;
         Ok(crate::workspace::WorkspaceRun {
             workspace,
             store: store.clone(),
