@@ -1,4 +1,4 @@
-//! Why the Kubernetes backend did not start a command: each variant says its wire code once
+//! Why the Kubernetes backend did not start a command or is not ready: each variant says its wire code once
 //! ([`KubeError::code`]); the backend's `Executor` and `KeptRunner` methods turn it into the
 //! wire error with `?`.
 
@@ -62,6 +62,32 @@ pub(crate) enum KubeError {
     },
     #[error("cannot build the exec request: {0}")]
     ExecRequest(String),
+    /// The profile (named) has no `workspace_path`.
+    #[error(
+        "profile {0:?} takes no workspace: set profiles.{0}.workspace_path (docs/workspaces.md)"
+    )]
+    NoWorkspacePath(String),
+    /// Writing a workspace into a runner pod failed (`why`: the step and its cause).
+    #[error("cannot write the workspace into runner pod {pod} at {path}: {why}")]
+    PlaceWorkspace {
+        pod: String,
+        path: String,
+        why: String,
+    },
+    /// Readiness: the API server cannot be reached.
+    #[error("the Kubernetes API server at {server} is not reachable: {why}")]
+    ApiServerUnreachable { server: String, why: String },
+    #[error("the Kubernetes API server did not answer within 3s")]
+    ApiServerSilent,
+    /// Readiness: a permission check kept failing in ways that may heal.
+    #[error("no answer in {attempts} attempts: {last}")]
+    NoAnswer { attempts: u32, last: String },
+    /// Readiness: a permission check failed for good (the error, described).
+    #[error("{0}")]
+    Refused(String),
+    /// Readiness: what the gateway may not do (joined).
+    #[error("the gateway may not {missing} in namespace {namespace}")]
+    MissingPermissions { missing: String, namespace: String },
 }
 
 impl KubeError {
@@ -80,8 +106,14 @@ impl KubeError {
             },
             KubeError::Call { .. }
             | KubeError::OutOfTime { .. }
-            | KubeError::Unreachable { .. } => ErrorCode::BackendUnavailable,
-            KubeError::ExecRequest(_) => ErrorCode::StartFailed,
+            | KubeError::Unreachable { .. }
+            | KubeError::ApiServerUnreachable { .. }
+            | KubeError::ApiServerSilent
+            | KubeError::NoAnswer { .. }
+            | KubeError::Refused(_)
+            | KubeError::MissingPermissions { .. } => ErrorCode::BackendUnavailable,
+            KubeError::ExecRequest(_) | KubeError::PlaceWorkspace { .. } => ErrorCode::StartFailed,
+            KubeError::NoWorkspacePath(_) => ErrorCode::InvalidRequest,
         }
     }
 }

@@ -503,7 +503,7 @@ struct Fate {
 }
 
 fn shutting_down() -> ErrorBody {
-    ErrorBody::new(ErrorCode::ShuttingDown, "the gateway is shutting down")
+    super::error::KubeError::ShuttingDown.into()
 }
 
 /// Watches the kept pod until the runner closes; records the first thing that happened to
@@ -569,13 +569,7 @@ impl KeptRunner for KubeKept {
             let mut workspace = None;
             if let Some(run) = spec.workspace.take() {
                 let root = self.workspace_path.clone().ok_or_else(|| {
-                    ErrorBody::new(
-                        ErrorCode::InvalidRequest,
-                        format!(
-                            "profile {:?} takes no workspace: set profiles.{0}.workspace_path (docs/workspaces.md)",
-                            self.profile
-                        ),
-                    )
+                    super::error::KubeError::NoWorkspacePath(self.profile.clone())
                 })?;
                 let cwd = if sync_tree {
                     opts.progress.report(

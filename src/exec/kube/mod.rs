@@ -43,10 +43,11 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use self::config::{KubernetesConfig, Profile};
+use self::error::KubeError;
 use self::pod::Identity;
 pub(crate) use self::setup::{KubeSetupError, client_config};
 use super::{ExecSpec, Execution, Executor, StartOptions};
-use crate::contract::{ErrorBody, ErrorCode};
+use crate::contract::ErrorBody;
 
 /// Beyond the request's timeout and the start timeout, how long a runner pod may live
 /// before Kubernetes itself kills it (`activeDeadlineSeconds`): the backstop if the gateway
@@ -165,42 +166,28 @@ impl Executor for KubeExecutor {
             {
                 Ok(Ok(_)) => {}
                 Ok(Err(e)) => {
-                    return Err(ErrorBody::new(
-                        ErrorCode::BackendUnavailable,
-                        format!(
-                            "the Kubernetes API server at {} is not reachable: {}",
-                            self.shared.server,
-                            backoff::describe(&e)
-                        ),
-                    ));
+                    return Err(KubeError::ApiServerUnreachable {
+                        server: self.shared.server.clone(),
+                        why: backoff::describe(&e),
+                    }
+                    .into());
                 }
-                Err(_) => {
-                    return Err(ErrorBody::new(
-                        ErrorCode::BackendUnavailable,
-                        "the Kubernetes API server did not answer within 3s",
-                    ));
-                }
+                Err(_) => return Err(KubeError::ApiServerSilent.into()),
             }
             let missing = self.missing.lock().ok().and_then(|m| m.clone());
             let missing = match missing {
                 Some(m) if m.is_empty() => return Ok(()),
                 // Not checked yet, or missing last time: permissions may have been granted since.
-                _ => self
-                    .check_permissions()
-                    .await
-                    .map_err(|why| ErrorBody::new(ErrorCode::BackendUnavailable, why))?,
+                _ => self.check_permissions().await?,
             };
             if missing.is_empty() {
                 Ok(())
             } else {
-                Err(ErrorBody::new(
-                    ErrorCode::BackendUnavailable,
-                    format!(
-                        "the gateway may not {} in namespace {}",
-                        missing.join(", "),
-                        self.shared.namespace
-                    ),
-                ))
+                Err(KubeError::MissingPermissions {
+                    missing: missing.join(", "),
+                    namespace: self.shared.namespace.clone(),
+                }
+                .into())
             }
         })
     }

@@ -15,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::config::{KubernetesConfig, Profile};
+use super::error::KubeError;
 use super::pod::{self, Identity};
 use super::{KubeExecutor, Shared, pool, reaper};
 
@@ -202,7 +203,7 @@ impl KubeExecutor {
     /// SelfSubjectAccessReview for everything the backend calls; logs exactly what is
     /// missing. Returns the missing permissions, or why they could not be checked (then
     /// nothing is logged as checked, and `/readyz` asks again).
-    pub(super) async fn check_permissions(&self) -> Result<Vec<String>, String> {
+    pub(super) async fn check_permissions(&self) -> Result<Vec<String>, KubeError> {
         let ns = self.shared.namespace.clone();
         // Exec over WebSocket is authorized as `get` pods/exec, and from Kubernetes 1.35 as
         // `create` too. The warm pool claims pods with `patch`.
@@ -268,14 +269,18 @@ impl KubeExecutor {
                 }
                 Err(e) => {
                     let why = match e {
-                        super::backoff::Failure::Unreachable(why) => format!(
-                            "the Kubernetes API server at {} is not reachable: {why}",
-                            self.shared.server
-                        ),
-                        super::backoff::Failure::OutOfTime { attempts, last } => {
-                            format!("no answer in {attempts} attempts: {last}")
+                        super::backoff::Failure::Unreachable(why) => {
+                            KubeError::ApiServerUnreachable {
+                                server: self.shared.server.clone(),
+                                why,
+                            }
                         }
-                        super::backoff::Failure::Api(e) => super::backoff::describe(&e),
+                        super::backoff::Failure::OutOfTime { attempts, last } => {
+                            KubeError::NoAnswer { attempts, last }
+                        }
+                        super::backoff::Failure::Api(e) => {
+                            KubeError::Refused(super::backoff::describe(&e))
+                        }
                     };
                     // Unknown, not granted: `/readyz` checks again.
                     tracing::error!(
