@@ -548,7 +548,7 @@ fn answer_of(body: &str) -> Value {
 }
 
 /// Every protocol version that opens with `initialize` works through the round-robin proxy:
-/// no session id is handed out, and each later request (a version header, or none for
+/// the session id handed out is not needed, and each later request (a version header, or none for
 /// 2024-11-05) is answered by whichever replica gets it.
 #[tokio::test(flavor = "multi_thread")]
 async fn every_initialize_protocol_version_works_through_any_replica() {
@@ -576,7 +576,9 @@ async fn every_initialize_protocol_version_works_through_any_replica() {
         .await
         .unwrap();
         assert_eq!(resp.status(), 200, "{version}");
-        assert!(resp.headers().get("mcp-session-id").is_none(), "{version}");
+        // A session id is handed out (it names the client's calls for cancellation), but
+        // no replica keeps anything under it: the requests below do not carry it.
+        assert!(resp.headers().get("mcp-session-id").is_some(), "{version}");
         let init = answer_of(&resp.text().await.unwrap());
         assert_eq!(init["result"]["protocolVersion"], version, "{init}");
         // 2024-11-05 clients send no version header.
@@ -659,6 +661,148 @@ async fn closing_a_calls_stream_stops_its_command() {
     .unwrap();
     assert!(gone, "the command outlived its closed stream");
     eprintln!("stopped {:?} after the close", closed.elapsed());
+}
+
+/// `notifications/cancelled` (protocol versions up to 2025-11-25) stops the call wherever it
+/// runs: through the round-robin proxy the notification reaches another replica than the
+/// call, which finds the call's replica by asking its peers (the call is named by the session
+/// id that `initialize` handed out and its request id). A call of a session (run on the
+/// caller's home replica, relayed when the proxy picked another) stops too.
+#[tokio::test(flavor = "multi_thread")]
+async fn notifications_cancelled_stops_a_call_through_any_replica() {
+    let (_gws, urls) = replicas(&[]);
+    let (base, p) = proxy(urls).await;
+    let http = support::http();
+    let dir = tempfile::tempdir().unwrap();
+    let post = |body: Value, session: Option<&str>, version: &str| {
+        let mut req = http
+            .post(format!("{base}/mcp"))
+            .header("content-type", "application/json")
+            .header("accept", "application/json, text/event-stream")
+            .header("mcp-protocol-version", version)
+            .body(body.to_string());
+        if let Some(s) = session {
+            req = req.header("mcp-session-id", s);
+        }
+        req.send()
+    };
+    let hits =
+        |p: &Proxy| -> Vec<usize> { p.hits.iter().map(|h| h.load(Ordering::SeqCst)).collect() };
+    for (n, version) in ["2025-03-26", "2025-06-18", "2025-11-25", "2025-11-25"]
+        .into_iter()
+        .enumerate()
+    {
+        let resp = post(
+            json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+                "protocolVersion": version, "capabilities": {},
+                "clientInfo": {"name": "replicas-test", "version": "1"}}}),
+            None,
+            version,
+        )
+        .await
+        .unwrap();
+        assert_eq!(resp.status(), 200, "{version}");
+        let session = resp.headers()["mcp-session-id"]
+            .to_str()
+            .unwrap()
+            .to_owned();
+        answer_of(&resp.text().await.unwrap());
+        let resp = post(
+            json!({"jsonrpc": "2.0", "method": "notifications/initialized"}),
+            Some(&session),
+            version,
+        )
+        .await
+        .unwrap();
+        assert_eq!(resp.status(), 202, "{version}");
+        let pidfile = dir.path().join(format!("pid{n}"));
+        let script = format!(
+            "echo $$ > {}.tmp; mv {0}.tmp {0}; exec sleep 300",
+            pidfile.display()
+        );
+        let mut arguments = json!({"executable": "sh", "args": ["-c", script]});
+        // The last one: a session's call, served by the caller's home replica.
+        if n == 3 {
+            arguments["session"] = json!("cancel");
+        }
+        let before = hits(&p);
+        let call = post(
+            json!({"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {
+                "name": "run_network_tool", "arguments": arguments}}),
+            Some(&session),
+            version,
+        )
+        .await
+        .unwrap();
+        assert_eq!(call.status(), 200, "{version}");
+        let after_call = hits(&p);
+        let pid: i32 = tokio::task::spawn_blocking(move || {
+            assert!(support::wait_until(Duration::from_secs(30), || pidfile.exists()));
+            std::fs::read_to_string(&pidfile)
+                .unwrap()
+                .trim()
+                .parse()
+                .unwrap()
+        })
+        .await
+        .unwrap();
+        assert!(support::pid_alive(pid));
+        // The call's stream stays open: the notification is the only cancellation.
+        let resp = post(
+            json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                   "params": {"requestId": 7, "reason": "test"}}),
+            Some(&session),
+            version,
+        )
+        .await
+        .unwrap();
+        assert_eq!(resp.status(), 202, "{version}");
+        let after_cancel = hits(&p);
+        let which = |a: &[usize], b: &[usize]| (0..3).find(|&i| a[i] != b[i]).unwrap();
+        assert_ne!(
+            which(&before, &after_call),
+            which(&after_call, &after_cancel),
+            "the proxy sent the call and its cancellation to one replica"
+        );
+        let cancelled = std::time::Instant::now();
+        let gone = tokio::task::spawn_blocking(move || {
+            support::wait_until(Duration::from_secs(10), || !support::pid_alive(pid))
+        })
+        .await
+        .unwrap();
+        assert!(
+            gone,
+            "{version}: the call outlived its notifications/cancelled"
+        );
+        eprintln!(
+            "{version}: stopped {:?} after the notification",
+            cancelled.elapsed()
+        );
+        // And its answer ends.
+        tokio::time::timeout(Duration::from_secs(10), call.bytes())
+            .await
+            .expect("the cancelled call's stream did not end")
+            .ok();
+        // A notification naming no running call is accepted and does nothing.
+        let resp = post(
+            json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                   "params": {"requestId": 99}}),
+            Some(&session),
+            version,
+        )
+        .await
+        .unwrap();
+        assert_eq!(resp.status(), 202, "{version}");
+        // Ending the session is accepted (nothing is kept under it).
+        let resp = http
+            .delete(format!("{base}/mcp"))
+            .header("mcp-session-id", &session)
+            .header("mcp-protocol-version", version)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 204, "{version}");
+    }
 }
 
 /// `run-remote` through `front` (the proxy), in `cwd`, with its own hash cache in `cache`.

@@ -181,9 +181,11 @@ pub(crate) async fn sessions_at_home(
 }
 
 /// In an MCP request's HTTP extensions, with peers: cancelled when the client's connection
-/// reaches EOF. Without MCP sessions, closing the call's connection is how a client cancels
-/// it (a 2026-07-28 client aborts the call's POST), and a write that fails comes late, or
-/// never before a call's first message.
+/// reaches EOF, or when a `notifications/cancelled` names the call, whichever replica it
+/// reached (`server::mcp_http`). Without rmcp's sessions, closing the call's connection is
+/// how a 2026-07-28 client cancels it (it aborts the call's POST), and a write that fails
+/// comes late, or never before a call's first message; older clients send the notification,
+/// which rmcp's stateless transport drops.
 #[derive(Clone)]
 pub(crate) struct ConnectionClosed(pub(crate) tokio_util::sync::CancellationToken);
 
