@@ -32,6 +32,11 @@ struct Proxy {
     next: AtomicUsize,
     hits: Vec<AtomicUsize>,
     client: reqwest::Client,
+    /// Whether a backend that refuses the connection is skipped (else: 502, as an L7 proxy
+    /// answers before it marks the upstream down).
+    skip_dead: bool,
+    /// Connections refused by a backend.
+    refused: AtomicUsize,
 }
 
 async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
@@ -68,7 +73,13 @@ async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
                 }
                 return b.body(Body::from_stream(resp.bytes_stream())).unwrap();
             }
-            Err(e) if e.is_connect() => last = e.to_string(),
+            Err(e) if e.is_connect() => {
+                p.refused.fetch_add(1, Ordering::SeqCst);
+                last = e.to_string();
+                if !p.skip_dead {
+                    break;
+                }
+            }
             Err(e) => return (axum::http::StatusCode::BAD_GATEWAY, e.to_string()).into_response(),
         }
     }
@@ -77,8 +88,15 @@ async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
 
 /// Starts the proxy in front of `backends`; its base URL.
 async fn proxy(backends: Vec<String>) -> (String, Arc<Proxy>) {
+    proxy_with(backends, true).await
+}
+
+/// [`proxy`], skipping dead backends or not.
+async fn proxy_with(backends: Vec<String>, skip_dead: bool) -> (String, Arc<Proxy>) {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let p = Arc::new(Proxy {
+        skip_dead,
+        refused: AtomicUsize::new(0),
         hits: backends.iter().map(|_| AtomicUsize::new(0)).collect(),
         backends,
         next: AtomicUsize::new(0),
@@ -837,6 +855,81 @@ fn ppid_of(stdout: &str) -> u32 {
         .trim()
         .parse()
         .unwrap()
+}
+
+/// `run-remote` sends a run again when a replica that just died (SIGKILL) could not start it
+/// and nothing was printed: through a proxy that answers 502 for a dead upstream (as an L7
+/// proxy does until it marks the upstream down), the next try reaches a live replica. A run
+/// with `--stdin` is never sent twice, and a gateway that never answers fails with the
+/// usual exit status after a bounded number of tries.
+#[tokio::test(flavor = "multi_thread")]
+async fn run_remote_retries_a_run_that_a_dead_replica_could_not_start() {
+    let (gws, urls) = replicas(&[]);
+    let (base, p) = proxy_with(urls, false).await;
+    let front = Gateway::external(&format!("{base}/raw"), "local");
+    let dead = gws[1].pid().unwrap();
+    sigkill(dead);
+    assert!(support::wait_until(Duration::from_secs(10), || {
+        !support::pid_alive(dead as i32)
+    }));
+    let dir = tempfile::tempdir().unwrap();
+    for (i, format) in ["stream", "json"].into_iter().enumerate() {
+        // The next request goes to the dead replica.
+        p.next.store(1, Ordering::SeqCst);
+        let refused = p.refused.load(Ordering::SeqCst);
+        let out = run_remote(
+            &front,
+            dir.path(),
+            dir.path(),
+            &["-v", "--output-format", format, "--", "echo", "hello"],
+        )
+        .await;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{format}: {stderr}");
+        if i == 0 {
+            assert_eq!(String::from_utf8_lossy(&out.stdout), "hello\n");
+        } else {
+            assert_eq!(json_of(&out)["outputs"][0]["stdout"], "hello\n");
+        }
+        assert_eq!(p.refused.load(Ordering::SeqCst), refused + 1, "{stderr}");
+        assert!(stderr.contains("trying again in"), "{stderr}");
+    }
+    // With stdin, the first try may have taken input: never sent again.
+    p.next.store(1, Ordering::SeqCst);
+    let refused = p.refused.load(Ordering::SeqCst);
+    let mut cmd = front.run_remote();
+    cmd.env("XDG_CACHE_HOME", dir.path())
+        .args(["-i", "--", "cat"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let mut child = tokio::process::Command::from(cmd).spawn().unwrap();
+    {
+        use tokio::io::AsyncWriteExt as _;
+        let mut stdin = child.stdin.take().unwrap();
+        stdin.write_all(b"input\n").await.unwrap();
+    }
+    let out = child.wait_with_output().await.unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(125), "{stderr}");
+    assert!(stderr.contains("502"), "{stderr}");
+    assert!(!stderr.contains("tries"), "{stderr}");
+    assert_eq!(p.refused.load(Ordering::SeqCst), refused + 1);
+    // Nothing answers at all: the usual failure, after a bounded number of tries.
+    let nowhere = Gateway::external(&format!("http://127.0.0.1:{}/raw", free_port()), "local");
+    let began = std::time::Instant::now();
+    let out = run_remote(&nowhere, dir.path(), dir.path(), &["--", "true"]).await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(125), "{stderr}");
+    assert!(
+        stderr.contains("gateway_unreachable") && stderr.contains("(after 4 tries)"),
+        "{stderr}"
+    );
+    assert!(
+        began.elapsed() < Duration::from_secs(15),
+        "{:?}",
+        began.elapsed()
+    );
 }
 
 /// Workspaces and sessions through the round-robin proxy: a caller's workspaces and local
