@@ -823,6 +823,77 @@ async fn notifications_cancelled_stops_a_call_through_any_replica() {
     }
 }
 
+/// `resources/list` names the caller's kept outputs of every live replica, whichever replica
+/// answers it; a replica that died (SIGKILL) is left out of the list, not an error.
+#[tokio::test(flavor = "multi_thread")]
+async fn resources_list_names_kept_outputs_of_every_replica() {
+    let (gws, urls) = replicas(&[]);
+    let (base, p) = proxy(urls).await;
+    let http = support::http();
+    let post = |body: Value| {
+        http.post(format!("{base}/mcp"))
+            .header("content-type", "application/json")
+            .header("accept", "application/json, text/event-stream")
+            .header("mcp-protocol-version", "2025-11-25")
+            .body(body.to_string())
+            .send()
+    };
+    let list = || async {
+        let resp = post(json!({"jsonrpc": "2.0", "id": 9, "method": "resources/list"}))
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let r = answer_of(&resp.text().await.unwrap());
+        let mut runs: Vec<String> = r["result"]["resources"]
+            .as_array()
+            .unwrap_or_else(|| panic!("{r}"))
+            .iter()
+            .filter_map(|x| x["uri"].as_str())
+            .filter(|u| u.starts_with("mcp-run://runs/"))
+            .map(|u| u.to_owned())
+            .collect();
+        runs.sort();
+        runs
+    };
+    // One call on each replica, in turn.
+    for i in 0..3 {
+        let resp = post(
+            json!({"jsonrpc": "2.0", "id": i, "method": "tools/call", "params": {
+            "name": "run_network_tool",
+            "arguments": {"executable": "echo", "args": [format!("run {i}")]}}}),
+        )
+        .await
+        .unwrap();
+        assert_eq!(resp.status(), 200);
+        answer_of(&resp.text().await.unwrap());
+    }
+    let hits: Vec<usize> = p.hits.iter().map(|h| h.load(Ordering::SeqCst)).collect();
+    assert_eq!(hits, [1, 1, 1]);
+    // Every replica lists the three runs, both streams each.
+    for _ in 0..3 {
+        let runs = list().await;
+        assert_eq!(runs.len(), 6, "{runs:?}");
+        let tags: std::collections::BTreeSet<String> = runs.iter().map(|u| tags_of(u)).collect();
+        assert_eq!(tags.len(), 3, "{runs:?}");
+    }
+    // A replica gone: its runs are left out, the others still listed by any replica.
+    let dead = gws[2].pid().unwrap();
+    sigkill(dead);
+    assert!(support::wait_until(Duration::from_secs(10), || {
+        !support::pid_alive(dead as i32)
+    }));
+    for _ in 0..3 {
+        let runs = list().await;
+        assert_eq!(runs.len(), 4, "{runs:?}");
+    }
+    assert!(
+        gws[..2]
+            .iter()
+            .any(|g| g.log_text().contains("did not list its kept outputs")),
+        "no replica said that it left the dead one out"
+    );
+}
+
 /// `run-remote` through `front` (the proxy), in `cwd`, with its own hash cache in `cache`.
 async fn run_remote(
     front: &Gateway,
