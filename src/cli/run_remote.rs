@@ -54,7 +54,9 @@ Environment:
 Exit status: the remote command's exit code; 128+N if signal N killed it; 124 if the gateway's
 timeout killed it; 141 if our stdout was closed. 125 when run-remote itself failed (bad usage or
 configuration, gateway unreachable, request rejected, the run failed on the gateway, an output
-error): the command did not run or its end is unknown, and one line on stderr says why.
+error): the command did not run or its end is unknown, and one line on stderr says why. A run
+the gateway refused before it started for a reason that may heal (a replica that just died or
+is draining, no connection, a proxy's 502/503/504) is sent up to 4 times (never with -i).
 
 Templates: --template NAME prints the output filtered when the command ends (failures with
 their locations, diagnostics, summary lines), and names the file that keeps the full output.
