@@ -1230,28 +1230,56 @@ async fn kube_replicas_find_each_other_from_endpointslices_behind_a_round_robin_
     }
     let _ = c.cancel().await;
     let _ = direct.cancel().await;
-    drop(gws);
-    // The live replicas delete their pods at shutdown. A pod the SIGKILLed replica still had
-    // (its run was in flight on a loaded machine) is left for that replica's restart or for
-    // its deadline: its reaper judges only its own pods.
+    // A run's pod is deleted after its answer went out (in the background): a replica
+    // SIGKILLed right after a run may leave that pod. Kubernetes restarts the killed
+    // container in the same pod (same name, so same gateway label), and the restarted
+    // gateway's start-up reaper deletes what it left.
     let dead_label = mcp_run::label_value(pods[dead]);
-    let of_the_living = || {
+    let of_dead = || {
         double
             .pod_names("default")
             .into_iter()
             .filter(|n| {
                 double.pod("default", n).is_some_and(|p| {
-                    p.metadata
-                        .labels
-                        .unwrap_or_default()
-                        .get("mcp-run.dev/gateway")
-                        != Some(&dead_label)
+                    p.metadata.deletion_timestamp.is_none()
+                        && p.metadata
+                            .labels
+                            .unwrap_or_default()
+                            .get("mcp-run.dev/gateway")
+                            == Some(&dead_label)
                 })
             })
             .collect::<Vec<_>>()
     };
-    let clean = support::wait_until(Duration::from_secs(20), || of_the_living().is_empty());
-    assert!(clean, "pods left: {:?}", of_the_living());
+    let left = of_dead();
+    eprintln!("the SIGKILLed replica left {} pod(s): {left:?}", left.len());
+    let peer_listen = format!("127.0.0.1:{}", free_port());
+    let mut restarted = Gateway::start_with_env(
+        &[
+            "--backend",
+            "kube",
+            "--kubeconfig",
+            kubeconfig.to_str().unwrap(),
+            "--config",
+            config.to_str().unwrap(),
+            "--peer-listen",
+            &peer_listen,
+        ],
+        &[("MCP_RUN_PEER_SECRET", SECRET), ("MCP_RUN_POD_NAME", pods[dead])],
+    );
+    let reaped = support::wait_until(Duration::from_secs(20), || of_dead().is_empty());
+    assert!(
+        reaped,
+        "the restarted replica's reaper left {:?}:\n{}",
+        of_dead(),
+        restarted.log_text()
+    );
+    let _ = restarted.terminate();
+    drop(gws);
+    let clean = support::wait_until(Duration::from_secs(20), || {
+        double.pod_names("default").is_empty()
+    });
+    assert!(clean, "pods left: {:?}", double.pod_names("default"));
 }
 
 /// Idle warm-pool pods of the double, per gateway (by the pods' `mcp-run.dev/gateway` label).

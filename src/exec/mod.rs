@@ -228,6 +228,13 @@ pub trait KeptRunner: Send + Sync + 'static {
     /// Releases the runner (kills what still runs, deletes the pod or directory). Called
     /// once; the runner is not used afterwards.
     fn close(&self) -> BoxFuture<'_, ()>;
+
+    /// At this gateway's shutdown, instead of [`KeptRunner::close`]: leaves a live session's
+    /// runner to the gateway's other replicas (or its next start), when they reach it
+    /// ([`Executor::sessions_shared`]). `false`: it was not left, the caller closes it.
+    fn leave(&self) -> BoxFuture<'_, bool> {
+        Box::pin(async { false })
+    }
 }
 
 /// A backend that runs commands.

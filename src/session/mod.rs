@@ -822,16 +822,30 @@ impl Sessions {
         }
     }
 
-    /// Releases every session's runner (at shutdown, after the running calls were killed).
+    /// At shutdown, after the running calls were killed: leaves each live session whose
+    /// runner the other replicas reach to them (kube: its pod, see [`KeptRunner::leave`]),
+    /// and releases the others' runners.
     pub(crate) async fn shutdown(&self) {
         let all: Vec<Arc<Session>> = lock(&self.state).open.drain().map(|(_, s)| s).collect();
         let closes = all.into_iter().map(|s| async move {
             s.ended.cancel();
             let _ = tokio::time::timeout(Duration::from_secs(15), s.busy.lock()).await;
             if let Some(r) = s.runner.get() {
+                let context = lock(&s.context).clone();
+                if r.leave().await {
+                    self.metrics.session("left");
+                    crate::audit::session(
+                        &s.who,
+                        &s.name,
+                        "left",
+                        &s.profile,
+                        &context,
+                        "the gateway shut down; the session lives on for its other replicas",
+                    );
+                    return;
+                }
                 r.close().await;
                 self.metrics.session("ended");
-                let context = lock(&s.context).clone();
                 crate::audit::session(
                     &s.who,
                     &s.name,

@@ -135,6 +135,7 @@ impl KubeExecutor {
                     lifetime,
                     serde_json::json!({LABEL_SESSION_OWNER: keep.owner, LABEL_SESSION: keep.name}),
                     annotations.clone(),
+                    keep.session.is_some(),
                 )
                 .await
             }
@@ -174,6 +175,13 @@ impl KubeExecutor {
                     &self.shared.identity,
                 );
                 let meta = &mut manifest.metadata;
+                if keep.session.is_some() {
+                    // A session belongs to the installation, not to the replica that opened
+                    // it: the garbage collector must not delete it with this gateway's pod
+                    // (a rolling update). Its end, its expiry (any replica's reaper) and
+                    // `activeDeadlineSeconds` delete it.
+                    meta.owner_references = None;
+                }
                 let labels = meta.labels.get_or_insert_default();
                 labels.insert(LABEL_SESSION_OWNER.into(), keep.owner.clone());
                 labels.insert(LABEL_SESSION.into(), keep.name.clone());
@@ -848,6 +856,51 @@ impl KeptRunner for KubeKept {
         })
     }
 
+    /// A live session's pod outlives this gateway when the installation has other replicas
+    /// or restarts it ([`Shared::leaves_sessions`]): they find the pod by its labels. Its
+    /// hold (a call this shutdown killed) is given back first; the caches' claims stay with
+    /// the pod (they end when it is gone). The reaper of any replica deletes it once its
+    /// session is over.
+    fn leave(&self) -> BoxFuture<'_, bool> {
+        Box::pin(async move {
+            let leaves = self
+                .shared
+                .leaves_sessions
+                .load(std::sync::atomic::Ordering::Relaxed);
+            if !self.shared_session || !leaves || lock(&self.lost).is_some() {
+                return false;
+            }
+            let (over, hold) = {
+                let s = lock(&self.seen);
+                let now = k8s_openapi::jiff::Timestamp::now();
+                (
+                    annotations_alive(&s.annotations, None, now) == Some(false),
+                    s.annotations
+                        .get(ANNOTATION_BUSY_BY)
+                        .filter(|h| h.starts_with(&format!("{}-", self.id)))
+                        .cloned(),
+                )
+            };
+            if over {
+                return false;
+            }
+            if hold.is_some() {
+                self.end_call(hold).await;
+            }
+            self.watch.cancel();
+            self.shared.untrack(&self.name);
+            drop(lock(&self.permit).take());
+            if let Some(c) = lock(&self.caches).take() {
+                c.stay_with_pod();
+            }
+            tracing::info!(
+                pod = self.name,
+                "session pod left to the gateway's other replicas (its session lives on)"
+            );
+            true
+        })
+    }
+
     /// Deletes the pod and waits until it is gone; then its slot is free.
     fn close(&self) -> BoxFuture<'_, ()> {
         Box::pin(async move {
@@ -871,7 +924,16 @@ pub(super) fn session_alive(
     now: k8s_openapi::jiff::Timestamp,
 ) -> Option<bool> {
     use kube::ResourceExt as _;
-    let a = p.annotations();
+    annotations_alive(p.annotations(), p.creation_timestamp().map(|t| t.0), now)
+}
+
+/// [`session_alive`] by a pod's annotations (and creation time, the last resort for when it
+/// was last used).
+fn annotations_alive(
+    a: &std::collections::BTreeMap<String, String>,
+    created: Option<k8s_openapi::jiff::Timestamp>,
+    now: k8s_openapi::jiff::Timestamp,
+) -> Option<bool> {
     a.get(ANNOTATION_SESSION_NAME)?;
     let time = |k: &str| {
         a.get(k)
@@ -889,7 +951,7 @@ pub(super) fn session_alive(
         .unwrap_or(0);
     let last = time(ANNOTATION_LAST_USED)
         .or_else(|| time(ANNOTATION_OPENED))
-        .or_else(|| p.creation_timestamp().map(|t| t.0));
+        .or(created);
     let idle_until = last.and_then(|l| l.checked_add(Duration::from_secs(ttl)).ok());
     Some(idle_until.is_some_and(|t| t > now))
 }

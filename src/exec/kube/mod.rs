@@ -94,6 +94,9 @@ struct Shared {
     metrics: crate::metrics::Metrics,
     /// How often exec WebSockets are pinged (`exec_ping_secs`).
     ping_interval: std::time::Duration,
+    /// Whether live sessions' pods outlive this gateway's shutdown: it runs in a pod (the
+    /// installation restarts it) or has replicas, and they find the pods by their labels.
+    leaves_sessions: std::sync::atomic::AtomicBool,
 }
 
 impl Executor for KubeExecutor {
