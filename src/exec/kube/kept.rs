@@ -35,7 +35,9 @@ use super::guard::{PodGuard, Timings};
 use super::pod::{self, ANNOTATION_EXPIRES, CONTAINER, LABEL_SESSION, LABEL_SESSION_OWNER};
 use super::{DEADLINE_MARGIN_SECS, KubeExecutor, Shared};
 use crate::contract::{ErrorBody, ErrorCode, Phase, RunContext};
-use crate::exec::{ExecSpec, Execution, FoundRunner, Gone, KeepFor, KeptRunner, StartOptions};
+use crate::exec::{
+    ExecSpec, Execution, FoundRunner, Gone, KeepFor, KeptRunner, KeptSession, StartOptions,
+};
 
 /// A kept runner's pod and what its calls need.
 pub(super) struct KubeKept {
@@ -114,6 +116,7 @@ impl KubeExecutor {
                 (ANNOTATION_OPENED, timestamp(now)),
                 (ANNOTATION_LAST_USED, timestamp(now)),
                 (ANNOTATION_BUSY_BY, hold.clone()),
+                (ANNOTATION_CALLS, "1".to_owned()),
                 (
                     ANNOTATION_BUSY_UNTIL,
                     timestamp(
@@ -315,23 +318,12 @@ impl KubeExecutor {
             // A profile this replica does not have (a configuration being rolled out).
             return Ok(None);
         };
-        let time = |k: &str| -> Option<SystemTime> {
-            ann.get(k)
-                .and_then(|t| t.parse::<k8s_openapi::jiff::Timestamp>().ok())
-                .map(SystemTime::from)
-        };
-        let created = p
-            .creation_timestamp()
-            .map(|t| SystemTime::from(t.0))
-            .unwrap_or_else(SystemTime::now);
-        let opened = time(ANNOTATION_OPENED).unwrap_or(created);
-        let expires_at = time(ANNOTATION_EXPIRES).unwrap_or(opened);
-        let idle_ttl = Duration::from_secs(
-            ann.get(ANNOTATION_IDLE_TTL)
-                .and_then(|t| t.parse().ok())
-                .unwrap_or(0),
-        );
-        let last_used = time(ANNOTATION_LAST_USED);
+        let Times {
+            opened,
+            expires_at,
+            idle_ttl,
+            last_used,
+        } = Times::of(&p);
         let watch = CancellationToken::new();
         let lost = Arc::new(Mutex::new(None));
         let seen = Arc::new(Mutex::new(Seen {
@@ -403,6 +395,128 @@ impl KubeExecutor {
             last_used,
         }))
     }
+
+    /// The live sessions of `owner` (a hash) on their pods, whichever replica made them:
+    /// what `sessions list` shows, the same through every replica.
+    pub(super) async fn list_session_pods(
+        &self,
+        owner: &str,
+    ) -> Result<Vec<KeptSession>, ErrorBody> {
+        use kube::ResourceExt as _;
+        let selector = format!(
+            "{},{LABEL_SESSION_OWNER}={owner}",
+            self.shared.identity.instance_selector()
+        );
+        self.shared.throttle.acquire().await;
+        let pods = self
+            .shared
+            .pods
+            .list(&kube::api::ListParams::default().labels(&selector))
+            .await
+            .map_err(|e| {
+                ErrorBody::new(
+                    ErrorCode::BackendError,
+                    format!(
+                        "cannot list the sessions' pods: {}",
+                        super::backoff::describe(&e)
+                    ),
+                )
+            })?;
+        let now = k8s_openapi::jiff::Timestamp::now();
+        let mut out = Vec::new();
+        for p in pods.items {
+            let running = p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
+            if !running
+                || p.metadata.deletion_timestamp.is_some()
+                || session_alive(&p, now) != Some(true)
+            {
+                continue;
+            }
+            let (ann, labels) = (p.annotations(), p.labels());
+            let (Some(name), Some(hash), Some(profile)) = (
+                ann.get(ANNOTATION_SESSION_NAME),
+                labels.get(LABEL_SESSION),
+                labels.get(pod::LABEL_PROFILE),
+            ) else {
+                continue;
+            };
+            let held = Seen {
+                rv: None,
+                annotations: ann.clone(),
+            }
+            .holder()
+            .is_some();
+            let Times {
+                opened,
+                expires_at,
+                idle_ttl,
+                last_used,
+            } = Times::of(&p);
+            let spec = p.spec.as_ref();
+            out.push(KeptSession {
+                name: name.clone(),
+                hash: hash.clone(),
+                profile: profile.clone(),
+                context: RunContext {
+                    backend: "kubernetes".into(),
+                    namespace: Some(self.shared.namespace.clone()),
+                    pod: Some(p.name_any()),
+                    node: spec.and_then(|s| s.node_name.clone()),
+                    container: Some(CONTAINER.into()),
+                    image: spec
+                        .and_then(|s| s.containers.iter().find(|c| c.name == CONTAINER))
+                        .and_then(|c| c.image.clone()),
+                    profile: Some(profile.clone()),
+                    ..Default::default()
+                },
+                opened,
+                expires_at,
+                idle_ttl,
+                last_used,
+                calls: ann
+                    .get(ANNOTATION_CALLS)
+                    .and_then(|c| c.parse().ok())
+                    .unwrap_or(1),
+                busy: held,
+            });
+        }
+        Ok(out)
+    }
+}
+
+/// When a session's pod says it was opened, expires, may idle and was last used.
+struct Times {
+    opened: SystemTime,
+    expires_at: SystemTime,
+    idle_ttl: Duration,
+    last_used: Option<SystemTime>,
+}
+
+impl Times {
+    fn of(p: &k8s_openapi::api::core::v1::Pod) -> Self {
+        use kube::ResourceExt as _;
+        let ann = p.annotations();
+        let time = |k: &str| -> Option<SystemTime> {
+            ann.get(k)
+                .and_then(|t| t.parse::<k8s_openapi::jiff::Timestamp>().ok())
+                .map(SystemTime::from)
+        };
+        let created = p
+            .creation_timestamp()
+            .map(|t| SystemTime::from(t.0))
+            .unwrap_or_else(SystemTime::now);
+        let opened = time(ANNOTATION_OPENED).unwrap_or(created);
+        Self {
+            opened,
+            expires_at: time(ANNOTATION_EXPIRES).unwrap_or(opened),
+            idle_ttl: Duration::from_secs(
+                ann.get(ANNOTATION_IDLE_TTL)
+                    .and_then(|t| t.parse().ok())
+                    .unwrap_or(0),
+            ),
+            last_used: time(ANNOTATION_LAST_USED),
+        }
+    }
 }
 
 impl KubeKept {
@@ -459,6 +573,8 @@ pub(super) const ANNOTATION_BUSY_BY: &str = "mcp-run.dev/busy-by";
 pub(super) const ANNOTATION_BUSY_UNTIL: &str = "mcp-run.dev/busy-until";
 /// Why the session ended (`ended`, or `expired: REASON`), set before the pod is deleted.
 pub(super) const ANNOTATION_ENDED: &str = "mcp-run.dev/ended";
+/// How many calls the session ran, through any replica (set with each call's hold).
+pub(super) const ANNOTATION_CALLS: &str = "mcp-run.dev/calls";
 
 fn timestamp(t: SystemTime) -> String {
     k8s_openapi::jiff::Timestamp::try_from(t)
@@ -715,9 +831,14 @@ impl KeptRunner for KubeKept {
             let mut queued = false;
             loop {
                 let changed = self.changed.notified();
-                let (rv, holder) = {
+                let (rv, holder, calls) = {
                     let s = lock(&self.seen);
-                    (s.rv.clone(), s.holder().map(str::to_owned))
+                    let calls: u64 = s
+                        .annotations
+                        .get(ANNOTATION_CALLS)
+                        .and_then(|c| c.parse().ok())
+                        .unwrap_or(1);
+                    (s.rv.clone(), s.holder().map(str::to_owned), calls)
                 };
                 // This process's earlier call (its release may still be on its way) is
                 // this call's to take over: calls of one replica are one at a time.
@@ -754,6 +875,8 @@ impl KeptRunner for KubeKept {
                         ANNOTATION_BUSY_BY: hold,
                         ANNOTATION_BUSY_UNTIL: timestamp(until),
                         ANNOTATION_LAST_USED: timestamp(SystemTime::now()),
+                        // Preconditioned: no other replica's call counted meanwhile.
+                        ANNOTATION_CALLS: (calls + 1).to_string(),
                     }
                 }});
                 match self.patch(&patch).await {

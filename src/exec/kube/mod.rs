@@ -141,6 +141,15 @@ impl Executor for KubeExecutor {
         Box::pin(async move { self.find_session_pod(&owner, &name).await })
     }
 
+    /// By the session pods' owner label ([`kept`]).
+    fn list_kept(
+        &self,
+        owner: &str,
+    ) -> BoxFuture<'_, Result<Vec<super::KeptSession>, ErrorBody>> {
+        let owner = owner.to_owned();
+        Box::pin(async move { self.list_session_pods(&owner).await })
+    }
+
     fn keep(
         &self,
         spec: &ExecSpec,
