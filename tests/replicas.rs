@@ -1264,7 +1264,11 @@ async fn kube_replicas_find_each_other_from_endpointslices_behind_a_round_robin_
     // reapers delete what it left, its in-flight run's pod and any run whose deletion it had
     // not sent yet (a run's pod is deleted after its answer went out).
     let reaped = support::wait_until(Duration::from_secs(20), || of_dead().is_empty());
-    assert!(reaped, "the killed replica's pods are left: {:?}", of_dead());
+    assert!(
+        reaped,
+        "the killed replica's pods are left: {:?}",
+        of_dead()
+    );
     // Its caller's connection died with it.
     let _ = in_flight.await;
     drop(gws);

@@ -1011,7 +1011,13 @@ mod tests {
         while sessions.end(fake.as_ref(), &caller, "s").await.is_err() {
             tokio::task::yield_now().await;
         }
-        assert!(sessions.list(fake.as_ref(), &caller).await.unwrap().is_empty());
+        assert!(
+            sessions
+                .list(fake.as_ref(), &caller)
+                .await
+                .unwrap()
+                .is_empty()
+        );
         fake.gate.notify_one();
         let e = opening.await.unwrap().unwrap_err();
         assert_eq!(e.code, ErrorCode::UnknownSession, "{e:?}");
@@ -1056,7 +1062,10 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(again.number(), 2);
-        assert_eq!(sessions.list(fake.as_ref(), &caller).await.unwrap().len(), 1);
+        assert_eq!(
+            sessions.list(fake.as_ref(), &caller).await.unwrap().len(),
+            1
+        );
         assert!(
             sessions
                 .list(fake.as_ref(), &Caller::local("other"))

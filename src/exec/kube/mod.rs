@@ -142,10 +142,7 @@ impl Executor for KubeExecutor {
     }
 
     /// By the session pods' owner label ([`kept`]).
-    fn list_kept(
-        &self,
-        owner: &str,
-    ) -> BoxFuture<'_, Result<Vec<super::KeptSession>, ErrorBody>> {
+    fn list_kept(&self, owner: &str) -> BoxFuture<'_, Result<Vec<super::KeptSession>, ErrorBody>> {
         let owner = owner.to_owned();
         Box::pin(async move { self.list_session_pods(&owner).await })
     }

@@ -160,13 +160,8 @@ impl WarmPool {
     /// Claims a Running idle pod whose deadline leaves room for `timeout`; `None` is a miss.
     /// On success the pod's name is in the live set and its node is returned.
     pub(super) async fn claim(&self, timeout: Duration) -> Option<(String, String)> {
-        self.claim_with(
-            timeout,
-            serde_json::json!({}),
-            serde_json::json!({}),
-            false,
-        )
-        .await
+        self.claim_with(timeout, serde_json::json!({}), serde_json::json!({}), false)
+            .await
     }
 
     /// [`Self::claim`], adding `labels` and `annotations` to the claimed pod in the same

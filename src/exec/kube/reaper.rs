@@ -70,8 +70,14 @@ impl Reaper {
         let listed = self.listed();
         let mut n = 0;
         for p in pods.items {
-            if is_leftover(&p, &self.identity, now, self.min_age, is_live, listed.as_ref())
-                && self.delete(&p).await
+            if is_leftover(
+                &p,
+                &self.identity,
+                now,
+                self.min_age,
+                is_live,
+                listed.as_ref(),
+            ) && self.delete(&p).await
             {
                 n += 1;
             }
@@ -271,15 +277,36 @@ mod tests {
         // that replica is gone for good. Young pods wait (a replica not listed yet).
         let both: HashSet<String> = ["gw-a".into(), "gw-b".into()].into();
         let without_b: HashSet<String> = ["gw-a".into()].into();
-        assert!(!is_leftover(&theirs, &me(), now, min, &none_live, Some(&both)));
-        assert!(is_leftover(&theirs, &me(), now, min, &none_live, Some(&without_b)));
+        assert!(!is_leftover(
+            &theirs,
+            &me(),
+            now,
+            min,
+            &none_live,
+            Some(&both)
+        ));
+        assert!(is_leftover(
+            &theirs,
+            &me(),
+            now,
+            min,
+            &none_live,
+            Some(&without_b)
+        ));
         let young_theirs = pod(
             "gw-b",
             "2026-11-23T11:58:00Z",
             "2026-11-23T13:00:00Z",
             "Running",
         );
-        assert!(!is_leftover(&young_theirs, &me(), now, min, &none_live, Some(&without_b)));
+        assert!(!is_leftover(
+            &young_theirs,
+            &me(),
+            now,
+            min,
+            &none_live,
+            Some(&without_b)
+        ));
         let expired = pod(
             "gw-b",
             "2026-11-23T10:00:00Z",

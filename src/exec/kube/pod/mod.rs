@@ -56,7 +56,6 @@ impl Identity {
             self.instance
         )
     }
-
 }
 
 /// Turns a host or pod name into a label value (at most 63 characters, alphanumeric ends).
