@@ -108,9 +108,6 @@ fn recall(f: &Fixture, out: &Filtered, err: &Filtered) -> (usize, Vec<String>) {
     (kept, lost)
 }
 
-/// Built-ins for tools that cannot run where the fixtures are made.
-const NO_REAL_LOG: &[&str] = &["helm"];
-
 /// Every failure line, location and summary listed in a fixture's must_keep survives its
 /// template; a failing run over 10 KB keeps at most 10%, a passing run only its summary, and
 /// a stream with nothing left out is unchanged; prints the raw → filtered table, which
@@ -234,15 +231,6 @@ fn every_failure_line_survives_and_the_output_shrinks() {
         "docs/templates.md's table differs from this run (printed above)"
     );
     covered.insert("auto".into());
-    // No helm CLI can run where the fixtures are made (tests/fixtures/templates/README.md):
-    // `helm` is the one built-in without a real log, and says so here.
-    for untested in NO_REAL_LOG {
-        println!("skipped: built-in {untested:?} has no fixture (no real log can be made)");
-        assert!(
-            covered.insert((*untested).into()),
-            "{untested} has a fixture now"
-        );
-    }
     assert_eq!(
         covered,
         catalog.names().into_iter().collect(),
