@@ -1153,7 +1153,11 @@ mod skip_tests {
         let mut f = StreamFilter::new(t);
         f.skip = skip;
         let mut rest = log;
-        for size in chunks.iter().copied().chain(std::iter::repeat(chunks[chunks.len() - 1])) {
+        for size in chunks
+            .iter()
+            .copied()
+            .chain(std::iter::repeat(chunks[chunks.len() - 1]))
+        {
             if rest.is_empty() {
                 break;
             }

@@ -104,8 +104,6 @@ impl Literals {
     fn is_packed(&self) -> bool {
         matches!(self, Literals::Packed(_))
     }
-
-
 }
 
 impl LineDfa {
@@ -310,7 +308,11 @@ fn widen(hir: &Hir) -> Hir {
     match hir.kind() {
         HirKind::Empty | HirKind::Literal(_) | HirKind::Class(Class::Bytes(_)) => hir.clone(),
         HirKind::Class(Class::Unicode(c))
-            if c.ranges().iter().map(|r| r.end() as usize - r.start() as usize + 1).sum::<usize>() <= SMALL_CLASS =>
+            if c.ranges()
+                .iter()
+                .map(|r| r.end() as usize - r.start() as usize + 1)
+                .sum::<usize>()
+                <= SMALL_CLASS =>
         {
             // A handful of characters (`[✖✗✘×]`, `(?i:k)`): as they are.
             hir.clone()
@@ -392,7 +394,9 @@ mod tests {
             if t.is_auto() {
                 continue;
             }
-            let p = t.prefilter().unwrap_or_else(|| panic!("{name}: no prefilter"));
+            let p = t
+                .prefilter()
+                .unwrap_or_else(|| panic!("{name}: no prefilter"));
             let simd = cfg!(target_arch = "x86_64") && std::is_x86_feature_detected!("ssse3");
             let (lits, per_line) = split_rules(t.any().as_str()).unwrap();
             let lits = lits.len();
@@ -420,9 +424,10 @@ mod tests {
                 for stream in ["stdout", "stderr"] {
                     if let Ok(log) = std::fs::read(path.join(stream)) {
                         let log = crate::templates::ansi::strip(&log).into_owned();
-                        lines.extend(log.split(|b| *b == b'\n').map(|l| {
-                            l.strip_suffix(b"\r").unwrap_or(l).to_vec()
-                        }));
+                        lines.extend(
+                            log.split(|b| *b == b'\n')
+                                .map(|l| l.strip_suffix(b"\r").unwrap_or(l).to_vec()),
+                        );
                     }
                 }
             }
