@@ -60,11 +60,14 @@ impl IntoResponse for ErrorBody {
     fn into_response(self) -> Response {
         let status = StatusCode::from_u16(self.code.http_status())
             .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        let retry = matches!(
-            self.code,
-            ErrorCode::TooManyRequests | ErrorCode::ShuttingDown
-        )
-        .then(|| self.retry_after_secs.unwrap_or(1));
+        // Always for these two; for any other error only when its maker said a retry may
+        // succeed (a caller's home replica that did not answer: run-remote retries those).
+        let retry = match self.code {
+            ErrorCode::TooManyRequests | ErrorCode::ShuttingDown => {
+                Some(self.retry_after_secs.unwrap_or(1))
+            }
+            _ => self.retry_after_secs,
+        };
         let unauthorized = self.code == ErrorCode::Unauthorized;
         let mut resp = (status, axum::Json(ErrorResponse { error: self })).into_response();
         if let Some(secs) = retry {

@@ -496,13 +496,18 @@ const TRIES: usize = 4;
 /// The longest wait before a retry, whatever the gateway's `Retry-After` says.
 const MAX_RETRY_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// Whether a run the gateway did not start may start if sent again: a replica that just
-/// died or is draining (`backend_unavailable`, `shutting_down`), a connection that could not
-/// be made, a proxy's 502/503/504 page (`RemoteExecutor` marks those with a `Retry-After`).
+/// Whether a run the gateway did not start may start if sent again: a replica that is
+/// draining (`shutting_down`), and, when marked with a `Retry-After`, a caller's home replica
+/// that just died (`backend_unavailable`), a connection that could not be made, a proxy's
+/// 502/503/504 page (`RemoteExecutor` marks the last two). A `backend_unavailable` without
+/// one (an unreachable API server, missing RBAC) comes after the gateway's own retries:
+/// sending it again would only multiply the wait before the cause is reported.
 fn retryable(e: &ErrorBody) -> bool {
     match e.code {
-        ErrorCode::BackendUnavailable | ErrorCode::ShuttingDown => true,
-        ErrorCode::GatewayUnreachable | ErrorCode::ProtocolError => e.retry_after_secs.is_some(),
+        ErrorCode::ShuttingDown => true,
+        ErrorCode::BackendUnavailable
+        | ErrorCode::GatewayUnreachable
+        | ErrorCode::ProtocolError => e.retry_after_secs.is_some(),
         _ => false,
     }
 }
@@ -932,5 +937,46 @@ mod tests {
         assert_eq!(r.env.len(), 1);
         assert_eq!(r.args, ["a b"]);
         assert_eq!(r.timeout_secs, Some(5));
+    }
+}
+
+#[cfg(test)]
+mod retry_tests {
+    use super::retryable;
+    use crate::contract::{ErrorBody, ErrorCode};
+    use axum::response::IntoResponse as _;
+
+    /// A `backend_unavailable` is sent again only when the gateway marked it with a
+    /// `Retry-After` (a home replica that did not answer); an unreachable API server, which
+    /// the gateway already retried, is reported at once.
+    #[test]
+    fn backend_unavailable_is_retried_only_with_a_retry_after() {
+        let plain = ErrorBody::new(ErrorCode::BackendUnavailable, "API server not reachable");
+        assert!(!retryable(&plain));
+        assert!(
+            plain
+                .clone()
+                .into_response()
+                .headers()
+                .get("retry-after")
+                .is_none()
+        );
+        let marked = plain.retry_after(1);
+        assert!(retryable(&marked));
+        // What run-remote reads back: the header the gateway sends.
+        let resp = marked.into_response();
+        assert_eq!(resp.headers()["retry-after"], "1");
+        assert!(retryable(&ErrorBody::new(
+            ErrorCode::ShuttingDown,
+            "draining"
+        )));
+        assert!(!retryable(&ErrorBody::new(
+            ErrorCode::GatewayUnreachable,
+            "timed out"
+        )));
+        assert!(!retryable(&ErrorBody::new(
+            ErrorCode::InvalidRequest,
+            "bad"
+        )));
     }
 }
