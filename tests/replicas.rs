@@ -821,6 +821,33 @@ async fn notifications_cancelled_stops_a_call_through_any_replica() {
             .unwrap();
         assert_eq!(resp.status(), 204, "{version}");
     }
+    // A cancellation that arrives before its call (the call's POST took a slower path) is
+    // remembered: the call, wherever it lands, ends at once without running its command.
+    let session = "0123456789abcdef0123456789abcdef";
+    let resp = post(
+        json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
+               "params": {"requestId": 11}}),
+        Some(session),
+        "2025-11-25",
+    )
+    .await
+    .unwrap();
+    assert_eq!(resp.status(), 202);
+    let marker = dir.path().join("ran");
+    let call = post(
+        json!({"jsonrpc": "2.0", "id": 11, "method": "tools/call", "params": {
+            "name": "run_network_tool", "arguments": {"executable": "sh",
+            "args": ["-c", format!("touch {}; sleep 300", marker.display())]}}}),
+        Some(session),
+        "2025-11-25",
+    )
+    .await
+    .unwrap();
+    tokio::time::timeout(Duration::from_secs(10), call.bytes())
+        .await
+        .expect("a call cancelled before it came was answered")
+        .ok();
+    assert!(!marker.exists(), "the call cancelled first ran its command");
 }
 
 /// `resources/list` names the caller's kept outputs of every live replica, whichever replica
