@@ -48,8 +48,16 @@ async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
     let (parts, body) = req.into_parts();
     let body = axum::body::to_bytes(body, 64 << 20).await.unwrap();
     let mut last = String::new();
-    for _ in 0..p.backends.len() {
-        let i = p.next.fetch_add(1, Ordering::SeqCst) % p.backends.len();
+    // An MCP client's GET (its stream for server messages, which the gateway does not offer)
+    // and DELETE take no turn, so that the calls' spread over the replicas is the same
+    // whenever the client sends them.
+    let turns = parts.method == axum::http::Method::POST;
+    for attempt in 0..p.backends.len() {
+        let i = if turns {
+            p.next.fetch_add(1, Ordering::SeqCst)
+        } else {
+            p.next.load(Ordering::SeqCst) + attempt
+        } % p.backends.len();
         let mut out = p
             .client
             .request(parts.method.clone(), format!("{}{path}", p.backends[i]))
