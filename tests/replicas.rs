@@ -714,9 +714,15 @@ async fn notifications_cancelled_stops_a_call_through_any_replica() {
     };
     let hits =
         |p: &Proxy| -> Vec<usize> { p.hits.iter().map(|h| h.load(Ordering::SeqCst)).collect() };
-    for (n, version) in ["2025-03-26", "2025-06-18", "2025-11-25", "2025-11-25"]
-        .into_iter()
-        .enumerate()
+    for (n, version) in [
+        "2024-11-05",
+        "2025-03-26",
+        "2025-06-18",
+        "2025-11-25",
+        "2025-11-25",
+    ]
+    .into_iter()
+    .enumerate()
     {
         let resp = post(
             json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
@@ -748,7 +754,7 @@ async fn notifications_cancelled_stops_a_call_through_any_replica() {
         );
         let mut arguments = json!({"executable": "sh", "args": ["-c", script]});
         // The last one: a session's call, served by the caller's home replica.
-        if n == 3 {
+        if n == 4 {
             arguments["session"] = json!("cancel");
         }
         let before = hits(&p);
