@@ -1328,6 +1328,7 @@ async fn kube_replicas_find_each_other_from_endpointslices_behind_a_round_robin_
         &dir,
         &format!(
             "server:\n  peer_service: mcp-run-peers\nmcp:\n  result_chars: 4000\n\
+             kubernetes:\n  reaper_interval_secs: 1\n  reaper_min_age_secs: 0\n\
              profiles:\n  default:\n    workspace_path: {}\n",
             ws.path().display()
         ),
@@ -1536,6 +1537,35 @@ async fn kube_replicas_find_each_other_from_endpointslices_behind_a_round_robin_
         }
     }
     let dead = dead.expect("a replica keeps run 2");
+    // Killed half-way through a run: its pod is left behind.
+    let dead_label = mcp_run::label_value(pods[dead]);
+    let of_dead = || {
+        double
+            .pod_names("default")
+            .into_iter()
+            .filter(|n| {
+                double.pod("default", n).is_some_and(|p| {
+                    p.metadata.deletion_timestamp.is_none()
+                        && p.metadata
+                            .labels
+                            .unwrap_or_default()
+                            .get("mcp-run.dev/gateway")
+                            == Some(&dead_label)
+                })
+            })
+            .collect::<Vec<_>>()
+    };
+    let in_flight = {
+        let url = gws[dead].raw_url();
+        tokio::spawn(async move {
+            http.post(url)
+                .json(&json!({"executable": "sleep", "args": ["300"]}))
+                .send()
+                .await
+        })
+    };
+    let running = support::wait_until(Duration::from_secs(20), || !of_dead().is_empty());
+    assert!(running, "the dead replica's run has a pod");
     let mut gone = gws.remove(dead);
     if let Some(pid) = gone.pid() {
         sigkill(pid);
@@ -1579,28 +1609,22 @@ async fn kube_replicas_find_each_other_from_endpointslices_behind_a_round_robin_
     }
     let _ = c.cancel().await;
     let _ = direct.cancel().await;
+    // Its pod is gone from the EndpointSlices (deleted, not restarting): the live replicas'
+    // reapers delete what it left, its in-flight run's pod and any run whose deletion it had
+    // not sent yet (a run's pod is deleted after its answer went out).
+    let reaped = support::wait_until(Duration::from_secs(20), || of_dead().is_empty());
+    assert!(
+        reaped,
+        "the killed replica's pods are left: {:?}",
+        of_dead()
+    );
+    // Its caller's connection died with it.
+    let _ = in_flight.await;
     drop(gws);
-    // The live replicas delete their pods at shutdown. A pod the SIGKILLed replica still had
-    // (its run was in flight on a loaded machine) is left for that replica's restart or for
-    // its deadline: its reaper judges only its own pods.
-    let dead_label = mcp_run::label_value(pods[dead]);
-    let of_the_living = || {
-        double
-            .pod_names("default")
-            .into_iter()
-            .filter(|n| {
-                double.pod("default", n).is_some_and(|p| {
-                    p.metadata
-                        .labels
-                        .unwrap_or_default()
-                        .get("mcp-run.dev/gateway")
-                        != Some(&dead_label)
-                })
-            })
-            .collect::<Vec<_>>()
-    };
-    let clean = support::wait_until(Duration::from_secs(20), || of_the_living().is_empty());
-    assert!(clean, "pods left: {:?}", of_the_living());
+    let clean = support::wait_until(Duration::from_secs(20), || {
+        double.pod_names("default").is_empty()
+    });
+    assert!(clean, "pods left: {:?}", double.pod_names("default"));
 }
 
 /// Idle warm-pool pods of the double, per gateway (by the pods' `mcp-run.dev/gateway` label).

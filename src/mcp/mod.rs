@@ -218,13 +218,14 @@ impl McpService {
             Some(Err(e)) => return Err(McpError::internal_error(e.message, None)),
             None => {}
         }
-        let list = crate::contract::SessionList {
-            sessions: self
-                .runner
-                .sessions()
-                .map(|s| s.list(&caller))
-                .unwrap_or_default(),
+        let sessions = match self.runner.sessions() {
+            Some(s) => s
+                .list(self.runner.executor().as_ref(), &caller)
+                .await
+                .map_err(|e| McpError::internal_error(e.message, None))?,
+            None => Vec::new(),
         };
+        let list = crate::contract::SessionList { sessions };
         Ok(serde_json::to_string_pretty(&list).unwrap_or_default())
     }
 
