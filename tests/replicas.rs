@@ -48,8 +48,16 @@ async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
     let (parts, body) = req.into_parts();
     let body = axum::body::to_bytes(body, 64 << 20).await.unwrap();
     let mut last = String::new();
-    for _ in 0..p.backends.len() {
-        let i = p.next.fetch_add(1, Ordering::SeqCst) % p.backends.len();
+    // An MCP client's GET (its stream for server messages, which the gateway does not offer)
+    // and DELETE take no turn, so that the calls' spread over the replicas is the same
+    // whenever the client sends them.
+    let turns = parts.method == axum::http::Method::POST;
+    for attempt in 0..p.backends.len() {
+        let i = if turns {
+            p.next.fetch_add(1, Ordering::SeqCst)
+        } else {
+            p.next.load(Ordering::SeqCst) + attempt
+        } % p.backends.len();
         let mut out = p
             .client
             .request(parts.method.clone(), format!("{}{path}", p.backends[i]))
@@ -706,9 +714,15 @@ async fn notifications_cancelled_stops_a_call_through_any_replica() {
     };
     let hits =
         |p: &Proxy| -> Vec<usize> { p.hits.iter().map(|h| h.load(Ordering::SeqCst)).collect() };
-    for (n, version) in ["2025-03-26", "2025-06-18", "2025-11-25", "2025-11-25"]
-        .into_iter()
-        .enumerate()
+    for (n, version) in [
+        "2024-11-05",
+        "2025-03-26",
+        "2025-06-18",
+        "2025-11-25",
+        "2025-11-25",
+    ]
+    .into_iter()
+    .enumerate()
     {
         let resp = post(
             json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
@@ -740,7 +754,7 @@ async fn notifications_cancelled_stops_a_call_through_any_replica() {
         );
         let mut arguments = json!({"executable": "sh", "args": ["-c", script]});
         // The last one: a session's call, served by the caller's home replica.
-        if n == 3 {
+        if n == 4 {
             arguments["session"] = json!("cancel");
         }
         let before = hits(&p);
@@ -821,6 +835,33 @@ async fn notifications_cancelled_stops_a_call_through_any_replica() {
             .unwrap();
         assert_eq!(resp.status(), 204, "{version}");
     }
+    // A cancellation that arrives before its call (the call's POST took a slower path) is
+    // remembered: the call, wherever it lands, ends at once without running its command.
+    let session = "0123456789abcdef0123456789abcdef";
+    let resp = post(
+        json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
+               "params": {"requestId": 11}}),
+        Some(session),
+        "2025-11-25",
+    )
+    .await
+    .unwrap();
+    assert_eq!(resp.status(), 202);
+    let marker = dir.path().join("ran");
+    let call = post(
+        json!({"jsonrpc": "2.0", "id": 11, "method": "tools/call", "params": {
+            "name": "run_network_tool", "arguments": {"executable": "sh",
+            "args": ["-c", format!("touch {}; sleep 300", marker.display())]}}}),
+        Some(session),
+        "2025-11-25",
+    )
+    .await
+    .unwrap();
+    tokio::time::timeout(Duration::from_secs(10), call.bytes())
+        .await
+        .expect("a call cancelled before it came was answered")
+        .ok();
+    assert!(!marker.exists(), "the call cancelled first ran its command");
 }
 
 /// `resources/list` names the caller's kept outputs of every live replica, whichever replica

@@ -66,10 +66,8 @@ async def main(url):
                 check(full["stdout_bytes"] == 1988895 + 16, f"call {i}: {full}")
                 check(any(f"compiling step{i}" in m for m in seen), f"call {i}: progress {seen}")
                 uris.append(full["stdout_uri"])
-            # Not always three: the SDK's own GET-stream attempts (it holds the session id the
-            # server handed out; each answered 405) take turns at the proxy too.
-            check(len({u.split("/")[3][:8] for u in uris}) >= 2,
-                  f"three calls landed on one replica: {uris}")
+            check(len({u.split("/")[3][:8] for u in uris}) == 3,
+                  f"three calls did not land on three replicas: {uris}")
             uri, whole, pages = uris[0], [], 0
             while True:
                 r = await session.read_resource(uri)

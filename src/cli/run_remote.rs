@@ -924,6 +924,28 @@ mod tests {
     }
 
     #[test]
+    fn only_refusals_that_may_heal_are_retried() {
+        let e = |code| ErrorBody::new(code, "x");
+        assert!(retryable(&e(ErrorCode::BackendUnavailable)));
+        assert!(retryable(&e(ErrorCode::ShuttingDown)));
+        // A connection that could not be made, or a proxy's page: marked by RemoteExecutor.
+        assert!(retryable(&e(ErrorCode::GatewayUnreachable).retry_after(1)));
+        assert!(retryable(&e(ErrorCode::ProtocolError).retry_after(1)));
+        // A request that may have been sent, a broken stream, or a refusal of the request.
+        assert!(!retryable(&e(ErrorCode::GatewayUnreachable)));
+        assert!(!retryable(&e(ErrorCode::ProtocolError)));
+        for code in [
+            ErrorCode::TooManyRequests,
+            ErrorCode::PolicyViolation,
+            ErrorCode::InvalidRequest,
+            ErrorCode::StartFailed,
+            ErrorCode::Unauthorized,
+        ] {
+            assert!(!retryable(&e(code).retry_after(1)), "{code}");
+        }
+    }
+
+    #[test]
     fn request_carries_cwd_and_only_kept_env() {
         let a = args(&["--keep-env", "B", "--timeout", "5", "--", "echo", "a b"]).unwrap();
         let env = |k: &str| match k {

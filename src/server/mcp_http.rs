@@ -13,8 +13,9 @@
 //!   to (`/peer/v1/mcp/cancel`, [`McpGuard::cancel_here`]). rmcp's stateless transport would
 //!   drop the notification.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
@@ -64,6 +65,9 @@ pub(crate) struct McpGuard {
     in_flight: Mutex<HashMap<(String, String), Running>>,
     /// With replicas: session ids are handed out here, and cancellations go to the peers.
     peers: Option<Arc<Peers>>,
+    /// Cancellations that found no call here, for a while: the call may arrive after its
+    /// cancellation (its POST went through a slower path than the notification's).
+    early: Mutex<Early>,
     /// Session ids by client, pruned of ended sessions when the client opens another.
     by_client: tokio::sync::Mutex<HashMap<String, Vec<String>>>,
 }
@@ -83,6 +87,7 @@ impl McpGuard {
             in_flight: Mutex::default(),
             by_client: tokio::sync::Mutex::default(),
             peers: None,
+            early: Mutex::default(),
         }
     }
 
@@ -95,6 +100,8 @@ impl McpGuard {
 
     /// Cancels the call `request_id` of `session` if it runs here for `identity`; whether it
     /// did.
+    /// Not found, it is remembered for [`EARLY_TTL`]: a call that arrives then is cancelled
+    /// at once.
     pub(crate) fn cancel_here(&self, req: &CancelRequest) -> bool {
         let key = (req.session.clone(), req.request_id.clone());
         let found = self.in_flight.lock().ok().and_then(|set| {
@@ -107,13 +114,25 @@ impl McpGuard {
                 cancel.cancel();
                 true
             }
-            None => false,
+            None => {
+                if let Ok(mut early) = self.early.lock() {
+                    early.remember(key, req.identity.clone());
+                }
+                false
+            }
         }
     }
 
     /// A `notifications/cancelled` of `session`: cancels its call here, else on the replica
-    /// that runs it (asked in the background: the notification is answered at once).
-    fn cancelled(&self, session: &str, message: &serde_json::Value, identity: Option<String>) {
+    /// that runs it. Every live replica has been asked when this returns (each for at most a
+    /// few seconds), so the call is stopped, or will be when it arrives, once the
+    /// notification is answered.
+    async fn cancelled(
+        &self,
+        session: &str,
+        message: &serde_json::Value,
+        identity: Option<String>,
+    ) {
         let Some(id) = message.pointer("/params/requestId") else {
             return;
         };
@@ -125,20 +144,18 @@ impl McpGuard {
         if self.cancel_here(&req) {
             return;
         }
-        let Some(peers) = self.peers.clone() else {
+        let Some(peers) = &self.peers else {
             return;
         };
-        tokio::spawn(async move {
-            let body = serde_json::to_value(&req).unwrap_or_default();
-            let found = peers.post_all(CANCEL_PATH, &body).await;
-            let cancelled = found
-                .iter()
-                .any(|(_, r)| matches!(r, Ok((200, v)) if v["cancelled"] == true));
-            if !cancelled {
-                // Already over, or on a replica that did not answer.
-                tracing::debug!(request = %req.request_id, "a cancelled MCP call runs on no replica");
-            }
-        });
+        let body = serde_json::to_value(&req).unwrap_or_default();
+        let found = peers.post_all(CANCEL_PATH, &body).await;
+        let cancelled = found
+            .iter()
+            .any(|(_, r)| matches!(r, Ok((200, v)) if v["cancelled"] == true));
+        if !cancelled {
+            // Already over, not arrived yet, or on a replica that did not answer.
+            tracing::debug!(request = %req.request_id, "a cancelled MCP call runs on no replica now");
+        }
     }
 }
 
@@ -150,6 +167,48 @@ fn rpc_error(status: StatusCode, id: serde_json::Value, code: i64, message: &str
         "error": {"code": code, "message": message},
     });
     (status, axum::Json(body)).into_response()
+}
+
+/// How long a cancellation that found no call is remembered.
+const EARLY_TTL: Duration = Duration::from_secs(10);
+/// How many such cancellations are remembered at most (the oldest are forgotten first).
+const EARLY_MAX: usize = 4096;
+
+/// Cancellations that found no call, oldest first.
+#[derive(Default)]
+struct Early(VecDeque<(Instant, (String, String), Option<String>)>);
+
+impl Early {
+    fn prune(&mut self) {
+        while self
+            .0
+            .front()
+            .is_some_and(|(at, ..)| at.elapsed() > EARLY_TTL || self.0.len() > EARLY_MAX)
+        {
+            self.0.pop_front();
+        }
+    }
+
+    fn remember(&mut self, key: (String, String), identity: Option<String>) {
+        self.0.push_back((Instant::now(), key, identity));
+        self.prune();
+    }
+
+    /// Whether the call `key` of `identity` was cancelled before it arrived (forgotten then).
+    fn take(&mut self, key: &(String, String), identity: &Option<String>) -> bool {
+        self.prune();
+        match self
+            .0
+            .iter()
+            .position(|(_, k, i)| k == key && i == identity)
+        {
+            Some(at) => {
+                self.0.remove(at);
+                true
+            }
+            None => false,
+        }
+    }
 }
 
 /// Removes `(session, id)` from the in-flight map when the answer is over (or dropped).
@@ -249,12 +308,22 @@ pub(crate) async fn middleware(
                     std::collections::hash_map::Entry::Vacant(v) => {
                         v.insert(Running {
                             identity: identity.clone(),
-                            cancel,
+                            cancel: cancel.clone(),
                         });
                         true
                     }
                 })
                 .unwrap_or(true);
+            if fresh
+                && guard.peers.is_some()
+                && guard
+                    .early
+                    .lock()
+                    .is_ok_and(|mut early| early.take(&key, &identity))
+            {
+                // Its cancellation came first: the handler stops before it starts anything.
+                cancel.cancel();
+            }
             if !fresh {
                 return rpc_error(
                     StatusCode::CONFLICT,
@@ -273,7 +342,7 @@ pub(crate) async fn middleware(
         (Some(session), None)
             if method == Some("notifications/cancelled") && guard.peers.is_some() =>
         {
-            guard.cancelled(session, &message, identity.clone());
+            guard.cancelled(session, &message, identity.clone()).await;
         }
         _ => {}
     }
@@ -413,4 +482,62 @@ async fn json_errors(resp: Response) -> Response {
         HeaderValue::from_static("application/json"),
     );
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn guard() -> McpGuard {
+        McpGuard::new(Arc::new(LocalSessionManager::default()), 4, 4, 1024)
+    }
+
+    fn req(session: &str, id: &str, identity: Option<&str>) -> CancelRequest {
+        CancelRequest {
+            session: session.into(),
+            request_id: id.into(),
+            identity: identity.map(Into::into),
+        }
+    }
+
+    #[test]
+    fn a_cancellation_stops_only_the_call_of_its_session_id_and_identity() {
+        let g = guard();
+        let cancel = CancellationToken::new();
+        g.in_flight.lock().unwrap().insert(
+            ("s1".into(), "7".into()),
+            Running {
+                identity: Some("alice".into()),
+                cancel: cancel.clone(),
+            },
+        );
+        for other in [
+            req("s2", "7", Some("alice")),
+            req("s1", "\"7\"", Some("alice")),
+            req("s1", "7", Some("bob")),
+            req("s1", "7", None),
+        ] {
+            assert!(!g.cancel_here(&other), "{other:?}");
+            assert!(!cancel.is_cancelled());
+        }
+        assert!(g.cancel_here(&req("s1", "7", Some("alice"))));
+        assert!(cancel.is_cancelled());
+    }
+
+    #[test]
+    fn a_cancellation_that_came_first_is_remembered_for_a_while() {
+        let g = guard();
+        assert!(!g.cancel_here(&req("s1", "8", None)));
+        let mut early = g.early.lock().unwrap();
+        assert!(!early.take(&("s1".into(), "8".into()), &Some("alice".into())));
+        assert!(early.take(&("s1".into(), "8".into()), &None));
+        // Once.
+        assert!(!early.take(&("s1".into(), "8".into()), &None));
+        // Bounded in number.
+        for i in 0..EARLY_MAX + 10 {
+            early.remember(("s".into(), i.to_string()), None);
+        }
+        assert_eq!(early.0.len(), EARLY_MAX);
+        assert!(!early.take(&("s".into(), "0".into()), &None));
+    }
 }
