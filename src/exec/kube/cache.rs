@@ -35,11 +35,11 @@ use kube::runtime::watcher;
 use tokio::time::Instant;
 
 use super::config::Profile;
+use super::error::api_error;
 use super::pod::{
     CONTAINER, LABEL_COMPONENT, LABEL_INSTANCE, LABEL_MANAGED_BY, LABEL_NAME, LABEL_PROFILE,
     label_value,
 };
-use super::start::api_error;
 use super::{KubeExecutor, Shared};
 use crate::contract::{CacheState, ErrorBody, ErrorCode, Phase};
 use crate::exec::cache::{CacheKey, CacheRequest, CacheSpec, CachesConfig, WhenBusy};
@@ -236,7 +236,7 @@ impl KubeCaches {
             self.shared.throttle.acquire().await;
             let found = match self.pvcs.get_opt(&name).await {
                 Ok(f) => f,
-                Err(e) => return Err(api_error("cannot read the cache's claim", &e)),
+                Err(e) => return Err(api_error("cannot read the cache's claim", &e).into()),
             };
             let current = match found {
                 None => {
@@ -272,7 +272,9 @@ impl KubeCaches {
                             conflicts += 1;
                             continue;
                         }
-                        Err(e) => return Err(api_error("cannot create the cache's claim", &e)),
+                        Err(e) => {
+                            return Err(api_error("cannot create the cache's claim", &e).into());
+                        }
                     }
                 }
                 Some(p) => p,
@@ -291,7 +293,7 @@ impl KubeCaches {
                             conflicts += 1;
                             continue;
                         }
-                        Err(e) => return Err(api_error("cannot take the cache's claim", &e)),
+                        Err(e) => return Err(api_error("cannot take the cache's claim", &e).into()),
                     }
                 }
                 Found::Busy(why) => why,
@@ -484,7 +486,7 @@ impl KubeCaches {
             .list_metadata(&lp)
             .await
             .map(|l| l.items.len())
-            .map_err(|e| api_error("cannot list the caller's cache claims", &e))
+            .map_err(|e| api_error("cannot list the caller's cache claims", &e).into())
     }
 
     /// Deletes the claims nobody holds that were last used more than the TTL ago.
@@ -688,6 +690,14 @@ fn mount(c: &CacheSpec) -> VolumeMount {
         name: volume_name(c),
         mount_path: c.path.clone(),
         ..Default::default()
+    }
+}
+
+impl KubeHold {
+    /// The pod outlives this gateway (a session left to the other replicas): its claims
+    /// stay held by it, and end as any hold does when its pod is gone or past its deadline.
+    pub(super) fn stay_with_pod(mut self) {
+        self.claims.clear();
     }
 }
 

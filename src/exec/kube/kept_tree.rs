@@ -189,7 +189,7 @@ impl Shared {
             .await
             .map_err(|e| match e {
                 super::workspace::FedError::Cancelled => {
-                    ErrorBody::new(ErrorCode::ShuttingDown, "the gateway is shutting down")
+                    super::error::KubeError::ShuttingDown.into()
                 }
                 super::workspace::FedError::Exec(e) => failed(format!("cannot exec: {e}")),
             })?;
@@ -211,7 +211,7 @@ impl Shared {
             )));
         }
         if let Err(e) = fed.fed {
-            return Err(failed(e));
+            return Err(failed(e.to_string()));
         }
         let intact = plan.intact(&fed.stdout);
         let entries = &run.workspace.manifest.entries;
