@@ -1031,7 +1031,13 @@ async fn kube_replicas_find_each_other_from_endpointslices_behind_a_round_robin_
         let o: &Value = &r.structured_content.as_ref().unwrap()["outputs"][0];
         assert_eq!(o["exit_code"], 0, "{o}");
         let uri = o["full_output"]["stdout_uri"].as_str();
-        kept.push(uri.unwrap_or_else(|| panic!("not kept: {r:?}")).to_owned());
+        kept.push(
+            uri.unwrap_or_else(|| {
+                let logs: Vec<String> = gws.iter().map(|g| g.log_text()).collect();
+                panic!("not kept: {r:?}\n{}", logs.join("\n----\n"))
+            })
+            .to_owned(),
+        );
     }
     let tags: std::collections::HashSet<String> = kept.iter().map(|u| tags_of(u)).collect();
     assert_eq!(tags.len(), 3, "{kept:?}");
