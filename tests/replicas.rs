@@ -1379,7 +1379,14 @@ async fn kube_replicas_find_each_other_from_endpointslices_behind_a_round_robin_
             .expect("tools/call");
         let o: &Value = &r.structured_content.as_ref().unwrap()["outputs"][0];
         assert_eq!(o["exit_code"], 0, "{o}");
-        kept.push(o["full_output"]["stdout_uri"].as_str().unwrap().to_owned());
+        let uri = o["full_output"]["stdout_uri"].as_str();
+        kept.push(
+            uri.unwrap_or_else(|| {
+                let logs: Vec<String> = gws.iter().map(|g| g.log_text()).collect();
+                panic!("not kept: {r:?}\n{}", logs.join("\n----\n"))
+            })
+            .to_owned(),
+        );
     }
     let tags: std::collections::HashSet<String> = kept.iter().map(|u| tags_of(u)).collect();
     assert_eq!(tags.len(), 3, "{kept:?}");
@@ -1620,7 +1627,12 @@ async fn kube_replicas_find_each_other_from_endpointslices_behind_a_round_robin_
     );
     // Its caller's connection died with it.
     let _ = in_flight.await;
-    drop(gws);
+    // The live replicas exit gracefully (SIGTERM; dropping a `Gateway` SIGKILLs it, which
+    // would leave the pod of the last run: its deletion is sent after the answer).
+    for gw in gws {
+        let (status, gw) = support::terminate(gw).await;
+        assert!(status.is_some_and(|s| s.success()), "{}", gw.log_text());
+    }
     let clean = support::wait_until(Duration::from_secs(20), || {
         double.pod_names("default").is_empty()
     });

@@ -8,12 +8,14 @@
 //! timeout) or, with `session_busy: fail`, fails at once with 409 `session_busy`.
 //!
 //! A session ends when its owner ends it, after its idle TTL, at its maximum lifetime, at
-//! shutdown, or when its runner is lost. An expired or lost session answers the next call
+//! shutdown (unless every replica reaches its runner: then the runner is left to them, see
+//! [`KeptRunner::leave`]), or when its runner is lost. An expired or lost session answers the next call
 //! naming it with `session_expired` or `session_lost` (the reason), never silently with a
 //! fresh runner; the call after that opens a new session.
 //!
 //! The sessions of this gateway are in its memory; what outlives the gateway is the runner
-//! (a pod, labelled with its owner and expiry for the reaper, see [`KeepFor`]).
+//! (a pod, labelled with its owner and expiry for the reaper, see [`KeepFor`]), which other
+//! replicas find, adopt and list when the backend shares runners.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

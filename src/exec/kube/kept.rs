@@ -16,12 +16,13 @@
 //! evicted, OOM-killed, its node gone); the next call then gets `session_lost` with that
 //! reason (see [`crate::session`]), never a fresh pod.
 //!
-//! Cleanup: `close` (session end, idle TTL, max lifetime, gateway shutdown) deletes the pod;
-//! the pod is in the gateway's live set until then, so the executor's shutdown deletes what
-//! is left. After a gateway SIGKILL a restarted gateway (same gateway label) deletes its
-//! session pods at start-up like every other leftover: sessions are in the gateway's memory,
-//! so a restarted gateway does not adopt them (the next call with the name opens a new
-//! session). Other replicas' reapers delete the pod once its expiry passed.
+//! Cleanup: `close` (session end, idle TTL, max lifetime) deletes the pod. A session's pod
+//! belongs to the installation, not to the replica that made it (no owner reference to the
+//! gateway pod): at a gateway's shutdown a live session's pod is left to the other replicas
+//! ([`KeptRunner::leave`]), and after a SIGKILL any replica (the restarted one too) finds it
+//! by its labels. Any replica's reaper deletes it once its annotations say the session is
+//! over; `activeDeadlineSeconds` stops it at the latest. A multi-step run's pod is this
+//! gateway's, deleted at its shutdown like a one-shot run's.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
