@@ -37,6 +37,9 @@ pub(crate) const PATH_PREFIX: &str = "/peer/v1/";
 /// The path that answers a replica's tag.
 pub(crate) const REPLICA_PATH: &str = "/peer/v1/replica";
 
+/// How long [`Peers::post_all`] waits for each replica.
+const PEER_ALL_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Characters of a replica tag (hex digits).
 pub(crate) const TAG_LEN: usize = 8;
 
@@ -242,6 +245,32 @@ impl Peers {
         let json = serde_json::from_slice(&bytes)
             .map_err(|e| failed(format!("an answer that is not JSON: {e}")))?;
         Ok((status, json))
+    }
+
+    /// POSTs `body` to `path` on every live replica but this one, at once, each bounded by
+    /// `PEER_ALL_TIMEOUT`: each one's tag and answer. A replica that does not answer is left
+    /// out of the next view of the live ones.
+    pub(crate) async fn post_all(
+        self: &std::sync::Arc<Self>,
+        path: &str,
+        body: &serde_json::Value,
+    ) -> Vec<(String, Result<(u16, serde_json::Value), PeerError>)> {
+        let tags = self.live().await;
+        let asks = tags.into_iter().map(|tag| async move {
+            let answer =
+                match tokio::time::timeout(PEER_ALL_TIMEOUT, self.post(&tag, path, body)).await {
+                    Ok(a) => a,
+                    Err(_) => Err(PeerError::Failed {
+                        replica: tag.clone(),
+                        message: format!("no answer within {PEER_ALL_TIMEOUT:?}"),
+                    }),
+                };
+            if answer.is_err() {
+                self.lost(&tag);
+            }
+            (tag, answer)
+        });
+        futures_util::future::join_all(asks).await
     }
 
     /// The base URL of the peer tagged `replica`: from the cache, else by asking every peer.

@@ -102,7 +102,6 @@ pub(crate) fn routers(
         .with_tools(state.mcp.tools.clone())
         .with_templates(state.mcp.templates.clone(), "/".into())
         .with_peers(state.peers.clone());
-        peer_routes = peers::routes(state.peers.clone(), service.clone());
         // Host and Origin are checked for every endpoint by `guard`, with JSON errors.
         let mut config = StreamableHttpServerConfig::default().disable_allowed_hosts();
         config.cancellation_token = state.mcp.stop.clone();
@@ -120,12 +119,16 @@ pub(crate) fn routers(
         sessions.session_config.keep_alive =
             Some(Duration::from_secs(state.mcp.config.session_idle_secs));
         let sessions = Arc::new(sessions);
-        let guard = Arc::new(crate::server::mcp_http::McpGuard::new(
-            sessions.clone(),
-            state.mcp.config.max_sessions,
-            state.mcp.config.max_sessions_per_client,
-            max_body_bytes,
-        ));
+        let guard = Arc::new(
+            crate::server::mcp_http::McpGuard::new(
+                sessions.clone(),
+                state.mcp.config.max_sessions,
+                state.mcp.config.max_sessions_per_client,
+                max_body_bytes,
+            )
+            .with_peers(state.peers.clone()),
+        );
+        peer_routes = peers::routes(state.peers.clone(), service.clone(), guard.clone());
         let watch = state.peers.is_some();
         tower::ServiceBuilder::new()
             .option_layer(watch.then(|| axum::middleware::from_fn(peers::watch_mcp_close)))

@@ -5,9 +5,15 @@
 //!   (409, JSON-RPC -32600) instead of leaving both waiting;
 //! - sessions are bounded: in total and per client (address, or token name), so that a
 //!   flood of `initialize` cannot take the gateway's memory;
-//! - every other error rmcp answers in plain text becomes the gateway's JSON error body.
+//! - every other error rmcp answers in plain text becomes the gateway's JSON error body;
+//! - with replicas (peers), where rmcp serves MCP statelessly: `initialize` still hands out
+//!   an `Mcp-Session-Id` (random, kept nowhere), so that a `notifications/cancelled` of
+//!   protocol versions up to 2025-11-25 names its call as (session, request id) wherever it
+//!   lands: the replica that gets it cancels the call if it runs here, else asks every peer
+//!   to (`/peer/v1/mcp/cancel`, [`McpGuard::cancel_here`]). rmcp's stateless transport would
+//!   drop the notification.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use axum::body::{Body, Bytes};
@@ -17,8 +23,32 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
+use tokio_util::sync::CancellationToken;
 
 use crate::contract::{ErrorBody, ErrorCode};
+use crate::peers::Peers;
+
+/// A request being answered.
+struct Running {
+    identity: Option<String>,
+    cancel: CancellationToken,
+}
+
+/// What a replica asks its peers when a call's `notifications/cancelled` reached it but the
+/// call does not run there (`/peer/v1/mcp/cancel`).
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct CancelRequest {
+    /// The `Mcp-Session-Id` the call and the notification carry.
+    pub session: String,
+    /// The call's JSON-RPC id, as JSON text (`1` and `"1"` are different ids).
+    pub request_id: String,
+    /// The caller's identity (its token's name; none when auth is off).
+    pub identity: Option<String>,
+}
+
+/// The peer path of [`CancelRequest`].
+pub(crate) const CANCEL_PATH: &str = "/peer/v1/mcp/cancel";
 
 /// The header that names an MCP session.
 const SESSION_HEADER: &str = "mcp-session-id";
@@ -29,8 +59,11 @@ pub(crate) struct McpGuard {
     max_sessions: usize,
     max_per_client: usize,
     max_body_bytes: usize,
-    /// `(session, id)` of requests being answered.
-    in_flight: Mutex<HashSet<(String, String)>>,
+    /// `(session, id)` of requests being answered: the caller's identity and what cancels
+    /// the call.
+    in_flight: Mutex<HashMap<(String, String), Running>>,
+    /// With replicas: session ids are handed out here, and cancellations go to the peers.
+    peers: Option<Arc<Peers>>,
     /// Session ids by client, pruned of ended sessions when the client opens another.
     by_client: tokio::sync::Mutex<HashMap<String, Vec<String>>>,
 }
@@ -49,7 +82,63 @@ impl McpGuard {
             max_body_bytes,
             in_flight: Mutex::default(),
             by_client: tokio::sync::Mutex::default(),
+            peers: None,
         }
+    }
+
+    /// With replicas (rmcp serves MCP statelessly): hands out session ids and routes
+    /// cancellations (see the module's doc).
+    pub(crate) fn with_peers(mut self, peers: Option<Arc<Peers>>) -> Self {
+        self.peers = peers;
+        self
+    }
+
+    /// Cancels the call `request_id` of `session` if it runs here for `identity`; whether it
+    /// did.
+    pub(crate) fn cancel_here(&self, req: &CancelRequest) -> bool {
+        let key = (req.session.clone(), req.request_id.clone());
+        let found = self.in_flight.lock().ok().and_then(|set| {
+            set.get(&key)
+                .filter(|r| r.identity == req.identity)
+                .map(|r| r.cancel.clone())
+        });
+        match found {
+            Some(cancel) => {
+                cancel.cancel();
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// A `notifications/cancelled` of `session`: cancels its call here, else on the replica
+    /// that runs it (asked in the background: the notification is answered at once).
+    fn cancelled(&self, session: &str, message: &serde_json::Value, identity: Option<String>) {
+        let Some(id) = message.pointer("/params/requestId") else {
+            return;
+        };
+        let req = CancelRequest {
+            session: session.to_owned(),
+            request_id: id.to_string(),
+            identity,
+        };
+        if self.cancel_here(&req) {
+            return;
+        }
+        let Some(peers) = self.peers.clone() else {
+            return;
+        };
+        tokio::spawn(async move {
+            let body = serde_json::to_value(&req).unwrap_or_default();
+            let found = peers.post_all(CANCEL_PATH, &body).await;
+            let cancelled = found
+                .iter()
+                .any(|(_, r)| matches!(r, Ok((200, v)) if v["cancelled"] == true));
+            if !cancelled {
+                // Already over, or on a replica that did not answer.
+                tracing::debug!(request = %req.request_id, "a cancelled MCP call runs on no replica");
+            }
+        });
     }
 }
 
@@ -63,7 +152,7 @@ fn rpc_error(status: StatusCode, id: serde_json::Value, code: i64, message: &str
     (status, axum::Json(body)).into_response()
 }
 
-/// Removes `(session, id)` from the in-flight set when the answer is over (or dropped).
+/// Removes `(session, id)` from the in-flight map when the answer is over (or dropped).
 struct InFlight(Arc<McpGuard>, (String, String));
 
 impl Drop for InFlight {
@@ -82,6 +171,10 @@ pub(crate) async fn middleware(
 ) -> Response {
     if req.method() != axum::http::Method::POST {
         let delete = req.method() == axum::http::Method::DELETE;
+        if delete && guard.peers.is_some() && req.headers().contains_key(SESSION_HEADER) {
+            // A session handed out statelessly holds nothing: ending it is done.
+            return StatusCode::NO_CONTENT.into_response();
+        }
         let mut resp = json_errors(next.run(req).await).await;
         // rmcp ends a session's DELETE with 202; the official Python SDK takes only 200 and
         // 204 as a closed session (it warns "Session termination failed: 202").
@@ -125,15 +218,42 @@ pub(crate) async fn middleware(
         .get(SESSION_HEADER)
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
-    let is_request = message.get("method").is_some();
+    let method = message.get("method").and_then(|m| m.as_str());
+    let is_request = method.is_some();
+    let identity = parts
+        .extensions
+        .get::<crate::auth::Caller>()
+        .and_then(|c| c.identity.clone());
     let mut hold = None;
+    let mut parts = parts;
     match (&session, message.get("id")) {
         (Some(session), Some(id)) if is_request => {
             let key = (session.clone(), id.to_string());
+            // With replicas the handler also stops when the call's connection closes: the
+            // same token (`mcp::ConnectionClosed`).
+            let cancel = match parts.extensions.get::<crate::mcp::ConnectionClosed>() {
+                Some(c) => c.0.clone(),
+                None => {
+                    let c = CancellationToken::new();
+                    parts
+                        .extensions
+                        .insert(crate::mcp::ConnectionClosed(c.clone()));
+                    c
+                }
+            };
             let fresh = guard
                 .in_flight
                 .lock()
-                .map(|mut set| set.insert(key.clone()))
+                .map(|mut set| match set.entry(key.clone()) {
+                    std::collections::hash_map::Entry::Occupied(_) => false,
+                    std::collections::hash_map::Entry::Vacant(v) => {
+                        v.insert(Running {
+                            identity: identity.clone(),
+                            cancel,
+                        });
+                        true
+                    }
+                })
                 .unwrap_or(true);
             if !fresh {
                 return rpc_error(
@@ -145,17 +265,35 @@ pub(crate) async fn middleware(
             }
             hold = Some(InFlight(guard.clone(), key));
         }
-        (None, _) if message.get("method").and_then(|m| m.as_str()) == Some("initialize") => {
+        (None, _) if method == Some("initialize") => {
             if let Some(refusal) = admit_session(&guard, &parts).await {
                 return refusal;
             }
         }
+        (Some(session), None)
+            if method == Some("notifications/cancelled") && guard.peers.is_some() =>
+        {
+            guard.cancelled(session, &message, identity.clone());
+        }
         _ => {}
     }
     let client = client_key(&parts);
-    let resp = next
+    let mut resp = next
         .run(Request::from_parts(parts, Body::from(bytes)))
         .await;
+    if guard.peers.is_some()
+        && session.is_none()
+        && method == Some("initialize")
+        && resp.status().is_success()
+        && !resp.headers().contains_key(SESSION_HEADER)
+    {
+        // Visible ASCII, unguessable: it names the client's calls, nothing else.
+        let id = format!("{:032x}", rand::random::<u128>());
+        if let Ok(v) = HeaderValue::from_str(&id) {
+            resp.headers_mut().insert(SESSION_HEADER, v);
+        }
+        return json_errors(resp).await;
+    }
     if session.is_none()
         && let Some(id) = resp
             .headers()

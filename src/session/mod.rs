@@ -770,19 +770,57 @@ impl Sessions {
         })
     }
 
-    /// The open sessions of `caller`, by name.
-    pub(crate) fn list(&self, caller: &Caller) -> Vec<SessionInfo> {
+    /// The open sessions of `caller`, by name: those of this replica, and when the
+    /// backend's runners are shared (kube: the session pods), those every replica sees on
+    /// them, so that any replica lists the same sessions.
+    pub(crate) async fn list(
+        &self,
+        executor: &dyn Executor,
+        caller: &Caller,
+    ) -> Result<Vec<SessionInfo>, ErrorBody> {
         let owner = caller.key();
-        let now = Instant::now();
-        let st = lock(&self.state);
-        let mut out: Vec<SessionInfo> = st
-            .open
-            .iter()
-            .filter(|((o, _), s)| *o == owner && s.runner.initialized())
-            .map(|(_, s)| s.info(now))
-            .collect();
-        out.sort_by(|a, b| a.name.cmp(&b.name));
-        out
+        let mut out: std::collections::BTreeMap<String, SessionInfo> = {
+            let now = Instant::now();
+            let st = lock(&self.state);
+            st.open
+                .iter()
+                .filter(|((o, _), s)| *o == owner && s.runner.initialized())
+                .map(|((_, name), s)| (name.clone(), s.info(now)))
+                .collect()
+        };
+        if executor.sessions_shared() {
+            let now = SystemTime::now();
+            let since = |t: SystemTime| now.duration_since(t).unwrap_or_default();
+            for k in executor.list_kept(&label_hash(&[&owner])).await? {
+                if k.hash != label_hash(&[&owner, &k.name]) {
+                    continue;
+                }
+                if let Some(here) = out.get_mut(&k.name) {
+                    // Calls through other replicas count too.
+                    here.calls = here.calls.max(k.calls);
+                    here.busy |= k.busy;
+                    continue;
+                }
+                let idle = if k.busy {
+                    Duration::ZERO
+                } else {
+                    since(k.last_used.unwrap_or(k.opened))
+                };
+                let to_max = k.expires_at.duration_since(now).unwrap_or_default();
+                let info = SessionInfo {
+                    name: k.name.clone(),
+                    profile: k.profile,
+                    context: k.context,
+                    age_secs: since(k.opened).as_secs(),
+                    idle_secs: idle.as_secs(),
+                    expires_in_secs: k.idle_ttl.saturating_sub(idle).min(to_max).as_secs(),
+                    calls: k.calls,
+                    busy: k.busy,
+                };
+                out.insert(k.name, info);
+            }
+        }
+        Ok(out.into_values().collect())
     }
 
     /// Ends `caller`'s session `name`: its running call is killed, its runner released. A
@@ -822,16 +860,30 @@ impl Sessions {
         }
     }
 
-    /// Releases every session's runner (at shutdown, after the running calls were killed).
+    /// At shutdown, after the running calls were killed: leaves each live session whose
+    /// runner the other replicas reach to them (kube: its pod, see [`KeptRunner::leave`]),
+    /// and releases the others' runners.
     pub(crate) async fn shutdown(&self) {
         let all: Vec<Arc<Session>> = lock(&self.state).open.drain().map(|(_, s)| s).collect();
         let closes = all.into_iter().map(|s| async move {
             s.ended.cancel();
             let _ = tokio::time::timeout(Duration::from_secs(15), s.busy.lock()).await;
             if let Some(r) = s.runner.get() {
+                let context = lock(&s.context).clone();
+                if r.leave().await {
+                    self.metrics.session("left");
+                    crate::audit::session(
+                        &s.who,
+                        &s.name,
+                        "left",
+                        &s.profile,
+                        &context,
+                        "the gateway shut down; the session lives on for its other replicas",
+                    );
+                    return;
+                }
                 r.close().await;
                 self.metrics.session("ended");
-                let context = lock(&s.context).clone();
                 crate::audit::session(
                     &s.who,
                     &s.name,
@@ -959,7 +1011,13 @@ mod tests {
         while sessions.end(fake.as_ref(), &caller, "s").await.is_err() {
             tokio::task::yield_now().await;
         }
-        assert!(sessions.list(&caller).is_empty());
+        assert!(
+            sessions
+                .list(fake.as_ref(), &caller)
+                .await
+                .unwrap()
+                .is_empty()
+        );
         fake.gate.notify_one();
         let e = opening.await.unwrap().unwrap_err();
         assert_eq!(e.code, ErrorCode::UnknownSession, "{e:?}");
@@ -1004,8 +1062,17 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(again.number(), 2);
-        assert_eq!(sessions.list(&caller).len(), 1);
-        assert!(sessions.list(&Caller::local("other")).is_empty());
+        assert_eq!(
+            sessions.list(fake.as_ref(), &caller).await.unwrap().len(),
+            1
+        );
+        assert!(
+            sessions
+                .list(fake.as_ref(), &Caller::local("other"))
+                .await
+                .unwrap()
+                .is_empty()
+        );
     }
 
     #[tokio::test]

@@ -12,6 +12,7 @@
 pub(crate) mod ansi;
 pub(crate) mod auto;
 pub(crate) mod filter;
+mod prefilter;
 pub(crate) mod store;
 
 use std::collections::BTreeMap;
@@ -68,9 +69,10 @@ pub struct Template {
     /// [`filter::any_pattern`]). Shared by the clones (each run filters with a clone of the
     /// catalog's template), so that it is compiled once per template, not once per run.
     any: Arc<OnceLock<regex::bytes::Regex>>,
-    /// The same union over many lines at once (multi-line mode), to skip the lines that
-    /// match none of it in one search (see [`filter::StreamFilter`]); `None` when too large.
-    any_lines: Arc<OnceLock<Option<regex::bytes::Regex>>>,
+    /// What a line must show to possibly match that union, checked on many lines at once to
+    /// pass over the lines that match none of it (see [`prefilter`]); `None` when it cannot
+    /// be built. Shared by the clones like `any`.
+    prefilter: Arc<OnceLock<Option<Arc<prefilter::Prefilter>>>>,
     /// How this template was chosen (for the note).
     pub picked: Picked,
     /// For `auto`: the templates it picks from.
@@ -122,7 +124,7 @@ impl Template {
             include,
             exclude,
             any: Arc::new(OnceLock::new()),
-            any_lines: Arc::new(OnceLock::new()),
+            prefilter: Arc::new(OnceLock::new()),
             picked: Picked::Named,
             auto: None,
         })
@@ -167,21 +169,18 @@ impl Template {
         })
     }
 
-    /// [`Template::any`] in multi-line, CRLF-aware mode: a match in a run of lines starts
-    /// on or before the first line that `any` matches (`^` and `$` hold at each line's ends;
-    /// a class such as `\s` may only carry a match across lines, which stops the skip
-    /// early, never late).
-    fn any_lines(&self) -> Option<&regex::bytes::Regex> {
-        self.any_lines
+    /// The prefilter for [`Template::any`]: a line it passes over matches none of `any`.
+    fn prefilter(&self) -> Option<Arc<prefilter::Prefilter>> {
+        self.prefilter
             .get_or_init(|| {
-                regex::bytes::RegexBuilder::new(&filter::any_pattern(&self.include_regex))
-                    .multi_line(true)
-                    .crlf(true)
-                    .size_limit(1 << 24)
-                    .build()
-                    .ok()
+                // `any` too large matches every line: so does the prefilter then.
+                let any = self.any().as_str();
+                (!any.is_empty())
+                    .then(|| prefilter::Prefilter::new(any))
+                    .flatten()
+                    .map(Arc::new)
             })
-            .as_ref()
+            .clone()
     }
 
     /// Whether a line is excluded (see [`TemplateSpec::exclude_regex`]).

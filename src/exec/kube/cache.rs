@@ -689,6 +689,14 @@ fn mount(c: &CacheSpec) -> VolumeMount {
     }
 }
 
+impl KubeHold {
+    /// The pod outlives this gateway (a session left to the other replicas): its claims
+    /// stay held by it, and end as any hold does when its pod is gone or past its deadline.
+    pub(super) fn stay_with_pod(mut self) {
+        self.claims.clear();
+    }
+}
+
 impl Drop for KubeHold {
     fn drop(&mut self) {
         let claims = std::mem::take(&mut self.claims);

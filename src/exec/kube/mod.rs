@@ -96,6 +96,9 @@ struct Shared {
     metrics: crate::metrics::Metrics,
     /// How often exec WebSockets are pinged (`exec_ping_secs`).
     ping_interval: std::time::Duration,
+    /// Whether live sessions' pods outlive this gateway's shutdown: it runs in a pod (the
+    /// installation restarts it) or has replicas, and they find the pods by their labels.
+    leaves_sessions: std::sync::atomic::AtomicBool,
 }
 
 impl Executor for KubeExecutor {
@@ -138,6 +141,12 @@ impl Executor for KubeExecutor {
     ) -> BoxFuture<'_, Result<Option<super::FoundRunner>, ErrorBody>> {
         let (owner, name) = (owner.to_owned(), name.to_owned());
         Box::pin(async move { self.find_session_pod(&owner, &name).await })
+    }
+
+    /// By the session pods' owner label ([`kept`]).
+    fn list_kept(&self, owner: &str) -> BoxFuture<'_, Result<Vec<super::KeptSession>, ErrorBody>> {
+        let owner = owner.to_owned();
+        Box::pin(async move { self.list_session_pods(&owner).await })
     }
 
     fn keep(

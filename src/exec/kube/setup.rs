@@ -66,6 +66,11 @@ impl KubeExecutor {
         mut self,
         replicas: Option<tokio::sync::watch::Receiver<Vec<String>>>,
     ) -> Self {
+        if replicas.is_some() {
+            self.shared
+                .leaves_sessions
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+        }
         self.replicas = replicas;
         self
     }
@@ -91,9 +96,11 @@ impl KubeExecutor {
         let client = kube::client::ClientBuilder::try_from(kube_config)?
             .with_layer(&super::backoff::retry_after_layer())
             .build();
-        let gateway = std::env::var("MCP_RUN_POD_NAME")
+        let pod_name = std::env::var("MCP_RUN_POD_NAME")
             .ok()
-            .filter(|s| !s.is_empty())
+            .filter(|s| !s.is_empty());
+        let in_pod = pod_name.is_some();
+        let gateway = pod_name
             .or_else(|| {
                 nix::unistd::gethostname()
                     .ok()
@@ -125,6 +132,7 @@ impl KubeExecutor {
                 deletions: TaskTracker::new(),
                 metrics,
                 ping_interval: Duration::from_secs(config.exec_ping_secs),
+                leaves_sessions: in_pod.into(),
             }),
             client,
             permits: Arc::new(Semaphore::new(config.max_concurrent_pods)),
@@ -148,6 +156,7 @@ impl KubeExecutor {
             pods: self.shared.pods.clone(),
             identity: self.shared.identity.clone(),
             min_age: Duration::from_secs(self.config.reaper_min_age_secs),
+            replicas: self.replicas.clone(),
         };
         let live = self.shared.clone();
         let is_live = move |name: &str| live.live.lock().map(|l| l.contains(name)).unwrap_or(true);
