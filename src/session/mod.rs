@@ -17,6 +17,8 @@
 //! (a pod, labelled with its owner and expiry for the reaper, see [`KeepFor`]), which other
 //! replicas find, adopt and list when the backend shares runners.
 
+mod error;
+
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -26,11 +28,12 @@ use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
 use crate::caller::Caller;
-use crate::contract::{ErrorBody, ErrorCode, Phase, RunContext, SessionBusy, SessionInfo};
+use crate::contract::{ErrorBody, Phase, RunContext, SessionBusy, SessionInfo};
 use crate::exec::{
     ExecSpec, Executor, FoundRunner, Gone, KeepFor, KeptRunner, Progress, StartOptions,
 };
 use crate::metrics::Metrics;
+use error::SessionError;
 
 /// The `sessions:` section of the configuration.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -366,10 +369,7 @@ impl Sessions {
             let Some(s) = st.open.remove(&k) else {
                 continue;
             };
-            let e = ErrorBody::new(
-                ErrorCode::SessionExpired,
-                format!("{why}; the next call with this name opens a new session"),
-            );
+            let e = ErrorBody::from(SessionError::Expired(why));
             Self::tombstone(&mut st, k, e.clone());
             self.finish(s, "expired", e);
         }
@@ -432,10 +432,7 @@ impl Sessions {
         let deadline = tokio::time::Instant::now() + wait;
         loop {
             if self.stop.is_cancelled() {
-                return Err(ErrorBody::new(
-                    ErrorCode::ShuttingDown,
-                    "the gateway is shutting down",
-                ));
+                return Err(SessionError::ShuttingDown.into());
             }
             let known = {
                 let mut st = lock(&self.state);
@@ -465,23 +462,17 @@ impl Sessions {
                 }
             };
             if s.profile != profile {
-                return Err(ErrorBody::new(
-                    ErrorCode::InvalidRequest,
-                    format!(
-                        "session {name:?} runs profile {:?}; this call names profile {profile:?} (end the session or use another name)",
-                        s.profile
-                    ),
-                ));
+                return Err(SessionError::OtherProfile {
+                    name: name.to_owned(),
+                    has: s.profile.clone(),
+                    asked: profile,
+                }
+                .into());
             }
             let guard = match s.busy.clone().try_lock_owned() {
                 Ok(g) => g,
                 Err(_) if busy == SessionBusy::Fail => {
-                    return Err(ErrorBody::new(
-                        ErrorCode::SessionBusy,
-                        format!(
-                            "another call of session {name:?} is running (the request asked not to wait: session_busy is fail)"
-                        ),
-                    ));
+                    return Err(SessionError::BusyFail(name.to_owned()).into());
                 }
                 Err(_) => {
                     progress.report(
@@ -493,13 +484,11 @@ impl Sessions {
                     tokio::select! {
                         g = s.busy.clone().lock_owned() => g,
                         _ = tokio::time::sleep_until(deadline) => {
-                            return Err(ErrorBody::new(
-                                ErrorCode::SessionBusy,
-                                format!(
-                                    "another call of session {name:?} was still running after this call waited {} s (its timeout)",
-                                    wait.as_secs()
-                                ),
-                            ));
+                            return Err(SessionError::BusyTimeout {
+                                name: name.to_owned(),
+                                secs: wait.as_secs(),
+                            }
+                            .into());
                         }
                         _ = s.ended.cancelled() => continue,
                     }
@@ -522,17 +511,16 @@ impl Sessions {
                 continue;
             };
             if let Err(gone) = runner.check().await {
-                let (e, event) = match gone {
+                let (e, event): (ErrorBody, _) = match gone {
                     Gone::Lost(reason) => (
-                        ErrorBody::new(
-                            ErrorCode::SessionLost,
-                            format!(
-                                "session {name:?} was lost: {reason}; the next call with this name opens a new session"
-                            ),
-                        ),
+                        SessionError::Lost {
+                            name: name.to_owned(),
+                            reason,
+                        }
+                        .into(),
                         "lost",
                     ),
-                    Gone::Expired(why) => (ErrorBody::new(ErrorCode::SessionExpired, why), "gone"),
+                    Gone::Expired(why) => (SessionError::ExpiredElsewhere(why).into(), "gone"),
                     Gone::Ended => {
                         // Its owner ended it through another replica: the name is free.
                         let mut st = lock(&self.state);
@@ -541,11 +529,7 @@ impl Sessions {
                         }
                         drop(st);
                         drop(guard);
-                        self.finish(
-                            s,
-                            "gone",
-                            ErrorBody::new(ErrorCode::UnknownSession, "ended by its owner"),
-                        );
+                        self.finish(s, "gone", SessionError::EndedElsewhere.into());
                         continue;
                     }
                 };
@@ -652,21 +636,10 @@ impl Sessions {
     ) -> Result<(Arc<Session>, tokio::sync::OwnedMutexGuard<()>), ErrorBody> {
         let mine = st.open.keys().filter(|(o, _)| *o == key.0).count();
         if mine >= self.config.max_per_identity {
-            return Err(ErrorBody::new(
-                ErrorCode::TooManySessions,
-                format!(
-                    "you have {mine} open sessions, the most this gateway allows per caller (sessions.max_per_identity); end one (run-remote sessions end NAME) or reuse a name"
-                ),
-            ));
+            return Err(SessionError::TooManyOfYours(mine).into());
         }
         if st.open.len() >= self.config.max_total {
-            return Err(ErrorBody::new(
-                ErrorCode::TooManySessions,
-                format!(
-                    "{} sessions are open on this gateway, its maximum (sessions.max_total); retry later",
-                    st.open.len()
-                ),
-            ));
+            return Err(SessionError::TooMany(st.open.len()).into());
         }
         let (idle_ttl, max_lifetime) = self.config.lifetimes(profile);
         let now = Instant::now();
@@ -691,7 +664,7 @@ impl Sessions {
             .busy
             .clone()
             .try_lock_owned()
-            .map_err(|_| ErrorBody::new(ErrorCode::Internal, "a new session is locked"))?;
+            .map_err(|_| SessionError::Locked)?;
         st.open.insert(key.clone(), s.clone());
         Ok((s, guard))
     }
@@ -739,9 +712,9 @@ impl Sessions {
             // Ended (by its owner, or the shutdown) while its runner was being made: nobody
             // else will release it.
             runner.close().await;
-            let e = lock(&s.end_reason).clone().unwrap_or_else(|| {
-                ErrorBody::new(ErrorCode::ShuttingDown, "the gateway is shutting down")
-            });
+            let e = lock(&s.end_reason)
+                .clone()
+                .unwrap_or_else(|| SessionError::ShuttingDown.into());
             return Err(e);
         }
         let _ = s.runner.set(runner.clone());
@@ -845,20 +818,10 @@ impl Sessions {
         let s = lock(&self.state).open.remove(&key);
         match s {
             Some(s) => {
-                self.finish(
-                    s,
-                    "ended",
-                    ErrorBody::new(
-                        ErrorCode::UnknownSession,
-                        format!("session {name:?} was ended by its owner"),
-                    ),
-                );
+                self.finish(s, "ended", SessionError::Ended(name.to_owned()).into());
                 Ok(())
             }
-            None => Err(ErrorBody::new(
-                ErrorCode::UnknownSession,
-                format!("you have no open session {name:?}"),
-            )),
+            None => Err(SessionError::NoSuch(name.to_owned()).into()),
         }
     }
 
@@ -903,6 +866,7 @@ impl Sessions {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::contract::ErrorCode;
 
     #[test]
     fn profile_lifetimes_stay_within_the_operator_s() {

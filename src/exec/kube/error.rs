@@ -62,6 +62,22 @@ pub(crate) enum KubeError {
     },
     #[error("cannot build the exec request: {0}")]
     ExecRequest(String),
+    /// Bringing a session pod's tree to the workspace failed (`why`: the step and its cause).
+    #[error("cannot bring the tree in session pod {pod} at {root} to the workspace: {why}")]
+    SyncKeptTree {
+        pod: String,
+        root: String,
+        why: String,
+    },
+    /// A cache's claim changed under every attempt to take it.
+    #[error(
+        "cache {cache}: its claim {claim} changed under every attempt to take it ({times} times); retry later"
+    )]
+    ClaimConflicts {
+        cache: String,
+        claim: String,
+        times: u32,
+    },
     /// The profile (named) has no `workspace_path`.
     #[error(
         "profile {0:?} takes no workspace: set profiles.{0}.workspace_path (docs/workspaces.md)"
@@ -111,8 +127,11 @@ impl KubeError {
             | KubeError::ApiServerSilent
             | KubeError::NoAnswer { .. }
             | KubeError::Refused(_)
-            | KubeError::MissingPermissions { .. } => ErrorCode::BackendUnavailable,
-            KubeError::ExecRequest(_) | KubeError::PlaceWorkspace { .. } => ErrorCode::StartFailed,
+            | KubeError::MissingPermissions { .. }
+            | KubeError::ClaimConflicts { .. } => ErrorCode::BackendUnavailable,
+            KubeError::ExecRequest(_)
+            | KubeError::PlaceWorkspace { .. }
+            | KubeError::SyncKeptTree { .. } => ErrorCode::StartFailed,
             KubeError::NoWorkspacePath(_) => ErrorCode::InvalidRequest,
         }
     }
