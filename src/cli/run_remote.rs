@@ -921,8 +921,7 @@ mod tests {
     #[test]
     fn only_refusals_that_may_heal_are_retried() {
         let e = |code| ErrorBody::new(code, "x");
-        // A caller's home replica that did not answer: the gateway says `Retry-After`.
-        assert!(retryable(&e(ErrorCode::BackendUnavailable).retry_after(1)));
+        assert!(retryable(&e(ErrorCode::BackendUnavailable)));
         assert!(retryable(&e(ErrorCode::ShuttingDown)));
         // A connection that could not be made, or a proxy's page: marked by RemoteExecutor.
         assert!(retryable(&e(ErrorCode::GatewayUnreachable).retry_after(1)));
