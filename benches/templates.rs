@@ -106,8 +106,8 @@ const FIXTURES: &[&str] = &[
     "ruff-errors",
     "make-gcc-error",
     "ctest-fail",
-    "maven-test-fail",
-    "gradle-test-fail",
+    "maven-test-surefire-fail",
+    "gradle-test-junit-fail",
     "shellcheck-errors",
     "cmake-configure-error",
 ];
@@ -117,6 +117,7 @@ fn fixture(name: &str) -> (Vec<u8>, String, i32) {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures/templates")
         .join(name);
+    assert!(dir.is_dir(), "no fixture {}", dir.display());
     let read = |f: &str| std::fs::read(dir.join(f)).unwrap_or_default();
     let mut one = read("stdout");
     one.extend(read("stderr"));

@@ -193,6 +193,12 @@ if kubectl -n np-outsider run np-outside --image="$RUNNER_IMAGE" --image-pull-po
   fail "a pod of another namespace reached the gateway"
 fi
 
+log "a kube session before the rollout"
+"$RUN_REMOTE" --session e2e-keep -- sh -c 'echo kept > /tmp/e2e-keep' \
+  || fail "the session's first call failed"
+session_pod="$(kubectl get pods -A -l mcp-run.dev/session -o name)"
+[ -n "$session_pod" ] || fail "no session pod"
+
 log "graceful shutdown: a running command outlives the replacement of the gateway pod"
 # The client runs in the cluster (the image has run-remote) and goes through the Service,
 # so that the port-forward, which follows one pod, is not part of the test.
@@ -205,7 +211,7 @@ kubectl -n "$NAMESPACE" run drain --image="$IMAGE" --image-pull-policy=Never --r
   -- sh -c 'sleep 20; echo survived'
 runner=""
 for _ in $(seq 1 60); do
-  runner="$(kubectl -n "$NAMESPACE" get pods -l app.kubernetes.io/component=runner -o name)"
+  runner="$(kubectl -n "$NAMESPACE" get pods -l 'app.kubernetes.io/component=runner,!mcp-run.dev/session' -o name)"
   [ -n "$runner" ] && break
   sleep 1
 done
@@ -219,6 +225,23 @@ kubectl -n "$NAMESPACE" wait pod/drain --for=jsonpath='{.status.phase}'=Succeede
 [ "$(kubectl -n "$NAMESPACE" logs drain)" = "survived" ] \
   || fail "unexpected output: $(kubectl -n "$NAMESPACE" logs drain 2>&1)"
 kubectl -n "$NAMESPACE" delete pod drain --wait=false
+
+log "the session outlived the rollout: same pod, same files, through the new replicas"
+kubectl -n "$NAMESPACE" port-forward "service/$RELEASE" "$PORT:8080" \
+  >"$WORK/port-forward.log" 2>&1 &
+PF_PID=$!
+for _ in $(seq 1 60); do
+  curl -fsS "$BASE/readyz" >/dev/null 2>&1 && break
+  sleep 1
+done
+[ "$(kubectl get pods -A -l mcp-run.dev/session -o name)" = "$session_pod" ] \
+  || fail "the session's pod did not outlive the rollout"
+out="$("$RUN_REMOTE" --session e2e-keep -- cat /tmp/e2e-keep)"
+[ "$out" = kept ] || fail "the session after the rollout printed '$out'"
+"$RUN_REMOTE" sessions list | grep -q e2e-keep || fail "the session is not listed"
+"$RUN_REMOTE" sessions end e2e-keep || fail "the session did not end"
+kill "$PF_PID" 2>/dev/null || true
+PF_PID=""
 
 log "no runner pod left"
 left=""

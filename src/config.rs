@@ -191,11 +191,12 @@ impl Config {
             ));
         }
         for (i, peer) in self.server.peers.iter().enumerate() {
-            crate::peers::parse_url(peer).map_err(|m| invalid(&format!("server.peers[{i}]"), m))?;
+            crate::peers::parse_url(peer)
+                .map_err(|m| invalid(&format!("server.peers[{i}]"), m.to_string()))?;
         }
         if let Some(service) = &self.server.peer_service {
             crate::peers::discovery::parse_service(service)
-                .map_err(|m| invalid("server.peer_service", m))?;
+                .map_err(|m| invalid("server.peer_service", m.to_string()))?;
         }
         if self.server.max_body_bytes < 1024 {
             return Err(invalid(

@@ -244,7 +244,7 @@ impl Metrics {
         );
         registry.register(
             "mcp_run_sessions",
-            "Sessions by what happened to them (created, ended, expired, lost)",
+            "Sessions by what happened to them on this gateway (created, adopted, ended, expired, lost, gone, left: live at its shutdown and left to the other replicas)",
             m.session_events.clone(),
         );
         registry.register(

@@ -37,6 +37,9 @@ pub(crate) const PATH_PREFIX: &str = "/peer/v1/";
 /// The path that answers a replica's tag.
 pub(crate) const REPLICA_PATH: &str = "/peer/v1/replica";
 
+/// How long [`Peers::post_all`] waits for each replica.
+const PEER_ALL_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Characters of a replica tag (hex digits).
 pub(crate) const TAG_LEN: usize = 8;
 
@@ -53,24 +56,51 @@ pub(crate) enum PeerError {
     Failed { replica: String, message: String },
 }
 
+const URL_HINT: &str = "expected a replica's base URL such as http://10.0.0.12:8080";
+
+/// Why the peers cannot be set up (the gateway does not start). Never contains a secret.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum PeerSetupError {
+    /// `reason`: the URL parser's (reqwest does not export its error type).
+    #[error("invalid peer URL {url:?}: {reason}; {URL_HINT}")]
+    Unparsable { url: String, reason: String },
+    #[error("invalid peer URL {0:?}: {URL_HINT}")]
+    NotHttp(String),
+    /// The URL is not repeated: it holds a credential.
+    #[error(
+        "a peer URL must not carry credentials: the peer secret comes from MCP_RUN_PEER_SECRET or server.peer_secret_file"
+    )]
+    Credentials,
+    #[error("invalid peer URL {0:?}: no query or fragment; {URL_HINT}")]
+    QueryOrFragment(String),
+    #[error("cannot read the peer secret file {} (server.peer_secret_file): {source}", path.display())]
+    SecretFile {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "the peer secret is too short: at least {MIN_SECRET_LEN} characters (e.g. `openssl rand -hex 16`)"
+    )]
+    ShortSecret,
+    #[error("cannot build the peer HTTP client: {0}")]
+    Client(reqwest::Error),
+}
+
 /// Checks one `server.peers` entry: an `http` or `https` base URL without credentials,
 /// query or fragment.
-pub(crate) fn parse_url(s: &str) -> Result<reqwest::Url, String> {
-    let hint = "expected a replica's base URL such as http://10.0.0.12:8080";
-    let url = reqwest::Url::parse(s).map_err(|e| format!("invalid peer URL {s:?}: {e}; {hint}"))?;
+pub(crate) fn parse_url(s: &str) -> Result<reqwest::Url, PeerSetupError> {
+    let url = reqwest::Url::parse(s).map_err(|e| PeerSetupError::Unparsable {
+        url: s.to_owned(),
+        reason: e.to_string(),
+    })?;
     if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none_or(str::is_empty) {
-        return Err(format!("invalid peer URL {s:?}: {hint}"));
+        return Err(PeerSetupError::NotHttp(s.to_owned()));
     }
     if !url.username().is_empty() || url.password().is_some() {
-        // Never echo the URL: it holds a credential.
-        return Err(
-            "a peer URL must not carry credentials: the peer secret comes from MCP_RUN_PEER_SECRET or server.peer_secret_file".into(),
-        );
+        return Err(PeerSetupError::Credentials);
     }
     if url.query().is_some() || url.fragment().is_some() {
-        return Err(format!(
-            "invalid peer URL {s:?}: no query or fragment; {hint}"
-        ));
+        return Err(PeerSetupError::QueryOrFragment(s.to_owned()));
     }
     Ok(url)
 }
@@ -80,17 +110,15 @@ pub(crate) fn parse_url(s: &str) -> Result<reqwest::Url, String> {
 pub(crate) fn load_secret(
     file: Option<&Path>,
     env: impl Fn(&str) -> Option<String>,
-) -> Result<Option<String>, String> {
+) -> Result<Option<String>, PeerSetupError> {
     let secret = match env(SECRET_ENV).filter(|s| !s.trim().is_empty()) {
         Some(s) => Some(s.trim().to_owned()),
         None => match file {
             Some(p) => Some(
                 std::fs::read_to_string(p)
-                    .map_err(|e| {
-                        format!(
-                            "cannot read the peer secret file {} (server.peer_secret_file): {e}",
-                            p.display()
-                        )
+                    .map_err(|source| PeerSetupError::SecretFile {
+                        path: p.to_owned(),
+                        source,
                     })?
                     .trim()
                     .to_owned(),
@@ -101,9 +129,7 @@ pub(crate) fn load_secret(
     if let Some(s) = &secret
         && s.chars().count() < MIN_SECRET_LEN
     {
-        return Err(format!(
-            "the peer secret is too short: at least {MIN_SECRET_LEN} characters (e.g. `openssl rand -hex 16`)"
-        ));
+        return Err(PeerSetupError::ShortSecret);
     }
     Ok(secret)
 }
@@ -137,7 +163,7 @@ impl std::fmt::Debug for Peers {
 
 impl Peers {
     /// The peers at `urls` (already checked by [`parse_url`]), with the shared secret.
-    pub(crate) fn new(urls: &[String], secret: String) -> Result<Self, String> {
+    pub(crate) fn new(urls: &[String], secret: String) -> Result<Self, PeerSetupError> {
         let urls = urls
             .iter()
             .map(|u| parse_url(u))
@@ -149,7 +175,7 @@ impl Peers {
             .timeout(Duration::from_secs(30))
             .user_agent(concat!("mcp-run-peer/", env!("CARGO_PKG_VERSION")))
             .build()
-            .map_err(|e| format!("cannot build the peer HTTP client: {e}"))?;
+            .map_err(PeerSetupError::Client)?;
         let tag = format!("{:08x}", rand::random::<u32>());
         Ok(Self {
             tag,
@@ -244,6 +270,32 @@ impl Peers {
         Ok((status, json))
     }
 
+    /// POSTs `body` to `path` on every live replica but this one, at once, each bounded by
+    /// `PEER_ALL_TIMEOUT`: each one's tag and answer. A replica that does not answer is left
+    /// out of the next view of the live ones.
+    pub(crate) async fn post_all(
+        self: &std::sync::Arc<Self>,
+        path: &str,
+        body: &serde_json::Value,
+    ) -> Vec<(String, Result<(u16, serde_json::Value), PeerError>)> {
+        let tags = self.live().await;
+        let asks = tags.into_iter().map(|tag| async move {
+            let answer =
+                match tokio::time::timeout(PEER_ALL_TIMEOUT, self.post(&tag, path, body)).await {
+                    Ok(a) => a,
+                    Err(_) => Err(PeerError::Failed {
+                        replica: tag.clone(),
+                        message: format!("no answer within {PEER_ALL_TIMEOUT:?}"),
+                    }),
+                };
+            if answer.is_err() {
+                self.lost(&tag);
+            }
+            (tag, answer)
+        });
+        futures_util::future::join_all(asks).await
+    }
+
     /// The base URL of the peer tagged `replica`: from the cache, else by asking every peer.
     async fn locate(&self, replica: &str) -> Result<reqwest::Url, PeerError> {
         if let Some(url) = self.known.lock().ok().and_then(|k| k.get(replica).cloned()) {
@@ -318,7 +370,7 @@ mod tests {
             assert!(parse_url(bad).is_err(), "{bad}");
         }
         let e = parse_url("http://u:hunter2hunter2@x:1").unwrap_err();
-        assert!(!e.contains("hunter2"), "{e}");
+        assert!(!e.to_string().contains("hunter2"), "{e}");
 
         let long = "s".repeat(MIN_SECRET_LEN);
         assert_eq!(
@@ -327,7 +379,7 @@ mod tests {
         );
         assert_eq!(load_secret(None, |_| None).unwrap(), None);
         let e = load_secret(None, |_| Some("shortsecret".into())).unwrap_err();
-        assert!(!e.contains("shortsecret"), "{e}");
+        assert!(!e.to_string().contains("shortsecret"), "{e}");
     }
 
     #[test]

@@ -62,19 +62,32 @@ impl RateLimiter {
     }
 
     /// Takes one token for `caller`, or a 429 with `Retry-After`.
-    pub(crate) fn take(&self, caller: &Caller) -> Result<(), ErrorBody> {
-        self.take_at(&caller.key(), Instant::now()).map_err(|secs| {
-            ErrorBody::new(
-                ErrorCode::TooManyRequests,
-                format!(
-                    "rate limit: {} is over limits.rate_limit ({} per minute, burst {}); retry in {secs} s",
-                    caller.describe(),
-                    (self.per_sec * 60.0).round(),
-                    self.burst
-                ),
-            )
-            .retry_after(secs)
-        })
+    pub(crate) fn take(&self, caller: &Caller) -> Result<(), RateLimited> {
+        self.take_at(&caller.key(), Instant::now())
+            .map_err(|secs| RateLimited {
+                who: caller.describe(),
+                per_minute: (self.per_sec * 60.0).round(),
+                burst: self.burst,
+                secs,
+            })
+    }
+}
+
+/// A caller over its rate: `429 too_many_requests` with `Retry-After: secs`.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "rate limit: {who} is over limits.rate_limit ({per_minute} per minute, burst {burst}); retry in {secs} s"
+)]
+pub(crate) struct RateLimited {
+    who: String,
+    per_minute: f64,
+    burst: f64,
+    secs: u64,
+}
+
+impl From<RateLimited> for ErrorBody {
+    fn from(e: RateLimited) -> Self {
+        ErrorBody::new(ErrorCode::TooManyRequests, e.to_string()).retry_after(e.secs)
     }
 }
 

@@ -41,6 +41,50 @@ impl crate::exec::EventFilter for StoppedFilter {
     }
 }
 
+/// Why the runner itself refused a run (the policy, the workspace store, sessions and the
+/// backend have their own errors).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum RunnerError {
+    #[error("the gateway is shutting down")]
+    ShuttingDown,
+    #[error("this gateway does not accept workspaces (workspaces.enabled is false)")]
+    WorkspacesOff,
+    /// The backend's name.
+    #[error("the {0} backend does not support workspaces")]
+    NoWorkspaces(&'static str),
+    #[error("this gateway keeps no sessions (sessions.enabled is false)")]
+    SessionsOff,
+    #[error("the {0} backend does not keep runners across calls: no sessions here")]
+    NoSessions(&'static str),
+    #[error("this gateway does not accept stdin for commands (limits.allow_stdin is false)")]
+    StdinOff,
+    #[error("a run with `steps` takes no stdin")]
+    StepsStdin,
+    /// All of `limits.max_concurrent_executions` (the number) run.
+    #[error(
+        "{0} executions are running, the gateway's maximum (limits.max_concurrent_executions); retry later"
+    )]
+    Busy(usize),
+}
+
+impl From<RunnerError> for ErrorBody {
+    fn from(e: RunnerError) -> Self {
+        let code = match e {
+            RunnerError::ShuttingDown => ErrorCode::ShuttingDown,
+            RunnerError::WorkspacesOff
+            | RunnerError::NoWorkspaces(_)
+            | RunnerError::SessionsOff
+            | RunnerError::NoSessions(_)
+            | RunnerError::StepsStdin => ErrorCode::InvalidRequest,
+            RunnerError::StdinOff => ErrorCode::PolicyViolation,
+            RunnerError::Busy(_) => {
+                return ErrorBody::new(ErrorCode::TooManyRequests, e.to_string()).retry_after(1);
+            }
+        };
+        ErrorBody::new(code, e.to_string())
+    }
+}
+
 /// What a front end attaches to a run besides the request: the caller's stdin and where to
 /// report start-up phases.
 #[derive(Default)]
@@ -252,24 +296,14 @@ impl Runner {
         caller: &Caller,
     ) -> Result<crate::workspace::WorkspaceRun, ErrorBody> {
         let Some(store) = &self.workspaces else {
-            return Err(ErrorBody::new(
-                ErrorCode::InvalidRequest,
-                "this gateway does not accept workspaces (workspaces.enabled is false)",
-            ));
+            return Err(RunnerError::WorkspacesOff.into());
         };
         if !self.executor.supports_workspaces() {
-            return Err(ErrorBody::new(
-                ErrorCode::InvalidRequest,
-                format!(
-                    "the {} backend does not support workspaces",
-                    self.executor.name()
-                ),
-            ));
+            return Err(RunnerError::NoWorkspaces(self.executor.name()).into());
         }
         let workspace = store.get(id, &caller.identity)?;
         let cwd = crate::workspace::run_cwd(&workspace, req.cwd.as_deref())?;
-        crate::workspace::local::globs(&req.sync_back)
-            .map_err(|m| ErrorBody::new(ErrorCode::InvalidRequest, m))?;
+        crate::workspace::local::globs(&req.sync_back)?;
         Ok(crate::workspace::WorkspaceRun {
             workspace,
             store: store.clone(),
@@ -402,10 +436,7 @@ impl Runner {
         io: RunIo,
     ) -> Result<Execution, ErrorBody> {
         if self.shutdown.is_cancelled() || self.tracker.is_closed() {
-            return Err(ErrorBody::new(
-                ErrorCode::ShuttingDown,
-                "the gateway is shutting down",
-            ));
+            return Err(RunnerError::ShuttingDown.into());
         }
         // A start under way counts as running for the shutdown's grace: its command may run
         // already (a local process is spawned before the start returns and is tracked).
@@ -420,10 +451,7 @@ impl Runner {
         let (session, busy) = (req.session.clone(), req.session_busy.unwrap_or_default());
         let mut spec = self.spec_for(req, caller)?;
         if io.stdin.is_some() && !self.limits.allow_stdin {
-            return Err(ErrorBody::new(
-                ErrorCode::PolicyViolation,
-                "this gateway does not accept stdin for commands (limits.allow_stdin is false)",
-            ));
+            return Err(RunnerError::StdinOff.into());
         }
         let call = self
             .session_call(session, busy, caller, &mut spec, &io.progress)
@@ -480,17 +508,12 @@ impl Runner {
             return Ok(None);
         }
         let Some(sessions) = &self.sessions else {
-            return Err(ErrorBody::new(
-                ErrorCode::InvalidRequest,
-                if self.executor.keeps_runners() {
-                    "this gateway keeps no sessions (sessions.enabled is false)".to_owned()
-                } else {
-                    format!(
-                        "the {} backend does not keep runners across calls: no sessions here",
-                        self.executor.name()
-                    )
-                },
-            ));
+            return Err(if self.executor.keeps_runners() {
+                RunnerError::SessionsOff
+            } else {
+                RunnerError::NoSessions(self.executor.name())
+            }
+            .into());
         };
         let call = sessions
             .call(self.executor.as_ref(), caller, &name, spec, busy, progress)
@@ -500,17 +523,10 @@ impl Runner {
 
     /// A concurrency slot, taken before the backend starts anything and released when the
     /// execution is dropped.
-    fn slot(&self) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, ErrorBody> {
+    fn slot(&self) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, RunnerError> {
         match &self.slots {
             Some(s) => Ok(Some(s.clone().try_acquire_owned().map_err(|_| {
-                ErrorBody::new(
-                    ErrorCode::TooManyRequests,
-                    format!(
-                        "{} executions are running, the gateway's maximum (limits.max_concurrent_executions); retry later",
-                        self.limits.max_concurrent_executions.unwrap_or_default()
-                    ),
-                )
-                .retry_after(1)
+                RunnerError::Busy(self.limits.max_concurrent_executions.unwrap_or_default())
             })?)),
             None => Ok(None),
         }
@@ -559,10 +575,7 @@ impl Runner {
     ) -> Result<Execution, ErrorBody> {
         req.validate()?;
         if io.stdin.is_some() {
-            return Err(ErrorBody::new(
-                ErrorCode::InvalidRequest,
-                "a run with `steps` takes no stdin",
-            ));
+            return Err(RunnerError::StepsStdin.into());
         }
         let (session, busy) = (req.session.clone(), req.session_busy.unwrap_or_default());
         let continue_on_error = req.continue_on_error;

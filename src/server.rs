@@ -60,11 +60,14 @@ impl IntoResponse for ErrorBody {
     fn into_response(self) -> Response {
         let status = StatusCode::from_u16(self.code.http_status())
             .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        let retry = matches!(
-            self.code,
-            ErrorCode::TooManyRequests | ErrorCode::ShuttingDown
-        )
-        .then(|| self.retry_after_secs.unwrap_or(1));
+        // Always for these two; for any other error only when its maker said a retry may
+        // succeed (a caller's home replica that did not answer: run-remote retries those).
+        let retry = match self.code {
+            ErrorCode::TooManyRequests | ErrorCode::ShuttingDown => {
+                Some(self.retry_after_secs.unwrap_or(1))
+            }
+            _ => self.retry_after_secs,
+        };
         let unauthorized = self.code == ErrorCode::Unauthorized;
         let mut resp = (status, axum::Json(ErrorResponse { error: self })).into_response();
         if let Some(secs) = retry {
@@ -102,7 +105,6 @@ pub(crate) fn routers(
         .with_tools(state.mcp.tools.clone())
         .with_templates(state.mcp.templates.clone(), "/".into())
         .with_peers(state.peers.clone());
-        peer_routes = peers::routes(state.peers.clone(), service.clone());
         // Host and Origin are checked for every endpoint by `guard`, with JSON errors.
         let mut config = StreamableHttpServerConfig::default().disable_allowed_hosts();
         config.cancellation_token = state.mcp.stop.clone();
@@ -120,12 +122,16 @@ pub(crate) fn routers(
         sessions.session_config.keep_alive =
             Some(Duration::from_secs(state.mcp.config.session_idle_secs));
         let sessions = Arc::new(sessions);
-        let guard = Arc::new(crate::server::mcp_http::McpGuard::new(
-            sessions.clone(),
-            state.mcp.config.max_sessions,
-            state.mcp.config.max_sessions_per_client,
-            max_body_bytes,
-        ));
+        let guard = Arc::new(
+            crate::server::mcp_http::McpGuard::new(
+                sessions.clone(),
+                state.mcp.config.max_sessions,
+                state.mcp.config.max_sessions_per_client,
+                max_body_bytes,
+            )
+            .with_peers(state.peers.clone()),
+        );
+        peer_routes = peers::routes(state.peers.clone(), service.clone(), guard.clone());
         let watch = state.peers.is_some();
         tower::ServiceBuilder::new()
             .option_layer(watch.then(|| axum::middleware::from_fn(peers::watch_mcp_close)))

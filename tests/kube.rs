@@ -1372,3 +1372,131 @@ async fn any_replica_serves_a_kube_session() {
     let next = in_session(&b, "s", "true").await;
     assert_eq!(next.context.unwrap().session_call, Some(1), "a new session");
 }
+
+/// A replica on the double with a configuration file.
+fn replica_with(double: &KubeDouble, name: &str, config: &std::path::Path) -> Gateway {
+    let kubeconfig = double.kubeconfig();
+    Gateway::start_with_env(
+        &[
+            "--backend",
+            "kube",
+            "--kubeconfig",
+            kubeconfig.to_str().unwrap(),
+            "--config",
+            config.to_str().unwrap(),
+        ],
+        &[("MCP_RUN_POD_NAME", name)],
+    )
+}
+
+/// `GET /sessions` of a gateway: (name, pod, calls) of each.
+async fn listed(gw: &Gateway) -> Vec<(String, String, u64)> {
+    let v = support::get_json(gw, "/sessions").await;
+    v["sessions"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{v}"))
+        .iter()
+        .map(|s| {
+            (
+                s["name"].as_str().unwrap().to_owned(),
+                s["context"]["pod"].as_str().unwrap_or_default().to_owned(),
+                s["calls"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// A rolling update: a replica's graceful exit (SIGTERM) leaves its live kube sessions to
+/// the others, which list and serve them in the same pod; every replica's `sessions list`
+/// shows the caller's sessions from their pods, whichever replica opened them. A session
+/// left idle while no replica runs is deleted by the next replica's start-up (a new name),
+/// not adopted; the live one is kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kube_sessions_outlive_a_replica_s_graceful_exit_and_end_at_their_expiry() {
+    let double = KubeDouble::start_with(DoubleOptions {
+        exec_survives_disconnect: true,
+        ..Default::default()
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config_file(
+        &dir,
+        "profiles:\n  default:\n    image: busybox:1.36\n  brief:\n    image: busybox:1.36\n\
+         sessions:\n  profiles:\n    brief:\n      idle_ttl_secs: 2\n",
+    );
+    let mut a = replica_with(&double, "gw-a", &cfg);
+    let mut b = replica_with(&double, "gw-b", &cfg);
+    let state = dir.path().join("state");
+    let first = in_session(&a, "work", &format!("echo kept > {}", state.display())).await;
+    assert_eq!(first.code(), Some(0), "{first:?}");
+    let pod = first.context.unwrap().pod.unwrap();
+    // Listed through the replica that never served it, from its pod.
+    assert_eq!(listed(&b).await, [("work".into(), pod.clone(), 1)]);
+    assert_eq!(listed(&a).await, [("work".into(), pod.clone(), 1)]);
+
+    // A exits gracefully (a rolling update): the session's pod stays, B serves it.
+    let status = a.terminate().expect("A exits");
+    assert!(status.success(), "{status:?}");
+    assert!(
+        a.log_text()
+            .contains("session pod left to the gateway's other replicas"),
+        "{}",
+        a.log_text()
+    );
+    let p = double.pod(NS, &pod).expect("the session's pod outlives A");
+    assert!(p.metadata.deletion_timestamp.is_none());
+    assert!(p.metadata.owner_references.is_none());
+    let via_b = in_session(&b, "work", &format!("cat {}", state.display())).await;
+    assert_eq!(via_b.stdout_str(), "kept\n", "{via_b:?}");
+    assert_eq!(via_b.context.unwrap().pod.as_deref(), Some(pod.as_str()));
+    assert_eq!(double.created_pods().len(), 1, "no second pod");
+    assert_eq!(listed(&b).await, [("work".into(), pod.clone(), 2)]);
+
+    // A short-lived session, then B exits too: no replica runs while it idles past its TTL.
+    let brief = raw(
+        &b,
+        json!({"executable": "true", "session": "quick", "profile": "brief"}),
+    )
+    .await;
+    assert_eq!(brief.code(), Some(0), "{brief:?}");
+    let brief_pod = brief.context.unwrap().pod.unwrap();
+    let status = b.terminate().expect("B exits");
+    assert!(status.success(), "{status:?}");
+    assert!(double.pod(NS, &brief_pod).is_some(), "left by B");
+    // Its idle TTL (2 s, from its last use) passes while nobody runs.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let c = replica_with(&double, "gw-c", &cfg);
+    assert!(
+        wait_until(Duration::from_secs(20), || double
+            .pod(NS, &brief_pod)
+            .is_none_or(|p| p.metadata.deletion_timestamp.is_some())),
+        "the expired session's pod is deleted at start-up: {}",
+        c.log_text()
+    );
+    assert!(
+        double.pod(NS, &pod).is_some(),
+        "the live session's pod stays"
+    );
+    assert_eq!(listed(&c).await, [("work".into(), pod.clone(), 2)]);
+    let again = in_session(&c, "work", &format!("cat {}", state.display())).await;
+    assert_eq!(again.stdout_str(), "kept\n", "{again:?}");
+    let fresh = raw(
+        &c,
+        json!({"executable": "true", "session": "quick", "profile": "brief"}),
+    )
+    .await;
+    assert_eq!(
+        fresh.context.as_ref().unwrap().session_call,
+        Some(1),
+        "a new session: {fresh:?}"
+    );
+    for name in ["work", "quick"] {
+        let ended = http()
+            .delete(c.url(&format!("/sessions/{name}")))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(ended.status(), 204, "{name}");
+    }
+    no_pods_left(&double, Duration::from_secs(10));
+    assert!(listed(&c).await.is_empty());
+}

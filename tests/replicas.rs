@@ -32,6 +32,11 @@ struct Proxy {
     next: AtomicUsize,
     hits: Vec<AtomicUsize>,
     client: reqwest::Client,
+    /// Whether a backend that refuses the connection is skipped (else: 502, as an L7 proxy
+    /// answers before it marks the upstream down).
+    skip_dead: bool,
+    /// Connections refused by a backend.
+    refused: AtomicUsize,
 }
 
 async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
@@ -43,8 +48,16 @@ async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
     let (parts, body) = req.into_parts();
     let body = axum::body::to_bytes(body, 64 << 20).await.unwrap();
     let mut last = String::new();
-    for _ in 0..p.backends.len() {
-        let i = p.next.fetch_add(1, Ordering::SeqCst) % p.backends.len();
+    // An MCP client's GET (its stream for server messages, which the gateway does not offer)
+    // and DELETE take no turn, so that the calls' spread over the replicas is the same
+    // whenever the client sends them.
+    let turns = parts.method == axum::http::Method::POST;
+    for attempt in 0..p.backends.len() {
+        let i = if turns {
+            p.next.fetch_add(1, Ordering::SeqCst)
+        } else {
+            p.next.load(Ordering::SeqCst) + attempt
+        } % p.backends.len();
         let mut out = p
             .client
             .request(parts.method.clone(), format!("{}{path}", p.backends[i]))
@@ -68,7 +81,13 @@ async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
                 }
                 return b.body(Body::from_stream(resp.bytes_stream())).unwrap();
             }
-            Err(e) if e.is_connect() => last = e.to_string(),
+            Err(e) if e.is_connect() => {
+                p.refused.fetch_add(1, Ordering::SeqCst);
+                last = e.to_string();
+                if !p.skip_dead {
+                    break;
+                }
+            }
             Err(e) => return (axum::http::StatusCode::BAD_GATEWAY, e.to_string()).into_response(),
         }
     }
@@ -77,8 +96,15 @@ async fn forward(State(p): State<Arc<Proxy>>, req: Request) -> Response {
 
 /// Starts the proxy in front of `backends`; its base URL.
 async fn proxy(backends: Vec<String>) -> (String, Arc<Proxy>) {
+    proxy_with(backends, true).await
+}
+
+/// [`proxy`], skipping dead backends or not.
+async fn proxy_with(backends: Vec<String>, skip_dead: bool) -> (String, Arc<Proxy>) {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let p = Arc::new(Proxy {
+        skip_dead,
+        refused: AtomicUsize::new(0),
         hits: backends.iter().map(|_| AtomicUsize::new(0)).collect(),
         backends,
         next: AtomicUsize::new(0),
@@ -548,7 +574,7 @@ fn answer_of(body: &str) -> Value {
 }
 
 /// Every protocol version that opens with `initialize` works through the round-robin proxy:
-/// no session id is handed out, and each later request (a version header, or none for
+/// the session id handed out is not needed, and each later request (a version header, or none for
 /// 2024-11-05) is answered by whichever replica gets it.
 #[tokio::test(flavor = "multi_thread")]
 async fn every_initialize_protocol_version_works_through_any_replica() {
@@ -576,7 +602,9 @@ async fn every_initialize_protocol_version_works_through_any_replica() {
         .await
         .unwrap();
         assert_eq!(resp.status(), 200, "{version}");
-        assert!(resp.headers().get("mcp-session-id").is_none(), "{version}");
+        // A session id is handed out (it names the client's calls for cancellation), but
+        // no replica keeps anything under it: the requests below do not carry it.
+        assert!(resp.headers().get("mcp-session-id").is_some(), "{version}");
         let init = answer_of(&resp.text().await.unwrap());
         assert_eq!(init["result"]["protocolVersion"], version, "{init}");
         // 2024-11-05 clients send no version header.
@@ -661,6 +689,252 @@ async fn closing_a_calls_stream_stops_its_command() {
     eprintln!("stopped {:?} after the close", closed.elapsed());
 }
 
+/// `notifications/cancelled` (protocol versions up to 2025-11-25) stops the call wherever it
+/// runs: through the round-robin proxy the notification reaches another replica than the
+/// call, which finds the call's replica by asking its peers (the call is named by the session
+/// id that `initialize` handed out and its request id). A call of a session (run on the
+/// caller's home replica, relayed when the proxy picked another) stops too.
+#[tokio::test(flavor = "multi_thread")]
+async fn notifications_cancelled_stops_a_call_through_any_replica() {
+    let (_gws, urls) = replicas(&[]);
+    let (base, p) = proxy(urls).await;
+    let http = support::http();
+    let dir = tempfile::tempdir().unwrap();
+    let post = |body: Value, session: Option<&str>, version: &str| {
+        let mut req = http
+            .post(format!("{base}/mcp"))
+            .header("content-type", "application/json")
+            .header("accept", "application/json, text/event-stream")
+            .header("mcp-protocol-version", version)
+            .body(body.to_string());
+        if let Some(s) = session {
+            req = req.header("mcp-session-id", s);
+        }
+        req.send()
+    };
+    let hits =
+        |p: &Proxy| -> Vec<usize> { p.hits.iter().map(|h| h.load(Ordering::SeqCst)).collect() };
+    for (n, version) in [
+        "2024-11-05",
+        "2025-03-26",
+        "2025-06-18",
+        "2025-11-25",
+        "2025-11-25",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let resp = post(
+            json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+                "protocolVersion": version, "capabilities": {},
+                "clientInfo": {"name": "replicas-test", "version": "1"}}}),
+            None,
+            version,
+        )
+        .await
+        .unwrap();
+        assert_eq!(resp.status(), 200, "{version}");
+        let session = resp.headers()["mcp-session-id"]
+            .to_str()
+            .unwrap()
+            .to_owned();
+        answer_of(&resp.text().await.unwrap());
+        let resp = post(
+            json!({"jsonrpc": "2.0", "method": "notifications/initialized"}),
+            Some(&session),
+            version,
+        )
+        .await
+        .unwrap();
+        assert_eq!(resp.status(), 202, "{version}");
+        let pidfile = dir.path().join(format!("pid{n}"));
+        let script = format!(
+            "echo $$ > {}.tmp; mv {0}.tmp {0}; exec sleep 300",
+            pidfile.display()
+        );
+        let mut arguments = json!({"executable": "sh", "args": ["-c", script]});
+        // The last one: a session's call, served by the caller's home replica.
+        if n == 4 {
+            arguments["session"] = json!("cancel");
+        }
+        let before = hits(&p);
+        let call = post(
+            json!({"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {
+                "name": "run_network_tool", "arguments": arguments}}),
+            Some(&session),
+            version,
+        )
+        .await
+        .unwrap();
+        assert_eq!(call.status(), 200, "{version}");
+        let after_call = hits(&p);
+        let pid: i32 = tokio::task::spawn_blocking(move || {
+            assert!(support::wait_until(Duration::from_secs(30), || pidfile.exists()));
+            std::fs::read_to_string(&pidfile)
+                .unwrap()
+                .trim()
+                .parse()
+                .unwrap()
+        })
+        .await
+        .unwrap();
+        assert!(support::pid_alive(pid));
+        // The call's stream stays open: the notification is the only cancellation.
+        let resp = post(
+            json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                   "params": {"requestId": 7, "reason": "test"}}),
+            Some(&session),
+            version,
+        )
+        .await
+        .unwrap();
+        assert_eq!(resp.status(), 202, "{version}");
+        let after_cancel = hits(&p);
+        let which = |a: &[usize], b: &[usize]| (0..3).find(|&i| a[i] != b[i]).unwrap();
+        assert_ne!(
+            which(&before, &after_call),
+            which(&after_call, &after_cancel),
+            "the proxy sent the call and its cancellation to one replica"
+        );
+        let cancelled = std::time::Instant::now();
+        let gone = tokio::task::spawn_blocking(move || {
+            support::wait_until(Duration::from_secs(10), || !support::pid_alive(pid))
+        })
+        .await
+        .unwrap();
+        assert!(
+            gone,
+            "{version}: the call outlived its notifications/cancelled"
+        );
+        eprintln!(
+            "{version}: stopped {:?} after the notification",
+            cancelled.elapsed()
+        );
+        // And its answer ends.
+        tokio::time::timeout(Duration::from_secs(10), call.bytes())
+            .await
+            .expect("the cancelled call's stream did not end")
+            .ok();
+        // A notification naming no running call is accepted and does nothing.
+        let resp = post(
+            json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                   "params": {"requestId": 99}}),
+            Some(&session),
+            version,
+        )
+        .await
+        .unwrap();
+        assert_eq!(resp.status(), 202, "{version}");
+        // Ending the session is accepted (nothing is kept under it).
+        let resp = http
+            .delete(format!("{base}/mcp"))
+            .header("mcp-session-id", &session)
+            .header("mcp-protocol-version", version)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 204, "{version}");
+    }
+    // A cancellation that arrives before its call (the call's POST took a slower path) is
+    // remembered: the call, wherever it lands, ends at once without running its command.
+    let session = "0123456789abcdef0123456789abcdef";
+    let resp = post(
+        json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
+               "params": {"requestId": 11}}),
+        Some(session),
+        "2025-11-25",
+    )
+    .await
+    .unwrap();
+    assert_eq!(resp.status(), 202);
+    let marker = dir.path().join("ran");
+    let call = post(
+        json!({"jsonrpc": "2.0", "id": 11, "method": "tools/call", "params": {
+            "name": "run_network_tool", "arguments": {"executable": "sh",
+            "args": ["-c", format!("touch {}; sleep 300", marker.display())]}}}),
+        Some(session),
+        "2025-11-25",
+    )
+    .await
+    .unwrap();
+    tokio::time::timeout(Duration::from_secs(10), call.bytes())
+        .await
+        .expect("a call cancelled before it came was answered")
+        .ok();
+    assert!(!marker.exists(), "the call cancelled first ran its command");
+}
+
+/// `resources/list` names the caller's kept outputs of every live replica, whichever replica
+/// answers it; a replica that died (SIGKILL) is left out of the list, not an error.
+#[tokio::test(flavor = "multi_thread")]
+async fn resources_list_names_kept_outputs_of_every_replica() {
+    let (gws, urls) = replicas(&[]);
+    let (base, p) = proxy(urls).await;
+    let http = support::http();
+    let post = |body: Value| {
+        http.post(format!("{base}/mcp"))
+            .header("content-type", "application/json")
+            .header("accept", "application/json, text/event-stream")
+            .header("mcp-protocol-version", "2025-11-25")
+            .body(body.to_string())
+            .send()
+    };
+    let list = || async {
+        let resp = post(json!({"jsonrpc": "2.0", "id": 9, "method": "resources/list"}))
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let r = answer_of(&resp.text().await.unwrap());
+        let mut runs: Vec<String> = r["result"]["resources"]
+            .as_array()
+            .unwrap_or_else(|| panic!("{r}"))
+            .iter()
+            .filter_map(|x| x["uri"].as_str())
+            .filter(|u| u.starts_with("mcp-run://runs/"))
+            .map(|u| u.to_owned())
+            .collect();
+        runs.sort();
+        runs
+    };
+    // One call on each replica, in turn.
+    for i in 0..3 {
+        let resp = post(
+            json!({"jsonrpc": "2.0", "id": i, "method": "tools/call", "params": {
+            "name": "run_network_tool",
+            "arguments": {"executable": "echo", "args": [format!("run {i}")]}}}),
+        )
+        .await
+        .unwrap();
+        assert_eq!(resp.status(), 200);
+        answer_of(&resp.text().await.unwrap());
+    }
+    let hits: Vec<usize> = p.hits.iter().map(|h| h.load(Ordering::SeqCst)).collect();
+    assert_eq!(hits, [1, 1, 1]);
+    // Every replica lists the three runs, both streams each.
+    for _ in 0..3 {
+        let runs = list().await;
+        assert_eq!(runs.len(), 6, "{runs:?}");
+        let tags: std::collections::BTreeSet<String> = runs.iter().map(|u| tags_of(u)).collect();
+        assert_eq!(tags.len(), 3, "{runs:?}");
+    }
+    // A replica gone: its runs are left out, the others still listed by any replica.
+    let dead = gws[2].pid().unwrap();
+    sigkill(dead);
+    assert!(support::wait_until(Duration::from_secs(10), || {
+        !support::pid_alive(dead as i32)
+    }));
+    for _ in 0..3 {
+        let runs = list().await;
+        assert_eq!(runs.len(), 4, "{runs:?}");
+    }
+    assert!(
+        gws[..2]
+            .iter()
+            .any(|g| g.log_text().contains("did not list its kept outputs")),
+        "no replica said that it left the dead one out"
+    );
+}
+
 /// `run-remote` through `front` (the proxy), in `cwd`, with its own hash cache in `cache`.
 async fn run_remote(
     front: &Gateway,
@@ -693,6 +967,81 @@ fn ppid_of(stdout: &str) -> u32 {
         .trim()
         .parse()
         .unwrap()
+}
+
+/// `run-remote` sends a run again when a replica that just died (SIGKILL) could not start it
+/// and nothing was printed: through a proxy that answers 502 for a dead upstream (as an L7
+/// proxy does until it marks the upstream down), the next try reaches a live replica. A run
+/// with `--stdin` is never sent twice, and a gateway that never answers fails with the
+/// usual exit status after a bounded number of tries.
+#[tokio::test(flavor = "multi_thread")]
+async fn run_remote_retries_a_run_that_a_dead_replica_could_not_start() {
+    let (gws, urls) = replicas(&[]);
+    let (base, p) = proxy_with(urls, false).await;
+    let front = Gateway::external(&format!("{base}/raw"), "local");
+    let dead = gws[1].pid().unwrap();
+    sigkill(dead);
+    assert!(support::wait_until(Duration::from_secs(10), || {
+        !support::pid_alive(dead as i32)
+    }));
+    let dir = tempfile::tempdir().unwrap();
+    for (i, format) in ["stream", "json"].into_iter().enumerate() {
+        // The next request goes to the dead replica.
+        p.next.store(1, Ordering::SeqCst);
+        let refused = p.refused.load(Ordering::SeqCst);
+        let out = run_remote(
+            &front,
+            dir.path(),
+            dir.path(),
+            &["-v", "--output-format", format, "--", "echo", "hello"],
+        )
+        .await;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{format}: {stderr}");
+        if i == 0 {
+            assert_eq!(String::from_utf8_lossy(&out.stdout), "hello\n");
+        } else {
+            assert_eq!(json_of(&out)["outputs"][0]["stdout"], "hello\n");
+        }
+        assert_eq!(p.refused.load(Ordering::SeqCst), refused + 1, "{stderr}");
+        assert!(stderr.contains("trying again in"), "{stderr}");
+    }
+    // With stdin, the first try may have taken input: never sent again.
+    p.next.store(1, Ordering::SeqCst);
+    let refused = p.refused.load(Ordering::SeqCst);
+    let mut cmd = front.run_remote();
+    cmd.env("XDG_CACHE_HOME", dir.path())
+        .args(["-i", "--", "cat"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let mut child = tokio::process::Command::from(cmd).spawn().unwrap();
+    {
+        use tokio::io::AsyncWriteExt as _;
+        let mut stdin = child.stdin.take().unwrap();
+        stdin.write_all(b"input\n").await.unwrap();
+    }
+    let out = child.wait_with_output().await.unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(125), "{stderr}");
+    assert!(stderr.contains("502"), "{stderr}");
+    assert!(!stderr.contains("tries"), "{stderr}");
+    assert_eq!(p.refused.load(Ordering::SeqCst), refused + 1);
+    // Nothing answers at all: the usual failure, after a bounded number of tries.
+    let nowhere = Gateway::external(&format!("http://127.0.0.1:{}/raw", free_port()), "local");
+    let began = std::time::Instant::now();
+    let out = run_remote(&nowhere, dir.path(), dir.path(), &["--", "true"]).await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(125), "{stderr}");
+    assert!(
+        stderr.contains("gateway_unreachable") && stderr.contains("(after 4 tries)"),
+        "{stderr}"
+    );
+    assert!(
+        began.elapsed() < Duration::from_secs(15),
+        "{:?}",
+        began.elapsed()
+    );
 }
 
 /// Workspaces and sessions through the round-robin proxy: a caller's workspaces and local
@@ -979,6 +1328,7 @@ async fn kube_replicas_find_each_other_from_endpointslices_behind_a_round_robin_
         &dir,
         &format!(
             "server:\n  peer_service: mcp-run-peers\nmcp:\n  result_chars: 4000\n\
+             kubernetes:\n  reaper_interval_secs: 1\n  reaper_min_age_secs: 0\n\
              profiles:\n  default:\n    workspace_path: {}\n",
             ws.path().display()
         ),
@@ -1029,7 +1379,14 @@ async fn kube_replicas_find_each_other_from_endpointslices_behind_a_round_robin_
             .expect("tools/call");
         let o: &Value = &r.structured_content.as_ref().unwrap()["outputs"][0];
         assert_eq!(o["exit_code"], 0, "{o}");
-        kept.push(o["full_output"]["stdout_uri"].as_str().unwrap().to_owned());
+        let uri = o["full_output"]["stdout_uri"].as_str();
+        kept.push(
+            uri.unwrap_or_else(|| {
+                let logs: Vec<String> = gws.iter().map(|g| g.log_text()).collect();
+                panic!("not kept: {r:?}\n{}", logs.join("\n----\n"))
+            })
+            .to_owned(),
+        );
     }
     let tags: std::collections::HashSet<String> = kept.iter().map(|u| tags_of(u)).collect();
     assert_eq!(tags.len(), 3, "{kept:?}");
@@ -1187,6 +1544,35 @@ async fn kube_replicas_find_each_other_from_endpointslices_behind_a_round_robin_
         }
     }
     let dead = dead.expect("a replica keeps run 2");
+    // Killed half-way through a run: its pod is left behind.
+    let dead_label = mcp_run::label_value(pods[dead]);
+    let of_dead = || {
+        double
+            .pod_names("default")
+            .into_iter()
+            .filter(|n| {
+                double.pod("default", n).is_some_and(|p| {
+                    p.metadata.deletion_timestamp.is_none()
+                        && p.metadata
+                            .labels
+                            .unwrap_or_default()
+                            .get("mcp-run.dev/gateway")
+                            == Some(&dead_label)
+                })
+            })
+            .collect::<Vec<_>>()
+    };
+    let in_flight = {
+        let url = gws[dead].raw_url();
+        tokio::spawn(async move {
+            http.post(url)
+                .json(&json!({"executable": "sleep", "args": ["300"]}))
+                .send()
+                .await
+        })
+    };
+    let running = support::wait_until(Duration::from_secs(20), || !of_dead().is_empty());
+    assert!(running, "the dead replica's run has a pod");
     let mut gone = gws.remove(dead);
     if let Some(pid) = gone.pid() {
         sigkill(pid);
@@ -1230,28 +1616,27 @@ async fn kube_replicas_find_each_other_from_endpointslices_behind_a_round_robin_
     }
     let _ = c.cancel().await;
     let _ = direct.cancel().await;
-    drop(gws);
-    // The live replicas delete their pods at shutdown. A pod the SIGKILLed replica still had
-    // (its run was in flight on a loaded machine) is left for that replica's restart or for
-    // its deadline: its reaper judges only its own pods.
-    let dead_label = mcp_run::label_value(pods[dead]);
-    let of_the_living = || {
-        double
-            .pod_names("default")
-            .into_iter()
-            .filter(|n| {
-                double.pod("default", n).is_some_and(|p| {
-                    p.metadata
-                        .labels
-                        .unwrap_or_default()
-                        .get("mcp-run.dev/gateway")
-                        != Some(&dead_label)
-                })
-            })
-            .collect::<Vec<_>>()
-    };
-    let clean = support::wait_until(Duration::from_secs(20), || of_the_living().is_empty());
-    assert!(clean, "pods left: {:?}", of_the_living());
+    // Its pod is gone from the EndpointSlices (deleted, not restarting): the live replicas'
+    // reapers delete what it left, its in-flight run's pod and any run whose deletion it had
+    // not sent yet (a run's pod is deleted after its answer went out).
+    let reaped = support::wait_until(Duration::from_secs(20), || of_dead().is_empty());
+    assert!(
+        reaped,
+        "the killed replica's pods are left: {:?}",
+        of_dead()
+    );
+    // Its caller's connection died with it.
+    let _ = in_flight.await;
+    // The live replicas exit gracefully (SIGTERM; dropping a `Gateway` SIGKILLs it, which
+    // would leave the pod of the last run: its deletion is sent after the answer).
+    for gw in gws {
+        let (status, gw) = support::terminate(gw).await;
+        assert!(status.is_some_and(|s| s.success()), "{}", gw.log_text());
+    }
+    let clean = support::wait_until(Duration::from_secs(20), || {
+        double.pod_names("default").is_empty()
+    });
+    assert!(clean, "pods left: {:?}", double.pod_names("default"));
 }
 
 /// Idle warm-pool pods of the double, per gateway (by the pods' `mcp-run.dev/gateway` label).

@@ -24,7 +24,8 @@ trap cleanup EXIT
 fail() { echo "install-smoke: $*" >&2; [ -f "$root/gw.log" ] && cat "$root/gw.log" >&2; exit 1; }
 
 if [ "${CI:-}" = "true" ] || [ "${MCP_RUN_INSTALL_CHECK:-}" = "1" ]; then
-  cargo install --path . --locked --debug --root "$root" --quiet
+  # As a user runs it: with plain rustc, not .ci/test's clippy-driver (.ci/lib/clippy-rustc).
+  env -u RUSTC_WORKSPACE_WRAPPER cargo install --path . --locked --debug --root "$root" --quiet
   for b in mcp-run run-remote; do
     [ -x "$root/bin/$b" ] || fail "cargo install did not install $b in $root/bin"
   done

@@ -5,8 +5,10 @@ Usage: replicas.py URL
 Over streamable HTTP at URL: initialize, tools/list, three calls with 2 MB of output and
 progress notifications, every page of one kept output (read through whichever replica the
 proxy picks), a search, six calls of one session (one runner, on the caller's home replica);
-then at protocol 2026-07-28 three calls cancelled by the SDK (it aborts the call's POST),
-each of whose commands must stop; the SDK must not warn. Exits 1 with the reason on the first failure.
+then three calls cancelled by the SDK at protocol 2025-11-25 (it sends
+`notifications/cancelled`, which the proxy takes to another replica than the call's) and three
+at 2026-07-28 (it aborts the call's POST), each of whose commands must stop; the SDK must not
+warn. Exits 1 with the reason on the first failure.
 """
 
 import json as _json
@@ -116,15 +118,17 @@ async def main(url):
             )
             count = r.structured_content["outputs"][0]["stdout"].strip()
             check(count == "1", f"after end_session the session kept its runner: {count}")
-    await modern_cancel(url)
+    await cancel(url, modern=False)
+    await cancel(url, modern=True)
     check(not SDK_WARNINGS.seen, f"the SDK warned: {SDK_WARNINGS.seen}")
     print(f"replicas (python sdk): ok ({pages} pages)")
 
 
-async def modern_cancel(url):
-    """At protocol 2026-07-28 (no initialize: `server/discover`), a cancelled call's POST is
-    aborted by the SDK, and that stops the command on whichever replica runs it (a session
-    call: on the caller's home, relayed when the proxy picked another replica)."""
+async def cancel(url, modern):
+    """A cancelled call stops its command on whichever replica runs it (a session call: on
+    the caller's home, relayed when the proxy picked another replica). At protocol 2025-11-25
+    (`initialize`) the SDK sends `notifications/cancelled` and keeps the call's stream open;
+    at 2026-07-28 (no initialize: `server/discover`) it aborts the call's POST."""
     import os
     import tempfile
     import time
@@ -132,15 +136,19 @@ async def modern_cancel(url):
     pidfile = os.path.join(tempfile.mkdtemp(), "pid")
     async with streamable_http_client(url) as (read, write, *_):
         async with ClientSession(read, write) as session:
-            d = await session.discover()
-            check(d is not None, "no discover result")
+            if modern:
+                d = await session.discover()
+                check(d is not None, "no discover result")
+            else:
+                init = await session.initialize()
+                check(init.protocol_version == "2025-11-25", f"negotiated {init.protocol_version}")
             for i in range(3):
                 if os.path.exists(pidfile):
                     os.remove(pidfile)
                 script = f"echo $$ > {pidfile}.tmp; mv {pidfile}.tmp {pidfile}; exec sleep 300"
                 args = {"executable": "sh", "args": ["-c", script]}
                 if i == 2:
-                    args["session"] = "cancel"
+                    args["session"] = "cancel-modern" if modern else "cancel"
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(session.call_tool, "run_network_tool", args)
                     with anyio.fail_after(30):
@@ -156,7 +164,8 @@ async def modern_cancel(url):
                         break
                     await anyio.sleep(0.1)
                 else:
-                    raise SystemExit(f"replicas (python sdk): call {i} outlived its cancellation (pid {pid})")
+                    version = "2026-07-28" if modern else "2025-11-25"
+                    raise SystemExit(f"replicas (python sdk): call {i} at {version} outlived its cancellation (pid {pid})")
 
 
 if __name__ == "__main__":

@@ -54,7 +54,9 @@ Environment:
 Exit status: the remote command's exit code; 128+N if signal N killed it; 124 if the gateway's
 timeout killed it; 141 if our stdout was closed. 125 when run-remote itself failed (bad usage or
 configuration, gateway unreachable, request rejected, the run failed on the gateway, an output
-error): the command did not run or its end is unknown, and one line on stderr says why.
+error): the command did not run or its end is unknown, and one line on stderr says why. A run
+the gateway refused before it started for a reason that may heal (a replica that just died or
+is draining, no connection, a proxy's 502/503/504) is sent up to 4 times (never with -i).
 
 Templates: --template NAME prints the output filtered when the command ends (failures with
 their locations, diagnostics, summary lines), and names the file that keeps the full output.
@@ -439,13 +441,8 @@ async fn run_command(args: Args) -> Outcome {
     } else {
         (crate::exec::Progress::default(), None)
     };
-    let opts = crate::exec::StartOptions {
-        cancel: CancellationToken::new(),
-        progress,
-        stdin: args.stdin.then(io::forward_stdin),
-    };
     let changes = ws::Changes::default();
-    let mut started = prepared.remote.run_with(&prepared.request, opts).await;
+    let mut started = start(&prepared, &args, progress).await;
     // The gateway's cache may have evicted contents between the upload and the run (or
     // another replica answered): sync once more and retry (not with stdin, which the first
     // attempt took).
@@ -491,6 +488,78 @@ async fn run_command(args: Args) -> Outcome {
             )
             .await
         }
+    }
+}
+
+/// How many times a run that did not start is sent at most (`RETRY_BACKOFF`'s waits between).
+const TRIES: usize = 4;
+/// The longest wait before a retry, whatever the gateway's `Retry-After` says.
+const MAX_RETRY_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Whether a run the gateway did not start may start if sent again: a replica that is
+/// draining (`shutting_down`), and, when marked with a `Retry-After`, a caller's home replica
+/// that just died (`backend_unavailable`), a connection that could not be made, a proxy's
+/// 502/503/504 page (`RemoteExecutor` marks the last two). A `backend_unavailable` without
+/// one (an unreachable API server, missing RBAC) comes after the gateway's own retries:
+/// sending it again would only multiply the wait before the cause is reported.
+fn retryable(e: &ErrorBody) -> bool {
+    match e.code {
+        ErrorCode::ShuttingDown => true,
+        ErrorCode::BackendUnavailable
+        | ErrorCode::GatewayUnreachable
+        | ErrorCode::ProtocolError => e.retry_after_secs.is_some(),
+        _ => false,
+    }
+}
+
+/// Sends the run, again after a bounded backoff while it was refused for a reason that may
+/// heal ([`retryable`]) before it started: nothing ran and nothing was printed. Never with
+/// `--stdin` (the first try took what it read). The last try's error is the one reported.
+async fn start(
+    prepared: &Prepared,
+    args: &Args,
+    progress: crate::exec::Progress,
+) -> Result<Execution, ErrorBody> {
+    use backon::BackoffBuilder as _;
+    let mut waits = backon::ExponentialBuilder::new()
+        .with_min_delay(std::time::Duration::from_millis(500))
+        .with_max_delay(std::time::Duration::from_secs(2))
+        .with_factor(2.0)
+        .with_jitter()
+        .with_max_times(TRIES - 1)
+        .build();
+    let mut stdin = args.stdin.then(io::forward_stdin);
+    let mut tries = 1;
+    loop {
+        let opts = crate::exec::StartOptions {
+            cancel: CancellationToken::new(),
+            progress: progress.clone(),
+            stdin: stdin.take(),
+        };
+        let mut e = match prepared.remote.run_with(&prepared.request, opts).await {
+            Ok(execution) => return Ok(execution),
+            Err(e) => e,
+        };
+        let wait = waits.next().filter(|_| !args.stdin && retryable(&e));
+        let Some(wait) = wait else {
+            if tries > 1 {
+                e.message = format!("{} (after {tries} tries)", e.message);
+            }
+            return Err(e);
+        };
+        let asked = std::time::Duration::from_secs(e.retry_after_secs.unwrap_or(0));
+        let wait = wait.max(asked).min(MAX_RETRY_WAIT);
+        if args.verbose {
+            eprintln!(
+                "run-remote: {}: {}; trying again in {:.1} s (try {} of {TRIES})",
+                e.code,
+                e.message,
+                wait.as_secs_f64(),
+                tries + 1
+            );
+        }
+        tokio::time::sleep(wait).await;
+        tries += 1;
     }
 }
 
@@ -855,6 +924,31 @@ mod tests {
     }
 
     #[test]
+    fn only_refusals_that_may_heal_are_retried() {
+        let e = |code| ErrorBody::new(code, "x");
+        // A home replica that did not answer is marked with a Retry-After (sent as a header);
+        // an unreachable API server or missing RBAC is not: the gateway already retried.
+        assert!(retryable(&e(ErrorCode::BackendUnavailable).retry_after(1)));
+        assert!(!retryable(&e(ErrorCode::BackendUnavailable)));
+        assert!(retryable(&e(ErrorCode::ShuttingDown)));
+        // A connection that could not be made, or a proxy's page: marked by RemoteExecutor.
+        assert!(retryable(&e(ErrorCode::GatewayUnreachable).retry_after(1)));
+        assert!(retryable(&e(ErrorCode::ProtocolError).retry_after(1)));
+        // A request that may have been sent, a broken stream, or a refusal of the request.
+        assert!(!retryable(&e(ErrorCode::GatewayUnreachable)));
+        assert!(!retryable(&e(ErrorCode::ProtocolError)));
+        for code in [
+            ErrorCode::TooManyRequests,
+            ErrorCode::PolicyViolation,
+            ErrorCode::InvalidRequest,
+            ErrorCode::StartFailed,
+            ErrorCode::Unauthorized,
+        ] {
+            assert!(!retryable(&e(code).retry_after(1)), "{code}");
+        }
+    }
+
+    #[test]
     fn request_carries_cwd_and_only_kept_env() {
         let a = args(&["--keep-env", "B", "--timeout", "5", "--", "echo", "a b"]).unwrap();
         let env = |k: &str| match k {
@@ -868,5 +962,28 @@ mod tests {
         assert_eq!(r.env.len(), 1);
         assert_eq!(r.args, ["a b"]);
         assert_eq!(r.timeout_secs, Some(5));
+    }
+}
+
+#[cfg(test)]
+mod retry_header_tests {
+    use crate::contract::{ErrorBody, ErrorCode};
+    use axum::response::IntoResponse as _;
+
+    /// What run-remote's retry reads: the gateway sends `Retry-After` with an error whose
+    /// maker set one, and not with a plain `backend_unavailable`.
+    #[test]
+    fn a_marked_backend_unavailable_carries_retry_after() {
+        let plain = ErrorBody::new(ErrorCode::BackendUnavailable, "API server not reachable");
+        assert!(
+            plain
+                .clone()
+                .into_response()
+                .headers()
+                .get("retry-after")
+                .is_none()
+        );
+        let resp = plain.retry_after(1).into_response();
+        assert_eq!(resp.headers()["retry-after"], "1");
     }
 }

@@ -514,14 +514,23 @@ fn pod_name() -> Option<String> {
 
 /// Runs the gateway until SIGTERM or SIGINT.
 pub(crate) async fn serve(config: Config) -> anyhow::Result<()> {
+    // The lock before any directory it vouches for (the MCP outputs are made in `app`): a
+    // gateway starting meanwhile must not take them for a dead gateway's, as it would when
+    // a SIGKILLed gateway of the same (reused) pid left its lock file.
+    crate::leftovers::claim_and_sweep(&[config.workspaces.local_dir()]);
     let App {
         router,
         runner,
         drained,
         auth_on,
         peer_router,
-    } = app(&config).await?;
-    crate::leftovers::claim_and_sweep(&[config.workspaces.local_dir()]);
+    } = match app(&config).await {
+        Ok(app) => app,
+        Err(e) => {
+            crate::leftovers::release(&std::env::temp_dir());
+            return Err(e);
+        }
+    };
     // Commands run as this user: without this, they could read the gateway's environment
     // (tokens) and memory through /proc/PID/environ and /proc/PID/mem, or ptrace it.
     if let Err(e) = nix::sys::prctl::set_dumpable(false) {

@@ -178,20 +178,18 @@ impl LocalExecutor {
         run: crate::workspace::WorkspaceRun,
         cancel: CancellationToken,
         stdin: Option<mpsc::Receiver<Bytes>>,
-    ) -> Result<Execution, ErrorBody> {
+    ) -> Result<Execution, LocalError> {
         let trees = self.trees.clone();
         let tree =
             tokio::task::spawn_blocking(move || crate::workspace::local::materialize(&run, &trees))
                 .await
-                .map_err(|e| {
-                    ErrorBody::new(ErrorCode::Internal, format!("materialising failed: {e}"))
-                })??;
-        spec.cwd = Some(tree.cwd.to_str().map(str::to_owned).ok_or_else(|| {
-            ErrorBody::new(
-                ErrorCode::StartFailed,
-                "the workspace directory is not valid UTF-8 (local.workspace_dir)",
-            )
-        })?);
+                .map_err(LocalError::Materialising)??;
+        spec.cwd = Some(
+            tree.cwd
+                .to_str()
+                .map(str::to_owned)
+                .ok_or(LocalError::WorkspaceNotUtf8)?,
+        );
         self.spawn(&spec, cancel, stdin, Some(tree))
     }
 
@@ -223,7 +221,7 @@ impl LocalExecutor {
         cancel: CancellationToken,
         stdin: Option<mpsc::Receiver<Bytes>>,
         tree: Option<crate::workspace::local::LocalTree>,
-    ) -> Result<Execution, ErrorBody> {
+    ) -> Result<Execution, LocalError> {
         if let Some(cwd) = &spec.cwd {
             // Checked here because a failed chdir and a missing program are the same io error
             // once inside spawn().
@@ -304,16 +302,13 @@ impl LocalExecutor {
                         (126, "is a directory".to_owned())
                     }
                     _ if e.raw_os_error() == Some(nix::libc::E2BIG) => {
-                        return Err(ErrorBody::new(
-                            ErrorCode::PayloadTooLarge,
-                            "the arguments and environment are over the operating system's limit (E2BIG)",
-                        ));
+                        return Err(LocalError::E2big);
                     }
                     _ => {
-                        return Err(ErrorBody::new(
-                            ErrorCode::StartFailed,
-                            format!("cannot start {:?}: {e}", spec.executable),
-                        ));
+                        return Err(LocalError::CannotStart {
+                            executable: spec.executable.clone(),
+                            source: e,
+                        });
                     }
                 };
                 return Ok(Execution::finished(
@@ -369,10 +364,92 @@ fn enlarge_pipe(pipe: &impl std::os::fd::AsFd) {
 /// Linux's limit on one argument or environment string (`MAX_ARG_STRLEN`, 32 pages).
 const MAX_ARG_STRLEN: usize = 32 * 4096;
 
+/// Why the local backend did not start a command or keep a runner.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum LocalError {
+    /// The blocking task that materialises a workspace panicked or was cancelled.
+    #[error("materialising failed: {0}")]
+    Materialising(tokio::task::JoinError),
+    /// The same for a session's tree.
+    #[error("sync failed: {0}")]
+    Syncing(tokio::task::JoinError),
+    #[error(transparent)]
+    Tree(#[from] crate::workspace::trees::TreeError),
+    #[error("the workspace directory is not valid UTF-8 (local.workspace_dir)")]
+    WorkspaceNotUtf8,
+    #[error("the session's directory is not valid UTF-8 (TMPDIR)")]
+    SessionNotUtf8,
+    #[error("cannot make the session's directory in {}: {source}", base.display())]
+    SessionDir {
+        base: std::path::PathBuf,
+        source: std::io::Error,
+    },
+    #[error("the arguments and environment are over the operating system's limit (E2BIG)")]
+    E2big,
+    #[error("cannot start {executable:?}: {source}")]
+    CannotStart {
+        executable: String,
+        source: std::io::Error,
+    },
+    /// One string over [`MAX_ARG_STRLEN`]: `which` is `executable` or `args[i]`.
+    #[error(
+        "{which} is {len} bytes, over the operating system's limit of {} bytes for one argument",
+        MAX_ARG_STRLEN - 1
+    )]
+    ArgTooLong { which: String, len: usize },
+    #[error(
+        "environment variable {name} is over the operating system's limit of {} bytes for one variable",
+        MAX_ARG_STRLEN - 1
+    )]
+    EnvTooLong { name: String },
+    #[error(
+        "the arguments and environment take {total} bytes, over the operating system's limit of {arg_max} (ARG_MAX)"
+    )]
+    ArgMax { total: usize, arg_max: usize },
+    /// `profiles`: the configured names, joined.
+    #[error("unknown profile {name:?}; configured profiles: {profiles}")]
+    UnknownProfile { name: String, profiles: String },
+    #[error(
+        "the session's directory holds {n} files and directories, more than the {max} this gateway's runs and sessions may hold at once (workspaces.max_local_inodes): end the session"
+    )]
+    SessionTooLarge { n: u64, max: u64 },
+    #[error(
+        "the session's directory holds {n} files and directories, and runs in progress and other sessions hold the rest of the {max} this gateway allows at once (workspaces.max_local_inodes): retry when they end, or end the session"
+    )]
+    SessionBudgetFull { n: u64, max: u64 },
+}
+
+impl LocalError {
+    fn code(&self) -> ErrorCode {
+        match self {
+            LocalError::Tree(e) => e.code(),
+            LocalError::Materialising(_) | LocalError::Syncing(_) => ErrorCode::Internal,
+            LocalError::WorkspaceNotUtf8
+            | LocalError::SessionNotUtf8
+            | LocalError::SessionDir { .. }
+            | LocalError::CannotStart { .. } => ErrorCode::StartFailed,
+            LocalError::ArgTooLong { .. } | LocalError::EnvTooLong { .. } => {
+                ErrorCode::InvalidRequest
+            }
+            LocalError::E2big | LocalError::ArgMax { .. } | LocalError::SessionTooLarge { .. } => {
+                ErrorCode::PayloadTooLarge
+            }
+            LocalError::UnknownProfile { .. } => ErrorCode::UnknownProfile,
+            LocalError::SessionBudgetFull { .. } => ErrorCode::TooManyRequests,
+        }
+    }
+}
+
+impl From<LocalError> for ErrorBody {
+    fn from(e: LocalError) -> Self {
+        ErrorBody::new(e.code(), e.to_string())
+    }
+}
+
 impl LocalExecutor {
     /// What `execve` would refuse with E2BIG, refused before anything starts: one string over
     /// [`MAX_ARG_STRLEN`] (400), or argv and environment together over `ARG_MAX` (413).
-    fn check_exec_size(&self, spec: &ExecSpec) -> Result<(), ErrorBody> {
+    fn check_exec_size(&self, spec: &ExecSpec) -> Result<(), LocalError> {
         let args = std::iter::once(&spec.executable).chain(&spec.args);
         if let Some((i, a)) = args
             .clone()
@@ -384,27 +461,17 @@ impl LocalExecutor {
             } else {
                 format!("args[{}]", i - 1)
             };
-            return Err(ErrorBody::new(
-                ErrorCode::InvalidRequest,
-                format!(
-                    "{which} is {} bytes, over the operating system's limit of {} bytes for one argument",
-                    a.len(),
-                    MAX_ARG_STRLEN - 1
-                ),
-            ));
+            return Err(LocalError::ArgTooLong {
+                which,
+                len: a.len(),
+            });
         }
         let env = self.base_env.iter().map(|(k, v)| (k, v)).chain(&spec.env);
         if let Some((k, _)) = env
             .clone()
             .find(|(k, v)| k.len() + v.len() + 2 > MAX_ARG_STRLEN)
         {
-            return Err(ErrorBody::new(
-                ErrorCode::InvalidRequest,
-                format!(
-                    "environment variable {k} is over the operating system's limit of {} bytes for one variable",
-                    MAX_ARG_STRLEN - 1
-                ),
-            ));
+            return Err(LocalError::EnvTooLong { name: k.clone() });
         }
         // What the kernel counts: each string with its NUL, and a pointer to each.
         let ptr = std::mem::size_of::<usize>();
@@ -419,12 +486,7 @@ impl LocalExecutor {
             .unwrap_or(128 * 1024)
             .max(128 * 1024);
         if total > arg_max {
-            return Err(ErrorBody::new(
-                ErrorCode::PayloadTooLarge,
-                format!(
-                    "the arguments and environment take {total} bytes, over the operating system's limit of {arg_max} (ARG_MAX)"
-                ),
-            ));
+            return Err(LocalError::ArgMax { total, arg_max });
         }
         Ok(())
     }
@@ -468,7 +530,7 @@ impl Executor for LocalExecutor {
                     e.context_mut().caches = h.states();
                     Ok(e.hold(h))
                 }
-                (started, _) => started,
+                (started, _) => Ok(started?),
             }
         })
     }
@@ -502,13 +564,11 @@ impl Executor for LocalExecutor {
         match spec.profile.as_deref() {
             None => Ok(()),
             Some(p) if self.profiles.iter().any(|n| n == p) => Ok(()),
-            Some(other) => Err(ErrorBody::new(
-                ErrorCode::UnknownProfile,
-                format!(
-                    "unknown profile {other:?}; configured profiles: {}",
-                    self.profiles.join(", ")
-                ),
-            )),
+            Some(other) => Err(LocalError::UnknownProfile {
+                name: other.to_owned(),
+                profiles: self.profiles.join(", "),
+            }
+            .into()),
         }
     }
 

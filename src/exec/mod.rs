@@ -171,6 +171,23 @@ pub struct FoundRunner {
     pub last_used: Option<std::time::SystemTime>,
 }
 
+/// A live session as its runner's objects show it to any replica (`sessions list`).
+pub struct KeptSession {
+    pub name: String,
+    /// The hash of its owner and name that labels its runner ([`KeepFor::name`]).
+    pub hash: String,
+    pub profile: String,
+    pub context: RunContext,
+    pub opened: std::time::SystemTime,
+    pub expires_at: std::time::SystemTime,
+    pub idle_ttl: Duration,
+    pub last_used: Option<std::time::SystemTime>,
+    /// Calls through every replica.
+    pub calls: u64,
+    /// A call holds it now.
+    pub busy: bool,
+}
+
 /// A runner that lives across commands ("one runner, many execs"): a session's, or the one
 /// runner of a multi-step run. Each command in it has the same contract as
 /// [`Executor::start`]: its own timeout, kill and exactly one terminal event; killing a
@@ -228,6 +245,13 @@ pub trait KeptRunner: Send + Sync + 'static {
     /// Releases the runner (kills what still runs, deletes the pod or directory). Called
     /// once; the runner is not used afterwards.
     fn close(&self) -> BoxFuture<'_, ()>;
+
+    /// At this gateway's shutdown, instead of [`KeptRunner::close`]: leaves a live session's
+    /// runner to the gateway's other replicas (or its next start), when they reach it
+    /// ([`Executor::sessions_shared`]). `false`: it was not left, the caller closes it.
+    fn leave(&self) -> BoxFuture<'_, bool> {
+        Box::pin(async { false })
+    }
 }
 
 /// A backend that runs commands.
@@ -292,6 +316,12 @@ pub trait Executor: Send + Sync + 'static {
         _name: &str,
     ) -> BoxFuture<'_, Result<Option<FoundRunner>, ErrorBody>> {
         Box::pin(async { Ok(None) })
+    }
+
+    /// The live sessions of `owner` (a hash, see [`KeepFor`]) that every replica sees on
+    /// their runners' objects, when [`Executor::sessions_shared`].
+    fn list_kept(&self, _owner: &str) -> BoxFuture<'_, Result<Vec<KeptSession>, ErrorBody>> {
+        Box::pin(async { Ok(Vec::new()) })
     }
 
     /// Whether [`Executor::keep`] can make runners that live across commands (sessions and

@@ -273,18 +273,32 @@ impl RemoteExecutor {
             builder = builder.bearer_auth(token);
         }
         let resp = tokio::select! {
-            r = builder.send() => r.map_err(|e| ErrorBody::new(
-                ErrorCode::GatewayUnreachable,
-                format!("cannot reach the gateway at {}: {}", self.url, error_chain(&e)),
-            ))?,
+            r = builder.send() => r.map_err(|e| {
+                let err = ErrorBody::new(
+                    ErrorCode::GatewayUnreachable,
+                    format!("cannot reach the gateway at {}: {}", self.url, error_chain(&e)),
+                );
+                // No connection, so nothing was sent: a retry cannot run the command twice
+                // (one that timed out already waited long enough).
+                if e.is_connect() && !e.is_timeout() { err.retry_after(1) } else { err }
+            })?,
             _ = cancel.cancelled() => return Err(ErrorBody::new(ErrorCode::ShuttingDown, "cancelled")),
         };
         let status = resp.status();
         if !status.is_success() {
-            return Err(ErrorBody::from_answer(
-                status,
-                &resp.text().await.unwrap_or_default(),
-            ));
+            let retry_after = resp
+                .headers()
+                .get(reqwest::header::RETRY_AFTER)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.trim().parse::<u64>().ok());
+            let mut err = ErrorBody::from_answer(status, &resp.text().await.unwrap_or_default());
+            // A proxy's own page (no error body) for an upstream that is down or busy.
+            let proxy_down =
+                err.code == ErrorCode::ProtocolError && matches!(status.as_u16(), 502..=504);
+            if let Some(secs) = retry_after.or(proxy_down.then_some(1)) {
+                err = err.retry_after(secs);
+            }
+            return Err(err);
         }
         let mut lines = Lines::new(resp);
         // Phases (and keep-alives) may come first when they were asked for.

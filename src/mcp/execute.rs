@@ -107,9 +107,11 @@ pub(crate) async fn execute(
     // With peers, a client that closes the call's connection cancels it.
     let gone = super::forward::connection_closed(context);
     let started = tokio::select! {
-        s = runner.start_with(req, &caller, io) => s.map_err(Stopped::NotStarted),
+        // A call cancelled before it came (`server::mcp_http`) starts nothing.
+        biased;
         _ = ct.cancelled() => Err(Stopped::Cancelled),
         _ = gone.cancelled() => Err(Stopped::Cancelled),
+        s = runner.start_with(req, &caller, io) => s.map_err(Stopped::NotStarted),
     };
     let execution = match started {
         Ok(e) => e,

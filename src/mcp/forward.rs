@@ -33,6 +33,82 @@ pub(crate) struct ReadRequest {
     pub identity: Option<String>,
 }
 
+/// The peer path of a listing of a caller's kept outputs.
+pub(crate) const LIST_PATH: &str = "/peer/v1/outputs/list";
+
+/// What a replica asks every other for `resources/list`.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ListRequest {
+    /// The caller's identity (its token's name; none when auth is off).
+    pub identity: Option<String>,
+    /// At most this many runs, the most recent first.
+    pub max: usize,
+}
+
+/// One kept run in a listing: enough to name its streams and order runs of all replicas.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct KeptRun {
+    pub id: String,
+    /// Milliseconds since it finished, on the replica that keeps it (no clock is compared).
+    pub age_ms: u64,
+    /// Bytes kept of stdout and stderr.
+    pub kept: [u64; 2],
+}
+
+/// A replica's answer to [`ListRequest`].
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub(crate) struct ListAnswer {
+    pub runs: Vec<KeptRun>,
+}
+
+/// The caller's most recent kept runs of every live replica, this one's (`here`) included:
+/// at most `max`, the most recent first. A replica that does not answer is left out, with a
+/// log line: its runs are missing from the list, not an error.
+pub(super) async fn list_outputs(
+    peers: &std::sync::Arc<Peers>,
+    caller: &Caller,
+    mut here: Vec<KeptRun>,
+    max: usize,
+) -> Vec<KeptRun> {
+    let req = ListRequest {
+        identity: caller.identity.clone(),
+        max,
+    };
+    let body = serde_json::to_value(&req).unwrap_or_default();
+    for (tag, answer) in peers.post_all(LIST_PATH, &body).await {
+        let parsed = match answer {
+            Ok((200, json)) => {
+                serde_json::from_value::<ListAnswer>(json).map_err(|e| e.to_string())
+            }
+            Ok((status, _)) => Err(format!("status {status}")),
+            Err(e) => Err(e.to_string()),
+        };
+        match parsed {
+            Ok(list) => here.extend(list.runs.into_iter().take(max)),
+            Err(error) => tracing::warn!(
+                replica = %tag,
+                error = %error,
+                "resources/list: a replica did not list its kept outputs; they are left out"
+            ),
+        }
+    }
+    here.sort_by_key(|r| r.age_ms);
+    here.truncate(max);
+    here
+}
+
+/// Answers a peer's [`ListRequest`].
+pub(crate) fn answer_list(service: &McpService, req: ListRequest) -> ListAnswer {
+    let caller = Caller {
+        identity: req.identity,
+        ..Caller::default()
+    };
+    ListAnswer {
+        runs: service.kept_runs(&caller, req.max.min(super::LISTED_RUNS)),
+    }
+}
+
 /// Why there is no page (an MCP error's code and message).
 #[derive(Debug, Serialize, Deserialize)]
 struct Refusal {
@@ -181,9 +257,11 @@ pub(crate) async fn sessions_at_home(
 }
 
 /// In an MCP request's HTTP extensions, with peers: cancelled when the client's connection
-/// reaches EOF. Without MCP sessions, closing the call's connection is how a client cancels
-/// it (a 2026-07-28 client aborts the call's POST), and a write that fails comes late, or
-/// never before a call's first message.
+/// reaches EOF, or when a `notifications/cancelled` names the call, whichever replica it
+/// reached (`server::mcp_http`). Without rmcp's sessions, closing the call's connection is
+/// how a 2026-07-28 client cancels it (it aborts the call's POST), and a write that fails
+/// comes late, or never before a call's first message; older clients send the notification,
+/// which rmcp's stateless transport drops.
 #[derive(Clone)]
 pub(crate) struct ConnectionClosed(pub(crate) tokio_util::sync::CancellationToken);
 

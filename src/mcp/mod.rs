@@ -39,13 +39,17 @@ use crate::templates::{AUTO, RAW};
 pub(crate) use config::McpConfig;
 use execute::{Call, Stopped, execute};
 pub(crate) use forward::{
-    ConnectionClosed, READ_PATH as READ_OUTPUT_PATH, answer as answer_peer_read,
+    ConnectionClosed, LIST_PATH as LIST_OUTPUTS_PATH, READ_PATH as READ_OUTPUT_PATH,
+    answer as answer_peer_read, answer_list as answer_peer_list,
 };
 use reply::error_result;
 use store::{Missing, OutputStore, StoreLimits};
 
 /// The one built-in tool.
 pub(crate) const TOOL: &str = "run_network_tool";
+/// How many of the caller's kept runs `resources/list` names (the most recent, of every
+/// replica).
+pub(crate) const LISTED_RUNS: usize = 20;
 
 /// The tool that ends one of the caller's sessions (served when sessions are on).
 pub(crate) const END_SESSION_TOOL: &str = "end_session";
@@ -214,13 +218,14 @@ impl McpService {
             Some(Err(e)) => return Err(McpError::internal_error(e.message, None)),
             None => {}
         }
-        let list = crate::contract::SessionList {
-            sessions: self
-                .runner
-                .sessions()
-                .map(|s| s.list(&caller))
-                .unwrap_or_default(),
+        let sessions = match self.runner.sessions() {
+            Some(s) => s
+                .list(self.runner.executor().as_ref(), &caller)
+                .await
+                .map_err(|e| McpError::internal_error(e.message, None))?,
+            None => Vec::new(),
         };
+        let list = crate::contract::SessionList { sessions };
         Ok(serde_json::to_string_pretty(&list).unwrap_or_default())
     }
 
@@ -525,6 +530,29 @@ impl McpService {
         self.read_output_as(uri, &caller)
     }
 
+    /// `caller`'s most recent finished runs kept by this replica, at most `max`.
+    pub(crate) fn kept_runs(
+        &self,
+        caller: &crate::auth::Caller,
+        max: usize,
+    ) -> Vec<forward::KeptRun> {
+        let Some(store) = &self.store else {
+            return Vec::new();
+        };
+        store
+            .list(caller, max)
+            .into_iter()
+            .map(|run| forward::KeptRun {
+                id: run.id.clone(),
+                age_ms: run.age().as_millis() as u64,
+                kept: [
+                    run.kept(crate::result::Stream::Stdout),
+                    run.kept(crate::result::Stream::Stderr),
+                ],
+            })
+            .collect()
+    }
+
     /// `resources/read` of a kept output of this replica, as `caller` (also what a peer asks
     /// for its caller).
     pub(crate) fn read_output_as(
@@ -682,23 +710,31 @@ impl ServerHandler for McpService {
                     .with_mime_type("application/json"),
             );
         }
-        // The caller's most recent kept outputs.
-        if let Some(store) = &self.store {
-            let caller = crate::auth::mcp_caller(&context.extensions)
-                .unwrap_or_else(|| crate::auth::Caller::local("stdio"));
-            for run in store.list(&caller, 20) {
-                for s in [crate::result::Stream::Stdout, crate::result::Stream::Stderr] {
-                    let name = store::stream_name(s);
-                    list.push(
-                        Resource::new(run.uri(s), format!("run {} {name}", run.id))
-                            .with_description(format!(
-                                "The full {name} of an MCP run; {}.",
-                                reply::HOW_TO_READ
-                            ))
-                            .with_mime_type("text/plain")
-                            .with_size(run.kept(s)),
-                    );
-                }
+        // The caller's most recent kept outputs, on every replica.
+        let caller = crate::auth::mcp_caller(&context.extensions)
+            .unwrap_or_else(|| crate::auth::Caller::local("stdio"));
+        let mut runs = self.kept_runs(&caller, LISTED_RUNS);
+        if let Some(peers) = &self.peers {
+            runs = forward::list_outputs(peers, &caller, runs, LISTED_RUNS).await;
+        }
+        for run in runs {
+            for (i, s) in [crate::result::Stream::Stdout, crate::result::Stream::Stderr]
+                .into_iter()
+                .enumerate()
+            {
+                let name = store::stream_name(s);
+                list.push(
+                    Resource::new(
+                        format!("mcp-run://runs/{}/{name}", run.id),
+                        format!("run {} {name}", run.id),
+                    )
+                    .with_description(format!(
+                        "The full {name} of an MCP run; {}.",
+                        reply::HOW_TO_READ
+                    ))
+                    .with_mime_type("text/plain")
+                    .with_size(run.kept[i]),
+                );
             }
         }
         Ok(ListResourcesResult::with_all_items(list))

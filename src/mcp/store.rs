@@ -82,6 +82,16 @@ impl Recording {
         format!("mcp-run://runs/{}/{}", self.id, stream_name(stream))
     }
 
+    /// How long ago it finished (zero while it runs).
+    pub(crate) fn age(&self) -> Duration {
+        self.ended
+            .lock()
+            .ok()
+            .and_then(|e| *e)
+            .map(|e| e.elapsed())
+            .unwrap_or_default()
+    }
+
     /// Bytes the command wrote to a stream.
     pub(crate) fn total(&self, stream: Stream) -> u64 {
         self.total[index(stream)].load(Ordering::Relaxed)

@@ -26,8 +26,21 @@ pub(crate) const PORT_NAME: &str = "peer";
 /// How long a replica waits, at most, for the first list of its replicas.
 const FIRST_LIST: Duration = Duration::from_secs(5);
 
+/// Why the replicas' discovery cannot start (the gateway does not start).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum DiscoveryError {
+    #[error(
+        "{0:?} is not a Service: expected NAME or NAMESPACE/NAME (DNS labels), e.g. mcp-run-peers"
+    )]
+    NotAService(String),
+    #[error("server.peer_service: {0}")]
+    Setup(#[from] crate::exec::kube::KubeSetupError),
+    #[error("server.peer_service: cannot build the Kubernetes client: {0}")]
+    Client(kube::Error),
+}
+
 /// Checks `server.peer_service`: `NAME` or `NAMESPACE/NAME`, each a DNS label.
-pub(crate) fn parse_service(s: &str) -> Result<(Option<String>, String), String> {
+pub(crate) fn parse_service(s: &str) -> Result<(Option<String>, String), DiscoveryError> {
     let (ns, name) = match s.split_once('/') {
         Some((ns, name)) => (Some(ns), name),
         None => (None, s),
@@ -41,9 +54,7 @@ pub(crate) fn parse_service(s: &str) -> Result<(Option<String>, String), String>
             && !v.ends_with('-')
     };
     if !label(name) || ns.is_some_and(|ns| !label(ns)) {
-        return Err(format!(
-            "{s:?} is not a Service: expected NAME or NAMESPACE/NAME (DNS labels), e.g. mcp-run-peers"
-        ));
+        return Err(DiscoveryError::NotAService(s.to_owned()));
     }
     Ok((ns.map(str::to_owned), name.to_owned()))
 }
@@ -72,14 +83,11 @@ impl Discovery {
         kube: &crate::exec::kube::config::KubernetesConfig,
         service: &str,
         me: Option<String>,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, DiscoveryError> {
         let (ns, name) = parse_service(service)?;
-        let config = crate::exec::kube::client_config(kube)
-            .await
-            .map_err(|e| format!("server.peer_service: {e}"))?;
+        let config = crate::exec::kube::client_config(kube).await?;
         let ns = ns.unwrap_or_else(|| config.default_namespace.clone());
-        let client = kube::Client::try_from(config)
-            .map_err(|e| format!("server.peer_service: cannot build the Kubernetes client: {e}"))?;
+        let client = kube::Client::try_from(config).map_err(DiscoveryError::Client)?;
         let api: kube::Api<EndpointSlice> = kube::Api::namespaced(client, &ns);
         let (store, writer) = reflector::store();
         let events = reflector::reflector(

@@ -145,6 +145,15 @@ impl Peers {
         }
     }
 
+    /// The tags of the other replicas that answered when last asked (asked first if never).
+    pub(crate) async fn live(self: &std::sync::Arc<Self>) -> Vec<String> {
+        self.fresh_view().await;
+        self.known
+            .lock()
+            .map(|k| k.keys().cloned().collect())
+            .unwrap_or_default()
+    }
+
     /// Makes sure there is a view of the live replicas: the first one is awaited, a stale
     /// one is refreshed in the background.
     async fn fresh_view(self: &std::sync::Arc<Self>) {
@@ -175,7 +184,7 @@ impl Peers {
     }
 
     /// Drops `tag` from the view (it did not answer) and asks again at the next request.
-    fn lost(&self, tag: &str) {
+    pub(super) fn lost(&self, tag: &str) {
         self.forget(tag);
         if let Ok(mut v) = self.view.lock()
             && !v.asking

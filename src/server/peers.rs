@@ -18,12 +18,57 @@ use crate::peers::Peers;
 pub(super) fn routes<S: Clone + Send + Sync + 'static>(
     peers: Option<Arc<Peers>>,
     service: McpService,
+    mcp: Arc<crate::server::mcp_http::McpGuard>,
 ) -> Router<S> {
     let Some(peers) = peers else {
         return Router::new();
     };
     let p = peers.clone();
+    let c = peers.clone();
+    let l = peers.clone();
+    let listing = service.clone();
     Router::new()
+        .route(
+            crate::mcp::LIST_OUTPUTS_PATH,
+            post(
+                move |conn: Conn, headers: HeaderMap, body: Bytes| async move {
+                    if let Some(refused) = refused(&l, conn, &headers) {
+                        return refused;
+                    }
+                    match serde_json::from_slice(&body) {
+                        Ok(req) => {
+                            axum::Json(crate::mcp::answer_peer_list(&listing, req)).into_response()
+                        }
+                        Err(e) => ErrorBody::new(
+                            ErrorCode::InvalidRequest,
+                            format!("invalid peer list request: {e}"),
+                        )
+                        .into_response(),
+                    }
+                },
+            ),
+        )
+        .route(
+            crate::server::mcp_http::CANCEL_PATH,
+            post(
+                move |conn: Conn, headers: HeaderMap, body: Bytes| async move {
+                    if let Some(refused) = refused(&c, conn, &headers) {
+                        return refused;
+                    }
+                    match serde_json::from_slice(&body) {
+                        Ok(req) => {
+                            let cancelled = mcp.cancel_here(&req);
+                            axum::Json(serde_json::json!({"cancelled": cancelled})).into_response()
+                        }
+                        Err(e) => ErrorBody::new(
+                            ErrorCode::InvalidRequest,
+                            format!("invalid peer cancel request: {e}"),
+                        )
+                        .into_response(),
+                    }
+                },
+            ),
+        )
         .route(
             crate::peers::REPLICA_PATH,
             get(move |conn: Conn, headers: HeaderMap| async move {

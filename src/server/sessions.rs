@@ -24,10 +24,10 @@ pub(super) async fn list(
 ) -> Response {
     let caller = caller.map(|c| c.0).unwrap_or_default();
     match state.runner.sessions() {
-        Some(s) => Json(SessionList {
-            sessions: s.list(&caller),
-        })
-        .into_response(),
+        Some(s) => match s.list(state.runner.executor().as_ref(), &caller).await {
+            Ok(sessions) => Json(SessionList { sessions }).into_response(),
+            Err(e) => e.into_response(),
+        },
         None => off(),
     }
 }

@@ -8,12 +8,16 @@
 //! timeout) or, with `session_busy: fail`, fails at once with 409 `session_busy`.
 //!
 //! A session ends when its owner ends it, after its idle TTL, at its maximum lifetime, at
-//! shutdown, or when its runner is lost. An expired or lost session answers the next call
+//! shutdown (unless every replica reaches its runner: then the runner is left to them, see
+//! [`KeptRunner::leave`]), or when its runner is lost. An expired or lost session answers the next call
 //! naming it with `session_expired` or `session_lost` (the reason), never silently with a
 //! fresh runner; the call after that opens a new session.
 //!
 //! The sessions of this gateway are in its memory; what outlives the gateway is the runner
-//! (a pod, labelled with its owner and expiry for the reaper, see [`KeepFor`]).
+//! (a pod, labelled with its owner and expiry for the reaper, see [`KeepFor`]), which other
+//! replicas find, adopt and list when the backend shares runners.
+
+mod error;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -24,11 +28,12 @@ use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
 use crate::caller::Caller;
-use crate::contract::{ErrorBody, ErrorCode, Phase, RunContext, SessionBusy, SessionInfo};
+use crate::contract::{ErrorBody, Phase, RunContext, SessionBusy, SessionInfo};
 use crate::exec::{
     ExecSpec, Executor, FoundRunner, Gone, KeepFor, KeptRunner, Progress, StartOptions,
 };
 use crate::metrics::Metrics;
+use error::SessionError;
 
 /// The `sessions:` section of the configuration.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -364,10 +369,7 @@ impl Sessions {
             let Some(s) = st.open.remove(&k) else {
                 continue;
             };
-            let e = ErrorBody::new(
-                ErrorCode::SessionExpired,
-                format!("{why}; the next call with this name opens a new session"),
-            );
+            let e = ErrorBody::from(SessionError::Expired(why));
             Self::tombstone(&mut st, k, e.clone());
             self.finish(s, "expired", e);
         }
@@ -430,10 +432,7 @@ impl Sessions {
         let deadline = tokio::time::Instant::now() + wait;
         loop {
             if self.stop.is_cancelled() {
-                return Err(ErrorBody::new(
-                    ErrorCode::ShuttingDown,
-                    "the gateway is shutting down",
-                ));
+                return Err(SessionError::ShuttingDown.into());
             }
             let known = {
                 let mut st = lock(&self.state);
@@ -463,23 +462,17 @@ impl Sessions {
                 }
             };
             if s.profile != profile {
-                return Err(ErrorBody::new(
-                    ErrorCode::InvalidRequest,
-                    format!(
-                        "session {name:?} runs profile {:?}; this call names profile {profile:?} (end the session or use another name)",
-                        s.profile
-                    ),
-                ));
+                return Err(SessionError::OtherProfile {
+                    name: name.to_owned(),
+                    has: s.profile.clone(),
+                    asked: profile,
+                }
+                .into());
             }
             let guard = match s.busy.clone().try_lock_owned() {
                 Ok(g) => g,
                 Err(_) if busy == SessionBusy::Fail => {
-                    return Err(ErrorBody::new(
-                        ErrorCode::SessionBusy,
-                        format!(
-                            "another call of session {name:?} is running (the request asked not to wait: session_busy is fail)"
-                        ),
-                    ));
+                    return Err(SessionError::BusyFail(name.to_owned()).into());
                 }
                 Err(_) => {
                     progress.report(
@@ -491,13 +484,11 @@ impl Sessions {
                     tokio::select! {
                         g = s.busy.clone().lock_owned() => g,
                         _ = tokio::time::sleep_until(deadline) => {
-                            return Err(ErrorBody::new(
-                                ErrorCode::SessionBusy,
-                                format!(
-                                    "another call of session {name:?} was still running after this call waited {} s (its timeout)",
-                                    wait.as_secs()
-                                ),
-                            ));
+                            return Err(SessionError::BusyTimeout {
+                                name: name.to_owned(),
+                                secs: wait.as_secs(),
+                            }
+                            .into());
                         }
                         _ = s.ended.cancelled() => continue,
                     }
@@ -520,17 +511,16 @@ impl Sessions {
                 continue;
             };
             if let Err(gone) = runner.check().await {
-                let (e, event) = match gone {
+                let (e, event): (ErrorBody, _) = match gone {
                     Gone::Lost(reason) => (
-                        ErrorBody::new(
-                            ErrorCode::SessionLost,
-                            format!(
-                                "session {name:?} was lost: {reason}; the next call with this name opens a new session"
-                            ),
-                        ),
+                        SessionError::Lost {
+                            name: name.to_owned(),
+                            reason,
+                        }
+                        .into(),
                         "lost",
                     ),
-                    Gone::Expired(why) => (ErrorBody::new(ErrorCode::SessionExpired, why), "gone"),
+                    Gone::Expired(why) => (SessionError::ExpiredElsewhere(why).into(), "gone"),
                     Gone::Ended => {
                         // Its owner ended it through another replica: the name is free.
                         let mut st = lock(&self.state);
@@ -539,11 +529,7 @@ impl Sessions {
                         }
                         drop(st);
                         drop(guard);
-                        self.finish(
-                            s,
-                            "gone",
-                            ErrorBody::new(ErrorCode::UnknownSession, "ended by its owner"),
-                        );
+                        self.finish(s, "gone", SessionError::EndedElsewhere.into());
                         continue;
                     }
                 };
@@ -650,21 +636,10 @@ impl Sessions {
     ) -> Result<(Arc<Session>, tokio::sync::OwnedMutexGuard<()>), ErrorBody> {
         let mine = st.open.keys().filter(|(o, _)| *o == key.0).count();
         if mine >= self.config.max_per_identity {
-            return Err(ErrorBody::new(
-                ErrorCode::TooManySessions,
-                format!(
-                    "you have {mine} open sessions, the most this gateway allows per caller (sessions.max_per_identity); end one (run-remote sessions end NAME) or reuse a name"
-                ),
-            ));
+            return Err(SessionError::TooManyOfYours(mine).into());
         }
         if st.open.len() >= self.config.max_total {
-            return Err(ErrorBody::new(
-                ErrorCode::TooManySessions,
-                format!(
-                    "{} sessions are open on this gateway, its maximum (sessions.max_total); retry later",
-                    st.open.len()
-                ),
-            ));
+            return Err(SessionError::TooMany(st.open.len()).into());
         }
         let (idle_ttl, max_lifetime) = self.config.lifetimes(profile);
         let now = Instant::now();
@@ -689,7 +664,7 @@ impl Sessions {
             .busy
             .clone()
             .try_lock_owned()
-            .map_err(|_| ErrorBody::new(ErrorCode::Internal, "a new session is locked"))?;
+            .map_err(|_| SessionError::Locked)?;
         st.open.insert(key.clone(), s.clone());
         Ok((s, guard))
     }
@@ -737,9 +712,9 @@ impl Sessions {
             // Ended (by its owner, or the shutdown) while its runner was being made: nobody
             // else will release it.
             runner.close().await;
-            let e = lock(&s.end_reason).clone().unwrap_or_else(|| {
-                ErrorBody::new(ErrorCode::ShuttingDown, "the gateway is shutting down")
-            });
+            let e = lock(&s.end_reason)
+                .clone()
+                .unwrap_or_else(|| SessionError::ShuttingDown.into());
             return Err(e);
         }
         let _ = s.runner.set(runner.clone());
@@ -770,19 +745,57 @@ impl Sessions {
         })
     }
 
-    /// The open sessions of `caller`, by name.
-    pub(crate) fn list(&self, caller: &Caller) -> Vec<SessionInfo> {
+    /// The open sessions of `caller`, by name: those of this replica, and when the
+    /// backend's runners are shared (kube: the session pods), those every replica sees on
+    /// them, so that any replica lists the same sessions.
+    pub(crate) async fn list(
+        &self,
+        executor: &dyn Executor,
+        caller: &Caller,
+    ) -> Result<Vec<SessionInfo>, ErrorBody> {
         let owner = caller.key();
-        let now = Instant::now();
-        let st = lock(&self.state);
-        let mut out: Vec<SessionInfo> = st
-            .open
-            .iter()
-            .filter(|((o, _), s)| *o == owner && s.runner.initialized())
-            .map(|(_, s)| s.info(now))
-            .collect();
-        out.sort_by(|a, b| a.name.cmp(&b.name));
-        out
+        let mut out: std::collections::BTreeMap<String, SessionInfo> = {
+            let now = Instant::now();
+            let st = lock(&self.state);
+            st.open
+                .iter()
+                .filter(|((o, _), s)| *o == owner && s.runner.initialized())
+                .map(|((_, name), s)| (name.clone(), s.info(now)))
+                .collect()
+        };
+        if executor.sessions_shared() {
+            let now = SystemTime::now();
+            let since = |t: SystemTime| now.duration_since(t).unwrap_or_default();
+            for k in executor.list_kept(&label_hash(&[&owner])).await? {
+                if k.hash != label_hash(&[&owner, &k.name]) {
+                    continue;
+                }
+                if let Some(here) = out.get_mut(&k.name) {
+                    // Calls through other replicas count too.
+                    here.calls = here.calls.max(k.calls);
+                    here.busy |= k.busy;
+                    continue;
+                }
+                let idle = if k.busy {
+                    Duration::ZERO
+                } else {
+                    since(k.last_used.unwrap_or(k.opened))
+                };
+                let to_max = k.expires_at.duration_since(now).unwrap_or_default();
+                let info = SessionInfo {
+                    name: k.name.clone(),
+                    profile: k.profile,
+                    context: k.context,
+                    age_secs: since(k.opened).as_secs(),
+                    idle_secs: idle.as_secs(),
+                    expires_in_secs: k.idle_ttl.saturating_sub(idle).min(to_max).as_secs(),
+                    calls: k.calls,
+                    busy: k.busy,
+                };
+                out.insert(k.name, info);
+            }
+        }
+        Ok(out.into_values().collect())
     }
 
     /// Ends `caller`'s session `name`: its running call is killed, its runner released. A
@@ -805,33 +818,37 @@ impl Sessions {
         let s = lock(&self.state).open.remove(&key);
         match s {
             Some(s) => {
-                self.finish(
-                    s,
-                    "ended",
-                    ErrorBody::new(
-                        ErrorCode::UnknownSession,
-                        format!("session {name:?} was ended by its owner"),
-                    ),
-                );
+                self.finish(s, "ended", SessionError::Ended(name.to_owned()).into());
                 Ok(())
             }
-            None => Err(ErrorBody::new(
-                ErrorCode::UnknownSession,
-                format!("you have no open session {name:?}"),
-            )),
+            None => Err(SessionError::NoSuch(name.to_owned()).into()),
         }
     }
 
-    /// Releases every session's runner (at shutdown, after the running calls were killed).
+    /// At shutdown, after the running calls were killed: leaves each live session whose
+    /// runner the other replicas reach to them (kube: its pod, see [`KeptRunner::leave`]),
+    /// and releases the others' runners.
     pub(crate) async fn shutdown(&self) {
         let all: Vec<Arc<Session>> = lock(&self.state).open.drain().map(|(_, s)| s).collect();
         let closes = all.into_iter().map(|s| async move {
             s.ended.cancel();
             let _ = tokio::time::timeout(Duration::from_secs(15), s.busy.lock()).await;
             if let Some(r) = s.runner.get() {
+                let context = lock(&s.context).clone();
+                if r.leave().await {
+                    self.metrics.session("left");
+                    crate::audit::session(
+                        &s.who,
+                        &s.name,
+                        "left",
+                        &s.profile,
+                        &context,
+                        "the gateway shut down; the session lives on for its other replicas",
+                    );
+                    return;
+                }
                 r.close().await;
                 self.metrics.session("ended");
-                let context = lock(&s.context).clone();
                 crate::audit::session(
                     &s.who,
                     &s.name,
@@ -849,6 +866,7 @@ impl Sessions {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::contract::ErrorCode;
 
     #[test]
     fn profile_lifetimes_stay_within_the_operator_s() {
@@ -959,7 +977,13 @@ mod tests {
         while sessions.end(fake.as_ref(), &caller, "s").await.is_err() {
             tokio::task::yield_now().await;
         }
-        assert!(sessions.list(&caller).is_empty());
+        assert!(
+            sessions
+                .list(fake.as_ref(), &caller)
+                .await
+                .unwrap()
+                .is_empty()
+        );
         fake.gate.notify_one();
         let e = opening.await.unwrap().unwrap_err();
         assert_eq!(e.code, ErrorCode::UnknownSession, "{e:?}");
@@ -1004,8 +1028,17 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(again.number(), 2);
-        assert_eq!(sessions.list(&caller).len(), 1);
-        assert!(sessions.list(&Caller::local("other")).is_empty());
+        assert_eq!(
+            sessions.list(fake.as_ref(), &caller).await.unwrap().len(),
+            1
+        );
+        assert!(
+            sessions
+                .list(fake.as_ref(), &Caller::local("other"))
+                .await
+                .unwrap()
+                .is_empty()
+        );
     }
 
     #[tokio::test]

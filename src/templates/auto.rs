@@ -85,9 +85,9 @@ fn by_command_depth(argv: &[String], depth: usize) -> Option<&'static str> {
     let has = |flag: &str| rest.iter().any(|a| a == flag);
     Some(match program {
         "sh" | "bash" | "zsh" | "dash" | "ksh" if depth == 0 => {
-            // `sh -c 'cd x && cargo test 2>&1'`: the last command of the script that names a
-            // tool (`cd`, `export` and the like do not).
-            let script = rest.iter().skip_while(|a| *a != "-c").nth(1)?;
+            // `sh -c 'cd x && cargo test 2>&1'`, `bash -lc '...'`: the last command of the
+            // script that names a tool (`cd`, `export` and the like do not).
+            let script = rest.iter().skip_while(|a| !is_command_flag(a)).nth(1)?;
             return script.split(['&', ';', '|', '\n']).rev().find_map(|part| {
                 let words: Vec<String> = part
                     .split_whitespace()
@@ -111,7 +111,17 @@ fn by_command_depth(argv: &[String], depth: usize) -> Option<&'static str> {
             _ => return None,
         },
         "pytest" | "py.test" => "pytest",
-        "python" | "python3" | "py" | "pypy3" | "pypy" => {
+        // `coverage run -m pytest` runs a module as `python -m` does.
+        "coverage" if sub == Some("run") => {
+            let i = rest.iter().position(|a| a == "-m")?;
+            return by_command_depth(&rest[i + 1..], depth + 1);
+        }
+        // Environment managers that run a command inside a project's environment.
+        "uv" | "poetry" | "pipenv" | "pdm" | "hatch" | "rye" if sub == Some("run") => {
+            let i = rest.iter().position(|a| a == "run")?;
+            return by_command_depth(rest_after_options(&rest[i + 1..]), depth + 1);
+        }
+        p if is_python(p) => {
             if let Some(i) = rest.iter().position(|a| a == "-m") {
                 return by_command_depth(&rest[i + 1..], depth + 1).or(
                     match rest.get(i + 1)?.as_str() {
@@ -144,6 +154,12 @@ fn by_command_depth(argv: &[String], depth: usize) -> Option<&'static str> {
                 return by_command_depth(rest_after_options(&rest[i + 1..]), depth + 1);
             }
             // `npm test`, `npm run build`: a script, whose tool the output shows.
+            Some("test" | "t" | "run" | "run-script" | "start") | None => return None,
+            // `yarn jest`, `pnpm vitest run`: a package's binary (or a script of that name,
+            // which is most often the tool itself).
+            Some(_) if program != "npm" && depth == 0 => {
+                return by_command_depth(rest_after_options(rest), depth + 1);
+            }
             _ => return None,
         },
         "make" | "gmake" | "ninja" | "gcc" | "g++" | "cc" | "c++" | "clang" | "clang++" => "make",
@@ -180,6 +196,25 @@ fn by_command_depth(argv: &[String], depth: usize) -> Option<&'static str> {
         },
         _ => return None,
     })
+}
+
+/// A shell's option word that takes the script: `-c`, `-lc`, `-ec`, `-euxc`.
+fn is_command_flag(word: &str) -> bool {
+    word.len() >= 2
+        && word.starts_with('-')
+        && !word.starts_with("--")
+        && word[1..].bytes().all(|b| b.is_ascii_alphabetic())
+        && word.contains('c')
+}
+
+/// `python`, `python3`, `python3.12`, `py`, `pypy3`.
+fn is_python(program: &str) -> bool {
+    let version = |v: &str| v.bytes().all(|b| b.is_ascii_digit() || b == b'.');
+    program == "py"
+        || program
+            .strip_prefix("python")
+            .or_else(|| program.strip_prefix("pypy"))
+            .is_some_and(version)
 }
 
 /// The arguments after leading options (`npx --yes jest` → `jest`).
@@ -314,6 +349,23 @@ mod tests {
             ("helm lint charts/x", Some("helm")),
             ("pnpm install --store-dir s", Some("npm")),
             ("yarn install --verbose", Some("npm")),
+            ("python3.12 -m pytest -x", Some("pytest")),
+            ("pypy3 -m unittest", Some("unittest")),
+            ("python3.12x -m pytest", None),
+            ("uv run pytest -q", Some("pytest")),
+            ("uv run --frozen mypy src", Some("mypy")),
+            ("poetry run python -m unittest", Some("unittest")),
+            ("uv pip install -e .", Some("pip")),
+            ("coverage run -m pytest", Some("pytest")),
+            ("yarn jest --ci", Some("jest")),
+            ("pnpm vitest run", Some("vitest")),
+            ("pnpm test", None),
+            ("yarn test", None),
+            ("yarn run build", None),
+            ("npm run lint", None),
+            ("npm start", None),
+            ("yarn add left-pad", Some("npm")),
+            ("bun test", Some("node-test")),
         ] {
             assert_eq!(pick(cmd), want, "{cmd}");
         }
@@ -323,6 +375,14 @@ mod tests {
             Some("cargo-test")
         );
         assert_eq!(by_command(&sh("cd app; ls")), None);
+        // Agents' shells: `bash -lc`, `sh -ec`.
+        let shell = |flag: &str, s: &str| vec!["bash".to_owned(), flag.to_owned(), s.to_owned()];
+        assert_eq!(
+            by_command(&shell("-lc", "cd app && go test ./... 2>&1 | tail -40")),
+            Some("go-test")
+        );
+        assert_eq!(by_command(&shell("-ec", "make -j2")), Some("make"));
+        assert_eq!(by_command(&shell("--login", "make")), None);
     }
 
     #[test]

@@ -80,9 +80,9 @@ async fn json<T: serde::de::DeserializeOwned>(resp: reqwest::Response) -> Result
 /// Why a sync-back result was not written into the caller's tree.
 #[derive(Debug, thiserror::Error)]
 pub enum ResultError {
-    /// Its path breaks a rule (`results::check_result_path` says which).
-    #[error("{0}")]
-    Refused(String),
+    /// Its path breaks a rule.
+    #[error(transparent)]
+    Refused(#[from] super::results::Refused),
     #[error("refused result {path}: {} is not a directory", dir.display())]
     NotADirectory { path: String, dir: PathBuf },
     #[error("refused result {path}: the local path is not a regular file")]
@@ -364,7 +364,7 @@ impl WorkspaceClient {
         root: &Path,
         files: &[ChangedFile],
         rules: &super::results::ResultRules,
-    ) -> Result<(Vec<ChangedFile>, Vec<String>), ResultError> {
+    ) -> Result<(Vec<ChangedFile>, Vec<super::results::Refused>), ResultError> {
         let mut written = Vec::new();
         let mut refused = Vec::new();
         for f in files {

@@ -21,8 +21,7 @@ use std::os::unix::fs::{DirBuilderExt as _, MetadataExt as _, PermissionsExt as 
 use std::path::{Path, PathBuf};
 
 use super::WorkspaceRun;
-use super::trees::{Stamp, Written, settle, write_entry};
-use crate::contract::{ErrorBody, ErrorCode};
+use super::trees::{Stamp, TreeError, Written, settle, write_entry};
 
 /// Mode of the directories the sync makes.
 const DIR_MODE: u32 = 0o755;
@@ -42,11 +41,11 @@ pub(crate) struct KeptTree {
     written: HashMap<String, Written>,
 }
 
-fn failed(what: &str, e: std::io::Error) -> ErrorBody {
-    ErrorBody::new(
-        ErrorCode::StartFailed,
-        format!("cannot bring the session's tree to the workspace: {what}: {e}"),
-    )
+fn failed(what: &str, source: std::io::Error) -> TreeError {
+    TreeError::Session {
+        what: what.to_owned(),
+        source,
+    }
 }
 
 impl KeptTree {
@@ -59,7 +58,7 @@ impl KeptTree {
     }
 
     /// Brings the tree to `run`'s manifest for the paths it covers. Blocking.
-    pub(crate) fn sync(&mut self, run: &WorkspaceRun) -> Result<KeptSync, ErrorBody> {
+    pub(crate) fn sync(&mut self, run: &WorkspaceRun) -> Result<KeptSync, TreeError> {
         let pin = run.store.pin(&run.workspace)?;
         let entries = &run.workspace.manifest.entries;
         let mut stats = KeptSync::default();
@@ -108,7 +107,7 @@ impl KeptTree {
 
     /// The path of `rel` when every parent directory is a real directory, else `None`
     /// (then nothing of the tree is there to remove).
-    fn existing_parent(&self, rel: &str) -> Result<Option<PathBuf>, ErrorBody> {
+    fn existing_parent(&self, rel: &str) -> Result<Option<PathBuf>, TreeError> {
         let mut path = self.root.clone();
         let parts: Vec<&str> = rel.split('/').collect();
         for part in &parts[..parts.len() - 1] {
@@ -124,7 +123,7 @@ impl KeptTree {
 
     /// Makes `rel`'s parent directories real directories (replacing a symlink or file in the
     /// way), giving them back their permissions; returns `rel`'s path.
-    fn make_parents(&self, rel: &str) -> Result<PathBuf, ErrorBody> {
+    fn make_parents(&self, rel: &str) -> Result<PathBuf, TreeError> {
         let mut path = self.root.clone();
         let parts: Vec<&str> = rel.split('/').collect();
         for part in &parts[..parts.len() - 1] {

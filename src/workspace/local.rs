@@ -10,8 +10,8 @@ use tokio::sync::mpsc;
 
 use super::WorkspaceRun;
 use super::manifest::EntryKind;
-use super::trees::{Tree, Trees};
-use crate::contract::{ChangedFile, ErrorBody, Event};
+use super::trees::{Tree, TreeError, Trees};
+use crate::contract::{ChangedFile, Event};
 
 /// A workspace written out for one run; handed back to the idle trees when dropped.
 pub(crate) struct LocalTree {
@@ -31,7 +31,7 @@ pub(crate) struct LocalTree {
 
 /// A tree holding exactly the run's workspace, from `trees` (an idle one brought up to date,
 /// else a fresh one). Blocking.
-pub(crate) fn materialize(run: &WorkspaceRun, trees: &Arc<Trees>) -> Result<LocalTree, ErrorBody> {
+pub(crate) fn materialize(run: &WorkspaceRun, trees: &Arc<Trees>) -> Result<LocalTree, TreeError> {
     let inodes = run.store.reserve_inodes(&run.workspace)?;
     // Held while copying from the cache; the tree has its own copies afterwards.
     let pin = run.store.pin(&run.workspace)?;

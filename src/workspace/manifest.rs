@@ -154,31 +154,65 @@ fn too_large(message: String) -> ManifestError {
     ManifestError::TooLarge(message)
 }
 
+/// Why a path is not a plain relative path ([`check_path`]). Not a wire error by itself:
+/// the manifest, a run's `cwd` and a sync-back result each say what the path was.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PathError {
+    #[error("an empty path")]
+    Empty,
+    /// `start`: its first 40 characters.
+    #[error("path {start:?}... is longer than {max} bytes")]
+    TooLong { start: String, max: usize },
+    #[error("path {0:?} contains a NUL byte")]
+    Nul(String),
+    #[error("path {0:?} is absolute")]
+    Absolute(String),
+    #[error("path {0:?} has an empty component")]
+    EmptyComponent(String),
+    /// A `.` or `..` component.
+    #[error("path {path:?} has a {component:?} component")]
+    Dots {
+        path: String,
+        component: &'static str,
+    },
+    #[error("path {0:?} has a component over 255 bytes")]
+    LongComponent(String),
+}
+
 /// Checks a relative path: not empty, `/`-separated normal components only, no NUL,
 /// at most `max_bytes` long.
-pub(crate) fn check_path(path: &str, max_bytes: usize) -> Result<(), String> {
+pub(crate) fn check_path(path: &str, max_bytes: usize) -> Result<(), PathError> {
     if path.is_empty() {
-        return Err("an empty path".into());
+        return Err(PathError::Empty);
     }
     if path.len() > max_bytes {
-        return Err(format!(
-            "path {:?}... is longer than {max_bytes} bytes",
-            path.chars().take(40).collect::<String>()
-        ));
+        return Err(PathError::TooLong {
+            start: path.chars().take(40).collect(),
+            max: max_bytes,
+        });
     }
     if path.contains('\0') {
-        return Err(format!("path {path:?} contains a NUL byte"));
+        return Err(PathError::Nul(path.to_owned()));
     }
     if path.starts_with('/') {
-        return Err(format!("path {path:?} is absolute"));
+        return Err(PathError::Absolute(path.to_owned()));
     }
     for c in path.split('/') {
         match c {
-            "" => return Err(format!("path {path:?} has an empty component")),
-            "." | ".." => return Err(format!("path {path:?} has a {c:?} component")),
-            _ if c.len() > 255 => {
-                return Err(format!("path {path:?} has a component over 255 bytes"));
+            "" => return Err(PathError::EmptyComponent(path.to_owned())),
+            "." => {
+                return Err(PathError::Dots {
+                    path: path.to_owned(),
+                    component: ".",
+                });
             }
+            ".." => {
+                return Err(PathError::Dots {
+                    path: path.to_owned(),
+                    component: "..",
+                });
+            }
+            _ if c.len() > 255 => return Err(PathError::LongComponent(path.to_owned())),
             _ => {}
         }
     }

@@ -61,13 +61,25 @@ impl Eq for WorkspaceRun {}
 /// Where the policy sees a workspace run's directory (`policy.cwd` rules apply below it).
 pub(crate) const POLICY_ROOT: &str = "/workspace";
 
+/// Why a request's `cwd` cannot be a workspace run's directory: `400 invalid_request`.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum CwdError {
+    #[error("invalid `cwd`: {0}")]
+    Invalid(#[from] manifest::PathError),
+    /// `prefix`: the file or symlink the path goes through.
+    #[error("`cwd` {rel:?} is not a directory of the workspace ({prefix:?} is a file or symlink)")]
+    NotADirectory { rel: String, prefix: String },
+}
+
+impl From<CwdError> for crate::contract::ErrorBody {
+    fn from(e: CwdError) -> Self {
+        Self::new(crate::contract::ErrorCode::InvalidRequest, e.to_string())
+    }
+}
+
 /// The command's directory inside a workspace, from the request's relative `cwd`: normalised
 /// (no `.`, no empty components), and not below one of the tree's files or symlinks.
-pub(crate) fn run_cwd(
-    ws: &Workspace,
-    cwd: Option<&str>,
-) -> Result<String, crate::contract::ErrorBody> {
-    use crate::contract::{ErrorBody, ErrorCode};
+pub(crate) fn run_cwd(ws: &Workspace, cwd: Option<&str>) -> Result<String, CwdError> {
     let parts: Vec<&str> = cwd
         .unwrap_or("")
         .split('/')
@@ -77,8 +89,7 @@ pub(crate) fn run_cwd(
     if rel.is_empty() {
         return Ok(rel);
     }
-    manifest::check_path(&rel, 4096)
-        .map_err(|m| ErrorBody::new(ErrorCode::InvalidRequest, format!("invalid `cwd`: {m}")))?;
+    manifest::check_path(&rel, 4096)?;
     let entries = &ws.manifest.entries;
     for end in rel.match_indices('/').map(|(i, _)| i).chain([rel.len()]) {
         let prefix = &rel[..end];
@@ -86,12 +97,10 @@ pub(crate) fn run_cwd(
             .binary_search_by(|e| e.path.as_str().cmp(prefix))
             .is_ok()
         {
-            return Err(ErrorBody::new(
-                ErrorCode::InvalidRequest,
-                format!(
-                    "`cwd` {rel:?} is not a directory of the workspace ({prefix:?} is a file or symlink)"
-                ),
-            ));
+            return Err(CwdError::NotADirectory {
+                rel: rel.clone(),
+                prefix: prefix.to_owned(),
+            });
         }
     }
     Ok(rel)

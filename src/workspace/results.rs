@@ -12,10 +12,49 @@
 //! Its mode becomes 0644 or 0755 (executable or not): setuid, setgid, sticky and
 //! group/world-write bits never come back.
 
-use crate::contract::ChangedFile;
+use super::manifest::PathError;
+use crate::contract::{ChangedFile, ErrorBody, ErrorCode};
 
 /// The longest result path accepted (Linux's PATH_MAX).
 pub(crate) const MAX_RESULT_PATH: usize = 4096;
+
+/// Why a request's `sync_back` globs do not compile: `400 invalid_request`.
+#[derive(Debug, thiserror::Error)]
+pub enum GlobsError {
+    #[error("invalid sync_back glob {pattern:?}: {source}")]
+    Glob {
+        pattern: String,
+        source: globset::Error,
+    },
+    #[error("invalid sync_back globs: {0}")]
+    Set(globset::Error),
+}
+
+impl From<GlobsError> for ErrorBody {
+    fn from(e: GlobsError) -> Self {
+        ErrorBody::new(ErrorCode::InvalidRequest, e.to_string())
+    }
+}
+
+/// Why a reported result is not written. Not a wire error by itself: the client says it,
+/// the kube sync-back and a remote gateway leave the file out.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Refused {
+    /// `path`: escaped; `c`: the character.
+    #[error(
+        "refused result {path:?}: its name contains the control or formatting character U+{:04X}",
+        *c as u32
+    )]
+    Invisible { path: String, c: char },
+    #[error("refused result: {0}")]
+    Path(#[from] PathError),
+    #[error("refused result {0:?}: results are never written into a .git directory")]
+    Git(String),
+    #[error("refused result {0:?}: it matches none of the requested --sync-back globs")]
+    NotRequested(String),
+    #[error("refused result {0:?}: no valid content hash")]
+    NoHash(String),
+}
 
 /// The rules for one run's results: the globs it asked for.
 pub struct ResultRules {
@@ -24,43 +63,39 @@ pub struct ResultRules {
 
 impl ResultRules {
     /// `globs` as sent in the request's `sync_back` (same syntax as the gateway's).
-    pub fn new(globs: &[String]) -> Result<Self, String> {
+    pub fn new(globs: &[String]) -> Result<Self, GlobsError> {
         Ok(Self {
             globs: self::globs(globs)?,
         })
     }
 
     /// Why `f` must not be written, if it must not.
-    pub fn check(&self, f: &ChangedFile) -> Result<(), String> {
+    pub fn check(&self, f: &ChangedFile) -> Result<(), Refused> {
         check_result_path(&f.path)?;
         if !self.globs.is_match(&f.path) {
-            return Err(format!(
-                "refused result {:?}: it matches none of the requested --sync-back globs",
-                f.path
-            ));
+            return Err(Refused::NotRequested(f.path.clone()));
         }
         if !super::is_hash(&f.hash) {
-            return Err(format!(
-                "refused result {:?}: no valid content hash",
-                f.path
-            ));
+            return Err(Refused::NoHash(f.path.clone()));
         }
         Ok(())
     }
 }
 
 /// Compiles the sync-back globs: `*` stays within one path component, `**` spans several.
-pub(crate) fn globs(patterns: &[String]) -> Result<globset::GlobSet, String> {
+pub(crate) fn globs(patterns: &[String]) -> Result<globset::GlobSet, GlobsError> {
     let mut b = globset::GlobSetBuilder::new();
     for p in patterns {
         let g = globset::GlobBuilder::new(p)
             .literal_separator(true)
             .build()
-            .map_err(|e| format!("invalid sync_back glob {p:?}: {e}"))?;
+            .map_err(|source| GlobsError::Glob {
+                pattern: p.clone(),
+                source,
+            })?;
         b.add(g);
     }
-    b.build()
-        .map_err(|e| format!("invalid sync_back globs: {e}"))
+    b.build().map_err(GlobsError::Set)
 }
 
 /// The mode a result is written with: 0755 when any execute bit is set, else 0644.
@@ -73,20 +108,16 @@ pub(crate) fn safe_mode(mode: u32) -> u32 {
 }
 
 /// A path's own checks (not the globs): plain, printable, not into `.git`.
-pub(crate) fn check_result_path(path: &str) -> Result<(), String> {
+pub(crate) fn check_result_path(path: &str) -> Result<(), Refused> {
     if let Some(c) = path.chars().find(|c| invisible_or_control(*c)) {
-        return Err(format!(
-            "refused result {:?}: its name contains the control or formatting character U+{:04X}",
-            path.escape_debug().to_string(),
-            c as u32
-        ));
+        return Err(Refused::Invisible {
+            path: path.escape_debug().to_string(),
+            c,
+        });
     }
-    super::manifest::check_path(path, MAX_RESULT_PATH)
-        .map_err(|m| format!("refused result: {m}"))?;
+    super::manifest::check_path(path, MAX_RESULT_PATH)?;
     if path.split('/').any(is_git_dir_name) {
-        return Err(format!(
-            "refused result {path:?}: results are never written into a .git directory"
-        ));
+        return Err(Refused::Git(path.to_owned()));
     }
     Ok(())
 }

@@ -157,7 +157,7 @@ pub enum StoreError {
 }
 
 impl StoreError {
-    fn code(&self) -> ErrorCode {
+    pub(crate) fn code(&self) -> ErrorCode {
         match self {
             StoreError::Internal { .. } => ErrorCode::Internal,
             StoreError::UnknownWorkspace(_) => ErrorCode::UnknownWorkspace,

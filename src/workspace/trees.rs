@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 
 use super::WorkspaceRun;
 use super::manifest::{EntryKind, ManifestEntry};
+use super::store::StoreError;
 use super::store::{Owner, Pinned};
 use crate::contract::{ErrorBody, ErrorCode};
 
@@ -87,11 +88,45 @@ pub(crate) struct Tree {
     synced: Option<String>,
 }
 
-fn failed(what: &str, e: std::io::Error) -> ErrorBody {
-    ErrorBody::new(
-        ErrorCode::StartFailed,
-        format!("cannot materialise the workspace: {what}: {e}"),
-    )
+/// Why a tree could not be brought to a workspace: a run's tree (here) or a session's
+/// ([`super::kept`]).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum TreeError {
+    #[error("cannot materialise the workspace: {what}: {source}")]
+    Materialise {
+        what: String,
+        source: std::io::Error,
+    },
+    #[error("cannot bring the session's tree to the workspace: {what}: {source}")]
+    Session {
+        what: String,
+        source: std::io::Error,
+    },
+    /// The cache the tree is copied from (an inode reservation, a pin).
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl TreeError {
+    pub(crate) fn code(&self) -> ErrorCode {
+        match self {
+            TreeError::Materialise { .. } | TreeError::Session { .. } => ErrorCode::StartFailed,
+            TreeError::Store(e) => e.code(),
+        }
+    }
+}
+
+impl From<TreeError> for ErrorBody {
+    fn from(e: TreeError) -> Self {
+        ErrorBody::new(e.code(), e.to_string())
+    }
+}
+
+fn failed(what: &str, source: std::io::Error) -> TreeError {
+    TreeError::Materialise {
+        what: what.to_owned(),
+        source,
+    }
 }
 
 /// Files the last [`Tree::sync`] kept, wrote and removed (logged at debug level).
@@ -109,7 +144,7 @@ impl Tree {
 
     /// A new empty tree: a directory below `base` private to the gateway's user (commands
     /// run as that user).
-    fn create(base: &Path) -> Result<Self, ErrorBody> {
+    fn create(base: &Path) -> Result<Self, TreeError> {
         std::fs::create_dir_all(base).map_err(|e| failed(&base.display().to_string(), e))?;
         // Named with the gateway's pid: what a killed gateway leaves is found (crate::leftovers).
         let root = base.join(format!(
@@ -134,7 +169,7 @@ impl Tree {
         &mut self,
         run: &WorkspaceRun,
         pin: &Pinned,
-    ) -> Result<SyncStats, ErrorBody> {
+    ) -> Result<SyncStats, TreeError> {
         let entries = &run.workspace.manifest.entries;
         let dirs = wanted_dirs(entries, &run.cwd);
         let (kept, seen_dirs, removed) = self.prune(run, &dirs, true)?;
@@ -177,7 +212,7 @@ impl Tree {
     /// not have), so that an idle tree does not hold a run's output. Names only (no `lstat`):
     /// files the run changed stay until the next [`Tree::sync`], which finds them by their
     /// `lstat`.
-    fn clean(&mut self, run: &WorkspaceRun) -> Result<(), ErrorBody> {
+    fn clean(&mut self, run: &WorkspaceRun) -> Result<(), TreeError> {
         let entries = &run.workspace.manifest.entries;
         let dirs = wanted_dirs(entries, &run.cwd);
         self.prune(run, &dirs, false)?;
@@ -196,7 +231,7 @@ impl Tree {
         run: &WorkspaceRun,
         dirs: &BTreeSet<String>,
         stat: bool,
-    ) -> Result<(HashSet<String>, HashSet<String>, usize), ErrorBody> {
+    ) -> Result<(HashSet<String>, HashSet<String>, usize), TreeError> {
         std::fs::set_permissions(&self.root, std::fs::Permissions::from_mode(0o700))
             .map_err(|e| failed("the tree's root", e))?;
         let walk = Walk {
@@ -214,7 +249,7 @@ impl Tree {
             .unwrap_or(1)
             .clamp(1, 4);
         let subdirs = std::mem::take(&mut top.subdirs);
-        let parts: Vec<Result<Level, ErrorBody>> = std::thread::scope(|s| {
+        let parts: Vec<Result<Level, TreeError>> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..threads)
                 .map(|t| {
                     let mut stack: Vec<(PathBuf, String)> =
@@ -257,7 +292,7 @@ impl Tree {
         missing: &[&ManifestEntry],
         run: &WorkspaceRun,
         pin: &Pinned,
-    ) -> Result<Vec<(String, Written)>, ErrorBody> {
+    ) -> Result<Vec<(String, Written)>, TreeError> {
         if missing.is_empty() {
             return Ok(Vec::new());
         }
@@ -294,7 +329,7 @@ impl Tree {
         e: &ManifestEntry,
         run: &WorkspaceRun,
         pin: &Pinned,
-    ) -> Result<Written, ErrorBody> {
+    ) -> Result<Written, TreeError> {
         write_entry(e, &self.root.join(&e.path), run, pin, failed)
     }
 }
@@ -306,8 +341,8 @@ pub(super) fn write_entry(
     dest: &Path,
     run: &WorkspaceRun,
     pin: &Pinned,
-    failed: fn(&str, std::io::Error) -> ErrorBody,
-) -> Result<Written, ErrorBody> {
+    failed: fn(&str, std::io::Error) -> TreeError,
+) -> Result<Written, TreeError> {
     let what = match e.kind {
         EntryKind::File => {
             let blob = run.store.path_of(pin, &e.hash);
@@ -341,8 +376,8 @@ pub(super) fn write_entry(
 pub(super) fn settle(
     root: &Path,
     newest: (i64, i64),
-    failed: fn(&str, std::io::Error) -> ErrorBody,
-) -> Result<bool, ErrorBody> {
+    failed: fn(&str, std::io::Error) -> TreeError,
+) -> Result<bool, TreeError> {
     for _ in 0..200 {
         std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o700))
             .map_err(|e| failed("the tree's root", e))?;
@@ -379,7 +414,7 @@ struct Level {
 impl Walk<'_> {
     /// Reads one directory (`rel_dir` in the tree): keeps, removes, and lists the kept
     /// subdirectories in `out.subdirs`.
-    fn level(&self, dir: &Path, rel_dir: &str, out: &mut Level) -> Result<(), ErrorBody> {
+    fn level(&self, dir: &Path, rel_dir: &str, out: &mut Level) -> Result<(), TreeError> {
         let reading = |e| failed("reading the previous run's tree", e);
         for entry in std::fs::read_dir(dir).map_err(reading)? {
             let entry = entry.map_err(reading)?;
@@ -544,7 +579,7 @@ impl Trees {
         &self,
         run: &WorkspaceRun,
         pin: &Pinned,
-    ) -> Result<(Tree, SyncStats), ErrorBody> {
+    ) -> Result<(Tree, SyncStats), TreeError> {
         let owner = &run.workspace.owner;
         let digest = &run.workspace.digest;
         let deadline = Instant::now() + CLEANING_WAIT;
@@ -590,8 +625,7 @@ impl Trees {
             match idle.tree.sync(run, pin) {
                 Ok(stats) => return Ok((idle.tree, stats)),
                 Err(e) => tracing::warn!(
-                    "an idle workspace tree could not be brought up to date, using a fresh one: {}",
-                    e.message
+                    "an idle workspace tree could not be brought up to date, using a fresh one: {e}"
                 ),
             }
         }
@@ -623,10 +657,7 @@ impl Trees {
                     since: Instant::now(),
                 }),
                 Err(e) => {
-                    tracing::warn!(
-                        "a workspace tree could not be cleaned, removing it: {}",
-                        e.message
-                    );
+                    tracing::warn!("a workspace tree could not be cleaned, removing it: {e}");
                     evicted.push(tree);
                 }
             }

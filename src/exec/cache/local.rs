@@ -17,8 +17,8 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::OwnedMutexGuard;
 use tokio_util::sync::CancellationToken;
 
-use super::{CacheKey, CacheRequest, CacheSpec, CachesConfig, WhenBusy};
-use crate::contract::{CacheState, ErrorBody, ErrorCode, Phase};
+use super::{CacheError, CacheKey, CacheRequest, CacheSpec, CachesConfig, WhenBusy};
+use crate::contract::{CacheState, Phase};
 use crate::exec::{ExecSpec, Progress};
 
 /// Where the caches of runs that could not have their own live while they run.
@@ -187,7 +187,7 @@ impl LocalCaches {
         spec: &ExecSpec,
         progress: &Progress,
         cancel: &CancellationToken,
-    ) -> Result<Option<LocalHold>, ErrorBody> {
+    ) -> Result<Option<LocalHold>, CacheError> {
         let profile = spec.profile.as_deref().unwrap_or("default");
         let Some(list) = self.profiles.get(profile) else {
             return Ok(None);
@@ -223,10 +223,10 @@ impl LocalCaches {
                     tokio::select! {
                         g = tokio::time::timeout(wait, lock.lock_owned()) => match g {
                             Ok(g) => Some(g),
-                            Err(_) => return Err(busy(&c.name, wait)),
+                            Err(_) => return Err(CacheError::Busy { name: c.name.clone(), secs: wait.as_secs() }),
                         },
                         _ = cancel.cancelled() => {
-                            return Err(ErrorBody::new(ErrorCode::ShuttingDown, "the run was cancelled while it waited for its cache"));
+                            return Err(CacheError::Cancelled);
                         }
                     }
                 }
@@ -247,12 +247,7 @@ impl LocalCaches {
             let k = key.clone();
             let prepared = tokio::task::spawn_blocking(move || this.prepare(&k))
                 .await
-                .map_err(|e| {
-                    ErrorBody::new(
-                        ErrorCode::Internal,
-                        format!("preparing a cache failed: {e}"),
-                    )
-                })?;
+                .map_err(CacheError::Preparing)?;
             match prepared {
                 Ok(Some((dir, state))) => {
                     hold.states.insert(c.name.clone(), state);
@@ -282,10 +277,10 @@ impl LocalCaches {
                     hold.push_env(c, &dir);
                 }
                 Err(e) => {
-                    return Err(ErrorBody::new(
-                        ErrorCode::StartFailed,
-                        format!("cannot prepare cache {}: {e}", c.name),
-                    ));
+                    return Err(CacheError::Prepare {
+                        name: c.name.clone(),
+                        source: e,
+                    });
                 }
             }
         }
@@ -394,16 +389,6 @@ impl LocalCaches {
     }
 }
 
-fn busy(name: &str, wait: Duration) -> ErrorBody {
-    ErrorBody::new(
-        ErrorCode::TooManyRequests,
-        format!(
-            "cache {name} stayed in use by another run for {}s (caches.busy_wait_secs); retry later, or set when_busy: skip",
-            wait.as_secs()
-        ),
-    )
-}
-
 /// Bytes a directory takes on disk (allocated blocks, so sparse files count as stored),
 /// symlinks not followed.
 pub(crate) fn disk_usage(dir: &Path) -> u64 {
@@ -433,7 +418,7 @@ impl LocalHold {
     }
 
     /// An empty directory for a run that cannot have its cache, removed after the run.
-    fn skip(&mut self, c: &CacheSpec) -> Result<PathBuf, ErrorBody> {
+    fn skip(&mut self, c: &CacheSpec) -> Result<PathBuf, CacheError> {
         self.states.insert(c.name.clone(), CacheState::Skipped);
         let parent = self.caches.root.join(SKIPPED_DIR);
         let made = std::fs::DirBuilder::new()
@@ -447,10 +432,10 @@ impl LocalHold {
                 self.skipped.push(path.clone());
                 Ok(path)
             }
-            Err(e) => Err(ErrorBody::new(
-                ErrorCode::StartFailed,
-                format!("cannot make a directory for cache {}: {e}", c.name),
-            )),
+            Err(source) => Err(CacheError::SkipDir {
+                name: c.name.clone(),
+                source,
+            }),
         }
     }
 }

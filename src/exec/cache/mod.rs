@@ -19,6 +19,46 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use crate::contract::{ErrorBody, ErrorCode};
+
+/// Why a run did not get its caches (the local backend's; the kube backend's claims say
+/// [`CacheError::Busy`] too).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum CacheError {
+    #[error(
+        "cache {name} stayed in use by another run for {secs}s (caches.busy_wait_secs); retry later, or set when_busy: skip"
+    )]
+    Busy { name: String, secs: u64 },
+    #[error("the run was cancelled while it waited for its cache")]
+    Cancelled,
+    /// The blocking task that prepares a cache panicked or was cancelled.
+    #[error("preparing a cache failed: {0}")]
+    Preparing(tokio::task::JoinError),
+    #[error("cannot prepare cache {name}: {source}")]
+    Prepare {
+        name: String,
+        source: std::io::Error,
+    },
+    /// The empty directory of a run that cannot have its cache.
+    #[error("cannot make a directory for cache {name}: {source}")]
+    SkipDir {
+        name: String,
+        source: std::io::Error,
+    },
+}
+
+impl From<CacheError> for ErrorBody {
+    fn from(e: CacheError) -> Self {
+        let code = match e {
+            CacheError::Busy { .. } => ErrorCode::TooManyRequests,
+            CacheError::Cancelled => ErrorCode::ShuttingDown,
+            CacheError::Preparing(_) => ErrorCode::Internal,
+            CacheError::Prepare { .. } | CacheError::SkipDir { .. } => ErrorCode::StartFailed,
+        };
+        ErrorBody::new(code, e.to_string())
+    }
+}
+
 /// `caches:` of the configuration: the operator's bounds for every profile's caches.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]

@@ -35,13 +35,13 @@ use kube::runtime::watcher;
 use tokio::time::Instant;
 
 use super::config::Profile;
+use super::error::{KubeError, api_error};
 use super::pod::{
     CONTAINER, LABEL_COMPONENT, LABEL_INSTANCE, LABEL_MANAGED_BY, LABEL_NAME, LABEL_PROFILE,
     label_value,
 };
-use super::start::api_error;
 use super::{KubeExecutor, Shared};
-use crate::contract::{CacheState, ErrorBody, ErrorCode, Phase};
+use crate::contract::{CacheState, ErrorBody, Phase};
 use crate::exec::cache::{CacheKey, CacheRequest, CacheSpec, CachesConfig, WhenBusy};
 use crate::exec::{ExecSpec, Progress, StartOptions};
 
@@ -189,7 +189,7 @@ impl KubeExecutor {
             let taken = tokio::select! {
                 r = caches.take(&key, c, pod, lifetime, &opts.progress) => r?,
                 _ = opts.cancel.cancelled() => {
-                    return Err(ErrorBody::new(ErrorCode::ShuttingDown, "the gateway is shutting down"));
+                    return Err(KubeError::ShuttingDown.into());
                 }
             };
             match taken {
@@ -225,18 +225,17 @@ impl KubeCaches {
         let mut conflicts = 0u32;
         loop {
             if conflicts > MAX_CONFLICTS {
-                return Err(ErrorBody::new(
-                    ErrorCode::BackendUnavailable,
-                    format!(
-                        "cache {}: its claim {name} changed under every attempt to take it ({MAX_CONFLICTS} times); retry later",
-                        c.name
-                    ),
-                ));
+                return Err(KubeError::ClaimConflicts {
+                    cache: c.name.clone(),
+                    claim: name,
+                    times: MAX_CONFLICTS,
+                }
+                .into());
             }
             self.shared.throttle.acquire().await;
             let found = match self.pvcs.get_opt(&name).await {
                 Ok(f) => f,
-                Err(e) => return Err(api_error("cannot read the cache's claim", &e)),
+                Err(e) => return Err(api_error("cannot read the cache's claim", &e).into()),
             };
             let current = match found {
                 None => {
@@ -272,7 +271,9 @@ impl KubeCaches {
                             conflicts += 1;
                             continue;
                         }
-                        Err(e) => return Err(api_error("cannot create the cache's claim", &e)),
+                        Err(e) => {
+                            return Err(api_error("cannot create the cache's claim", &e).into());
+                        }
                     }
                 }
                 Some(p) => p,
@@ -291,7 +292,7 @@ impl KubeCaches {
                             conflicts += 1;
                             continue;
                         }
-                        Err(e) => return Err(api_error("cannot take the cache's claim", &e)),
+                        Err(e) => return Err(api_error("cannot take the cache's claim", &e).into()),
                     }
                 }
                 Found::Busy(why) => why,
@@ -317,14 +318,11 @@ impl KubeCaches {
                 told = true;
             }
             if !self.changed(&name, &current, wait_end).await {
-                return Err(ErrorBody::new(
-                    ErrorCode::TooManyRequests,
-                    format!(
-                        "cache {} stayed in use by another run for {}s (caches.busy_wait_secs); retry later, or set when_busy: skip",
-                        c.name,
-                        wait.as_secs()
-                    ),
-                ));
+                return Err(crate::exec::cache::CacheError::Busy {
+                    name: c.name.clone(),
+                    secs: wait.as_secs(),
+                }
+                .into());
             }
         }
     }
@@ -484,7 +482,7 @@ impl KubeCaches {
             .list_metadata(&lp)
             .await
             .map(|l| l.items.len())
-            .map_err(|e| api_error("cannot list the caller's cache claims", &e))
+            .map_err(|e| api_error("cannot list the caller's cache claims", &e).into())
     }
 
     /// Deletes the claims nobody holds that were last used more than the TTL ago.
@@ -688,6 +686,14 @@ fn mount(c: &CacheSpec) -> VolumeMount {
         name: volume_name(c),
         mount_path: c.path.clone(),
         ..Default::default()
+    }
+}
+
+impl KubeHold {
+    /// The pod outlives this gateway (a session left to the other replicas): its claims
+    /// stay held by it, and end as any hold does when its pod is gone or past its deadline.
+    pub(super) fn stay_with_pod(mut self) {
+        self.claims.clear();
     }
 }
 

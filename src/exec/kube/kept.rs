@@ -16,12 +16,13 @@
 //! evicted, OOM-killed, its node gone); the next call then gets `session_lost` with that
 //! reason (see [`crate::session`]), never a fresh pod.
 //!
-//! Cleanup: `close` (session end, idle TTL, max lifetime, gateway shutdown) deletes the pod;
-//! the pod is in the gateway's live set until then, so the executor's shutdown deletes what
-//! is left. After a gateway SIGKILL a restarted gateway (same gateway label) deletes its
-//! session pods at start-up like every other leftover: sessions are in the gateway's memory,
-//! so a restarted gateway does not adopt them (the next call with the name opens a new
-//! session). Other replicas' reapers delete the pod once its expiry passed.
+//! Cleanup: `close` (session end, idle TTL, max lifetime) deletes the pod. A session's pod
+//! belongs to the installation, not to the replica that made it (no owner reference to the
+//! gateway pod): at a gateway's shutdown a live session's pod is left to the other replicas
+//! ([`KeptRunner::leave`]), and after a SIGKILL any replica (the restarted one too) finds it
+//! by its labels. Any replica's reaper deletes it once its annotations say the session is
+//! over; `activeDeadlineSeconds` stops it at the latest. A multi-step run's pod is this
+//! gateway's, deleted at its shutdown like a one-shot run's.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
@@ -35,7 +36,9 @@ use super::guard::{PodGuard, Timings};
 use super::pod::{self, ANNOTATION_EXPIRES, CONTAINER, LABEL_SESSION, LABEL_SESSION_OWNER};
 use super::{DEADLINE_MARGIN_SECS, KubeExecutor, Shared};
 use crate::contract::{ErrorBody, ErrorCode, Phase, RunContext};
-use crate::exec::{ExecSpec, Execution, FoundRunner, Gone, KeepFor, KeptRunner, StartOptions};
+use crate::exec::{
+    ExecSpec, Execution, FoundRunner, Gone, KeepFor, KeptRunner, KeptSession, StartOptions,
+};
 
 /// A kept runner's pod and what its calls need.
 pub(super) struct KubeKept {
@@ -114,6 +117,7 @@ impl KubeExecutor {
                 (ANNOTATION_OPENED, timestamp(now)),
                 (ANNOTATION_LAST_USED, timestamp(now)),
                 (ANNOTATION_BUSY_BY, hold.clone()),
+                (ANNOTATION_CALLS, "1".to_owned()),
                 (
                     ANNOTATION_BUSY_UNTIL,
                     timestamp(
@@ -135,6 +139,7 @@ impl KubeExecutor {
                     lifetime,
                     serde_json::json!({LABEL_SESSION_OWNER: keep.owner, LABEL_SESSION: keep.name}),
                     annotations.clone(),
+                    keep.session.is_some(),
                 )
                 .await
             }
@@ -174,6 +179,13 @@ impl KubeExecutor {
                     &self.shared.identity,
                 );
                 let meta = &mut manifest.metadata;
+                if keep.session.is_some() {
+                    // A session belongs to the installation, not to the replica that opened
+                    // it: the garbage collector must not delete it with this gateway's pod
+                    // (a rolling update). Its end, its expiry (any replica's reaper) and
+                    // `activeDeadlineSeconds` delete it.
+                    meta.owner_references = None;
+                }
                 let labels = meta.labels.get_or_insert_default();
                 labels.insert(LABEL_SESSION_OWNER.into(), keep.owner.clone());
                 labels.insert(LABEL_SESSION.into(), keep.name.clone());
@@ -307,23 +319,12 @@ impl KubeExecutor {
             // A profile this replica does not have (a configuration being rolled out).
             return Ok(None);
         };
-        let time = |k: &str| -> Option<SystemTime> {
-            ann.get(k)
-                .and_then(|t| t.parse::<k8s_openapi::jiff::Timestamp>().ok())
-                .map(SystemTime::from)
-        };
-        let created = p
-            .creation_timestamp()
-            .map(|t| SystemTime::from(t.0))
-            .unwrap_or_else(SystemTime::now);
-        let opened = time(ANNOTATION_OPENED).unwrap_or(created);
-        let expires_at = time(ANNOTATION_EXPIRES).unwrap_or(opened);
-        let idle_ttl = Duration::from_secs(
-            ann.get(ANNOTATION_IDLE_TTL)
-                .and_then(|t| t.parse().ok())
-                .unwrap_or(0),
-        );
-        let last_used = time(ANNOTATION_LAST_USED);
+        let Times {
+            opened,
+            expires_at,
+            idle_ttl,
+            last_used,
+        } = Times::of(&p);
         let watch = CancellationToken::new();
         let lost = Arc::new(Mutex::new(None));
         let seen = Arc::new(Mutex::new(Seen {
@@ -395,6 +396,128 @@ impl KubeExecutor {
             last_used,
         }))
     }
+
+    /// The live sessions of `owner` (a hash) on their pods, whichever replica made them:
+    /// what `sessions list` shows, the same through every replica.
+    pub(super) async fn list_session_pods(
+        &self,
+        owner: &str,
+    ) -> Result<Vec<KeptSession>, ErrorBody> {
+        use kube::ResourceExt as _;
+        let selector = format!(
+            "{},{LABEL_SESSION_OWNER}={owner}",
+            self.shared.identity.instance_selector()
+        );
+        self.shared.throttle.acquire().await;
+        let pods = self
+            .shared
+            .pods
+            .list(&kube::api::ListParams::default().labels(&selector))
+            .await
+            .map_err(|e| {
+                ErrorBody::new(
+                    ErrorCode::BackendError,
+                    format!(
+                        "cannot list the sessions' pods: {}",
+                        super::backoff::describe(&e)
+                    ),
+                )
+            })?;
+        let now = k8s_openapi::jiff::Timestamp::now();
+        let mut out = Vec::new();
+        for p in pods.items {
+            let running = p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
+            if !running
+                || p.metadata.deletion_timestamp.is_some()
+                || session_alive(&p, now) != Some(true)
+            {
+                continue;
+            }
+            let (ann, labels) = (p.annotations(), p.labels());
+            let (Some(name), Some(hash), Some(profile)) = (
+                ann.get(ANNOTATION_SESSION_NAME),
+                labels.get(LABEL_SESSION),
+                labels.get(pod::LABEL_PROFILE),
+            ) else {
+                continue;
+            };
+            let held = Seen {
+                rv: None,
+                annotations: ann.clone(),
+            }
+            .holder()
+            .is_some();
+            let Times {
+                opened,
+                expires_at,
+                idle_ttl,
+                last_used,
+            } = Times::of(&p);
+            let spec = p.spec.as_ref();
+            out.push(KeptSession {
+                name: name.clone(),
+                hash: hash.clone(),
+                profile: profile.clone(),
+                context: RunContext {
+                    backend: "kubernetes".into(),
+                    namespace: Some(self.shared.namespace.clone()),
+                    pod: Some(p.name_any()),
+                    node: spec.and_then(|s| s.node_name.clone()),
+                    container: Some(CONTAINER.into()),
+                    image: spec
+                        .and_then(|s| s.containers.iter().find(|c| c.name == CONTAINER))
+                        .and_then(|c| c.image.clone()),
+                    profile: Some(profile.clone()),
+                    ..Default::default()
+                },
+                opened,
+                expires_at,
+                idle_ttl,
+                last_used,
+                calls: ann
+                    .get(ANNOTATION_CALLS)
+                    .and_then(|c| c.parse().ok())
+                    .unwrap_or(1),
+                busy: held,
+            });
+        }
+        Ok(out)
+    }
+}
+
+/// When a session's pod says it was opened, expires, may idle and was last used.
+struct Times {
+    opened: SystemTime,
+    expires_at: SystemTime,
+    idle_ttl: Duration,
+    last_used: Option<SystemTime>,
+}
+
+impl Times {
+    fn of(p: &k8s_openapi::api::core::v1::Pod) -> Self {
+        use kube::ResourceExt as _;
+        let ann = p.annotations();
+        let time = |k: &str| -> Option<SystemTime> {
+            ann.get(k)
+                .and_then(|t| t.parse::<k8s_openapi::jiff::Timestamp>().ok())
+                .map(SystemTime::from)
+        };
+        let created = p
+            .creation_timestamp()
+            .map(|t| SystemTime::from(t.0))
+            .unwrap_or_else(SystemTime::now);
+        let opened = time(ANNOTATION_OPENED).unwrap_or(created);
+        Self {
+            opened,
+            expires_at: time(ANNOTATION_EXPIRES).unwrap_or(opened),
+            idle_ttl: Duration::from_secs(
+                ann.get(ANNOTATION_IDLE_TTL)
+                    .and_then(|t| t.parse().ok())
+                    .unwrap_or(0),
+            ),
+            last_used: time(ANNOTATION_LAST_USED),
+        }
+    }
 }
 
 impl KubeKept {
@@ -451,6 +574,8 @@ pub(super) const ANNOTATION_BUSY_BY: &str = "mcp-run.dev/busy-by";
 pub(super) const ANNOTATION_BUSY_UNTIL: &str = "mcp-run.dev/busy-until";
 /// Why the session ended (`ended`, or `expired: REASON`), set before the pod is deleted.
 pub(super) const ANNOTATION_ENDED: &str = "mcp-run.dev/ended";
+/// How many calls the session ran, through any replica (set with each call's hold).
+pub(super) const ANNOTATION_CALLS: &str = "mcp-run.dev/calls";
 
 fn timestamp(t: SystemTime) -> String {
     k8s_openapi::jiff::Timestamp::try_from(t)
@@ -503,7 +628,7 @@ struct Fate {
 }
 
 fn shutting_down() -> ErrorBody {
-    ErrorBody::new(ErrorCode::ShuttingDown, "the gateway is shutting down")
+    super::error::KubeError::ShuttingDown.into()
 }
 
 /// Watches the kept pod until the runner closes; records the first thing that happened to
@@ -569,13 +694,7 @@ impl KeptRunner for KubeKept {
             let mut workspace = None;
             if let Some(run) = spec.workspace.take() {
                 let root = self.workspace_path.clone().ok_or_else(|| {
-                    ErrorBody::new(
-                        ErrorCode::InvalidRequest,
-                        format!(
-                            "profile {:?} takes no workspace: set profiles.{0}.workspace_path (docs/workspaces.md)",
-                            self.profile
-                        ),
-                    )
+                    super::error::KubeError::NoWorkspacePath(self.profile.clone())
                 })?;
                 let cwd = if sync_tree {
                     opts.progress.report(
@@ -653,7 +772,7 @@ impl KeptRunner for KubeKept {
                     &run,
                 );
             }
-            super::start::exec_command(
+            Ok(super::start::exec_command(
                 &self.shared,
                 command,
                 spec.executable,
@@ -664,7 +783,7 @@ impl KeptRunner for KubeKept {
                 Instant::now() + self.start_timeout,
                 before_exit,
             )
-            .await
+            .await?)
         })
     }
 
@@ -707,9 +826,14 @@ impl KeptRunner for KubeKept {
             let mut queued = false;
             loop {
                 let changed = self.changed.notified();
-                let (rv, holder) = {
+                let (rv, holder, calls) = {
                     let s = lock(&self.seen);
-                    (s.rv.clone(), s.holder().map(str::to_owned))
+                    let calls: u64 = s
+                        .annotations
+                        .get(ANNOTATION_CALLS)
+                        .and_then(|c| c.parse().ok())
+                        .unwrap_or(1);
+                    (s.rv.clone(), s.holder().map(str::to_owned), calls)
                 };
                 // This process's earlier call (its release may still be on its way) is
                 // this call's to take over: calls of one replica are one at a time.
@@ -746,6 +870,8 @@ impl KeptRunner for KubeKept {
                         ANNOTATION_BUSY_BY: hold,
                         ANNOTATION_BUSY_UNTIL: timestamp(until),
                         ANNOTATION_LAST_USED: timestamp(SystemTime::now()),
+                        // Preconditioned: no other replica's call counted meanwhile.
+                        ANNOTATION_CALLS: (calls + 1).to_string(),
                     }
                 }});
                 match self.patch(&patch).await {
@@ -848,6 +974,51 @@ impl KeptRunner for KubeKept {
         })
     }
 
+    /// A live session's pod outlives this gateway when the installation has other replicas
+    /// or restarts it ([`Shared::leaves_sessions`]): they find the pod by its labels. Its
+    /// hold (a call this shutdown killed) is given back first; the caches' claims stay with
+    /// the pod (they end when it is gone). The reaper of any replica deletes it once its
+    /// session is over.
+    fn leave(&self) -> BoxFuture<'_, bool> {
+        Box::pin(async move {
+            let leaves = self
+                .shared
+                .leaves_sessions
+                .load(std::sync::atomic::Ordering::Relaxed);
+            if !self.shared_session || !leaves || lock(&self.lost).is_some() {
+                return false;
+            }
+            let (over, hold) = {
+                let s = lock(&self.seen);
+                let now = k8s_openapi::jiff::Timestamp::now();
+                (
+                    annotations_alive(&s.annotations, None, now) == Some(false),
+                    s.annotations
+                        .get(ANNOTATION_BUSY_BY)
+                        .filter(|h| h.starts_with(&format!("{}-", self.id)))
+                        .cloned(),
+                )
+            };
+            if over {
+                return false;
+            }
+            if hold.is_some() {
+                self.end_call(hold).await;
+            }
+            self.watch.cancel();
+            self.shared.untrack(&self.name);
+            drop(lock(&self.permit).take());
+            if let Some(c) = lock(&self.caches).take() {
+                c.stay_with_pod();
+            }
+            tracing::info!(
+                pod = self.name,
+                "session pod left to the gateway's other replicas (its session lives on)"
+            );
+            true
+        })
+    }
+
     /// Deletes the pod and waits until it is gone; then its slot is free.
     fn close(&self) -> BoxFuture<'_, ()> {
         Box::pin(async move {
@@ -871,7 +1042,16 @@ pub(super) fn session_alive(
     now: k8s_openapi::jiff::Timestamp,
 ) -> Option<bool> {
     use kube::ResourceExt as _;
-    let a = p.annotations();
+    annotations_alive(p.annotations(), p.creation_timestamp().map(|t| t.0), now)
+}
+
+/// [`session_alive`] by a pod's annotations (and creation time, the last resort for when it
+/// was last used).
+fn annotations_alive(
+    a: &std::collections::BTreeMap<String, String>,
+    created: Option<k8s_openapi::jiff::Timestamp>,
+    now: k8s_openapi::jiff::Timestamp,
+) -> Option<bool> {
     a.get(ANNOTATION_SESSION_NAME)?;
     let time = |k: &str| {
         a.get(k)
@@ -889,7 +1069,7 @@ pub(super) fn session_alive(
         .unwrap_or(0);
     let last = time(ANNOTATION_LAST_USED)
         .or_else(|| time(ANNOTATION_OPENED))
-        .or_else(|| p.creation_timestamp().map(|t| t.0));
+        .or(created);
     let idle_until = last.and_then(|l| l.checked_add(Duration::from_secs(ttl)).ok());
     Some(idle_until.is_some_and(|t| t > now))
 }

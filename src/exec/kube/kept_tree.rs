@@ -34,7 +34,8 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use tokio_util::sync::CancellationToken;
 
 use super::Shared;
-use crate::contract::{ErrorBody, ErrorCode};
+use super::error::KubeError;
+use crate::contract::ErrorBody;
 use crate::workspace::WorkspaceRun;
 use crate::workspace::kept::KeptSync;
 use crate::workspace::manifest::{EntryKind, MODE_EXEC};
@@ -162,13 +163,13 @@ impl Shared {
         tracked: &mut BTreeSet<String>,
         cancel: &CancellationToken,
     ) -> Result<(String, KeptSync), ErrorBody> {
-        let failed = |m: String| {
-            ErrorBody::new(
-                ErrorCode::StartFailed,
-                format!(
-                    "cannot bring the tree in session pod {pod} at {root} to the workspace: {m}"
-                ),
-            )
+        let failed = |why: String| -> ErrorBody {
+            KubeError::SyncKeptTree {
+                pod: pod.to_owned(),
+                root: root.to_owned(),
+                why,
+            }
+            .into()
         };
         let plan = plan(run, tracked);
         let (tx, rx) = tokio::sync::mpsc::channel(1);
@@ -188,9 +189,7 @@ impl Shared {
             .exec_fed(pod, argv, rx, plan.output_limit(), cancel)
             .await
             .map_err(|e| match e {
-                super::workspace::FedError::Cancelled => {
-                    ErrorBody::new(ErrorCode::ShuttingDown, "the gateway is shutting down")
-                }
+                super::workspace::FedError::Cancelled => KubeError::ShuttingDown.into(),
                 super::workspace::FedError::Exec(e) => failed(format!("cannot exec: {e}")),
             })?;
         let ok = fed.status.as_ref().and_then(|s| s.status.as_deref()) == Some("Success");
@@ -211,7 +210,7 @@ impl Shared {
             )));
         }
         if let Err(e) = fed.fed {
-            return Err(failed(e));
+            return Err(failed(e.to_string()));
         }
         let intact = plan.intact(&fed.stdout);
         let entries = &run.workspace.manifest.entries;

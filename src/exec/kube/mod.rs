@@ -16,6 +16,7 @@
 mod backoff;
 mod cache;
 pub(crate) mod config;
+mod error;
 mod guard;
 mod kept;
 mod kept_tree;
@@ -42,10 +43,11 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use self::config::{KubernetesConfig, Profile};
+use self::error::KubeError;
 use self::pod::Identity;
 pub(crate) use self::setup::{KubeSetupError, client_config};
 use super::{ExecSpec, Execution, Executor, StartOptions};
-use crate::contract::{ErrorBody, ErrorCode};
+use crate::contract::ErrorBody;
 
 /// Beyond the request's timeout and the start timeout, how long a runner pod may live
 /// before Kubernetes itself kills it (`activeDeadlineSeconds`): the backstop if the gateway
@@ -94,6 +96,9 @@ struct Shared {
     metrics: crate::metrics::Metrics,
     /// How often exec WebSockets are pinged (`exec_ping_secs`).
     ping_interval: std::time::Duration,
+    /// Whether live sessions' pods outlive this gateway's shutdown: it runs in a pod (the
+    /// installation restarts it) or has replicas, and they find the pods by their labels.
+    leaves_sessions: std::sync::atomic::AtomicBool,
 }
 
 impl Executor for KubeExecutor {
@@ -138,6 +143,12 @@ impl Executor for KubeExecutor {
         Box::pin(async move { self.find_session_pod(&owner, &name).await })
     }
 
+    /// By the session pods' owner label ([`kept`]).
+    fn list_kept(&self, owner: &str) -> BoxFuture<'_, Result<Vec<super::KeptSession>, ErrorBody>> {
+        let owner = owner.to_owned();
+        Box::pin(async move { self.list_session_pods(&owner).await })
+    }
+
     fn keep(
         &self,
         spec: &ExecSpec,
@@ -164,42 +175,28 @@ impl Executor for KubeExecutor {
             {
                 Ok(Ok(_)) => {}
                 Ok(Err(e)) => {
-                    return Err(ErrorBody::new(
-                        ErrorCode::BackendUnavailable,
-                        format!(
-                            "the Kubernetes API server at {} is not reachable: {}",
-                            self.shared.server,
-                            backoff::describe(&e)
-                        ),
-                    ));
+                    return Err(KubeError::ApiServerUnreachable {
+                        server: self.shared.server.clone(),
+                        why: backoff::describe(&e),
+                    }
+                    .into());
                 }
-                Err(_) => {
-                    return Err(ErrorBody::new(
-                        ErrorCode::BackendUnavailable,
-                        "the Kubernetes API server did not answer within 3s",
-                    ));
-                }
+                Err(_) => return Err(KubeError::ApiServerSilent.into()),
             }
             let missing = self.missing.lock().ok().and_then(|m| m.clone());
             let missing = match missing {
                 Some(m) if m.is_empty() => return Ok(()),
                 // Not checked yet, or missing last time: permissions may have been granted since.
-                _ => self
-                    .check_permissions()
-                    .await
-                    .map_err(|why| ErrorBody::new(ErrorCode::BackendUnavailable, why))?,
+                _ => self.check_permissions().await?,
             };
             if missing.is_empty() {
                 Ok(())
             } else {
-                Err(ErrorBody::new(
-                    ErrorCode::BackendUnavailable,
-                    format!(
-                        "the gateway may not {} in namespace {}",
-                        missing.join(", "),
-                        self.shared.namespace
-                    ),
-                ))
+                Err(KubeError::MissingPermissions {
+                    missing: missing.join(", "),
+                    namespace: self.shared.namespace.clone(),
+                }
+                .into())
             }
         })
     }

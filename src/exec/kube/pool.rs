@@ -160,17 +160,19 @@ impl WarmPool {
     /// Claims a Running idle pod whose deadline leaves room for `timeout`; `None` is a miss.
     /// On success the pod's name is in the live set and its node is returned.
     pub(super) async fn claim(&self, timeout: Duration) -> Option<(String, String)> {
-        self.claim_with(timeout, serde_json::json!({}), serde_json::json!({}))
+        self.claim_with(timeout, serde_json::json!({}), serde_json::json!({}), false)
             .await
     }
 
     /// [`Self::claim`], adding `labels` and `annotations` to the claimed pod in the same
-    /// patch (a session's owner, name and expiry).
+    /// patch (a session's owner, name and expiry); `orphan` drops the owner reference to
+    /// the replica that made it (a session's pod outlives any one replica).
     pub(super) async fn claim_with(
         &self,
         timeout: Duration,
         labels: serde_json::Value,
         annotations: serde_json::Value,
+        orphan: bool,
     ) -> Option<(String, String)> {
         let now = Timestamp::now();
         let me = self.shared.identity.gateway.clone();
@@ -212,13 +214,16 @@ impl WarmPool {
             let mut l = labels.clone();
             l[LABEL_STATE] = "claimed".into();
             l[LABEL_GATEWAY] = me.clone().into();
-            let patch = serde_json::json!({
+            let mut patch = serde_json::json!({
                 "metadata": {
                     "resourceVersion": rv,
                     "labels": l,
                     "annotations": annotations,
                 }
             });
+            if orphan {
+                patch["metadata"]["ownerReferences"] = serde_json::Value::Null;
+            }
             match self
                 .shared
                 .pods
@@ -314,8 +319,7 @@ impl WarmPool {
                     tracing::warn!(
                         profile = self.profile_name,
                         pod = name,
-                        "warm pod cannot start: {}",
-                        e.message
+                        "warm pod cannot start: {e}"
                     );
                     failed = true;
                     self.delete_unclaimed(p).await;

@@ -11,6 +11,7 @@
 //!   `activeDeadlineSeconds` has passed) or finished (Succeeded/Failed), and at least
 //!   `reaper_min_age_secs` old.
 
+use std::collections::HashSet;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
@@ -19,30 +20,37 @@ use kube::ResourceExt as _;
 use kube::api::{Api, DeleteParams, ListParams};
 
 use super::kept::session_alive;
-use super::pod::{ANNOTATION_EXPIRES, Identity, LABEL_GATEWAY, LABEL_STATE};
+use super::pod::{ANNOTATION_EXPIRES, Identity, LABEL_GATEWAY, LABEL_STATE, label_value};
 
 pub(super) struct Reaper {
     pub pods: Api<Pod>,
     pub identity: Identity,
     pub min_age: Duration,
+    /// The pods of this gateway's replicas (`server.peer_service`), when known.
+    pub replicas: Option<tokio::sync::watch::Receiver<Vec<String>>>,
 }
 
 impl Reaper {
-    /// At start-up nothing runs yet: every pod of this gateway is a leftover.
+    /// At start-up nothing runs yet: every pod of this gateway is a leftover, except the
+    /// pods of live sessions. Sessions' pods are judged by their annotations whoever made
+    /// them: those whose session is over go now, not at the first sweep (the replicas that
+    /// served them may all be gone: a scale to zero, an outage, a rolling update of one).
     pub(super) async fn startup(&self) -> Result<usize, kube::Error> {
         let pods = self
             .pods
-            .list(&ListParams::default().labels(&self.identity.gateway_selector()))
+            .list(&ListParams::default().labels(&self.identity.instance_selector()))
             .await?;
         let mut n = 0;
         let now = Timestamp::now();
         for p in pods.items {
-            // A live session's pod outlives the gateway that made it: any replica (this one
-            // after its restart too) serves it.
-            if session_alive(&p, now) == Some(true) {
-                continue;
-            }
-            if p.metadata.deletion_timestamp.is_none() && self.delete(&p).await {
+            let mine = p.labels().get(LABEL_GATEWAY) == Some(&self.identity.gateway);
+            let leftover = match session_alive(&p, now) {
+                // A live session's pod outlives the gateway that made it: any replica (this
+                // one after its restart too) serves it.
+                Some(alive) => !alive,
+                None => mine,
+            };
+            if leftover && p.metadata.deletion_timestamp.is_none() && self.delete(&p).await {
                 n += 1;
             }
         }
@@ -59,9 +67,17 @@ impl Reaper {
             .list(&ListParams::default().labels(&self.identity.instance_selector()))
             .await?;
         let now = Timestamp::now();
+        let listed = self.listed();
         let mut n = 0;
         for p in pods.items {
-            if is_leftover(&p, &self.identity, now, self.min_age, is_live) && self.delete(&p).await
+            if is_leftover(
+                &p,
+                &self.identity,
+                now,
+                self.min_age,
+                is_live,
+                listed.as_ref(),
+            ) && self.delete(&p).await
             {
                 n += 1;
             }
@@ -69,14 +85,24 @@ impl Reaper {
         Ok(n)
     }
 
+    /// The replicas' gateway labels, once the EndpointSlices list this gateway itself (so
+    /// the list is current, not an empty first answer or a watch without permission).
+    fn listed(&self) -> Option<HashSet<String>> {
+        let replicas = self.replicas.as_ref()?.borrow().clone();
+        let listed: HashSet<String> = replicas.iter().map(|r| label_value(r)).collect();
+        listed.contains(&self.identity.gateway).then_some(listed)
+    }
+
     async fn delete(&self, p: &Pod) -> bool {
         let name = p.name_any();
-        // Preconditioned on the uid: a pod recreated under the same name is not ours to judge.
+        // Preconditioned on the uid and the resourceVersion judged: a pod recreated under the
+        // same name, claimed from a warm pool or taken by a session's call meanwhile is not
+        // ours to judge (409: the next pass looks again).
         let mut params = DeleteParams::background().grace_period(0);
         if let Some(uid) = p.uid() {
             params = params.preconditions(kube::api::Preconditions {
                 uid: Some(uid),
-                resource_version: None,
+                resource_version: p.resource_version(),
             });
         }
         match self.pods.delete(&name, &params).await {
@@ -94,12 +120,14 @@ impl Reaper {
 }
 
 /// Whether a pod listed under this installation's selector is a leftover to delete.
+/// `listed`: the gateway labels of the replicas the EndpointSlices list now, when known.
 pub(super) fn is_leftover(
     p: &Pod,
     me: &Identity,
     now: Timestamp,
     min_age: Duration,
     is_live: &(dyn Fn(&str) -> bool + Send + Sync),
+    listed: Option<&HashSet<String>>,
 ) -> bool {
     if p.metadata.deletion_timestamp.is_some() {
         return false;
@@ -129,6 +157,15 @@ pub(super) fn is_leftover(
         .unwrap_or(Duration::ZERO);
     if age < min_age {
         return false;
+    }
+    // Made by a replica the EndpointSlices no longer list: its pod is gone (deleted, not
+    // restarting), so nothing of it will delete this pod (a run whose deletion it had not
+    // sent when it was killed, its idle warm pods). A replica that is starting is listed
+    // long before `min_age`.
+    if let (Some(listed), Some(gateway)) = (listed, labels.get(LABEL_GATEWAY))
+        && !listed.contains(gateway)
+    {
+        return true;
     }
     let finished = p
         .status
@@ -192,13 +229,13 @@ mod tests {
         );
         let idle = session(serde_json::json!({"mcp-run.dev/last-used": "2026-11-23T11:40:00Z"}));
         assert_eq!(session_alive(&idle, now), Some(false));
-        assert!(is_leftover(&idle, &me(), now, min, &none_live));
+        assert!(is_leftover(&idle, &me(), now, min, &none_live, None));
         let held = session(serde_json::json!({
             "mcp-run.dev/last-used": "2026-11-23T11:00:00Z",
             "mcp-run.dev/busy-until": "2026-11-23T12:05:00Z",
         }));
         assert_eq!(session_alive(&held, now), Some(true));
-        assert!(!is_leftover(&held, &me(), now, min, &none_live));
+        assert!(!is_leftover(&held, &me(), now, min, &none_live, None));
         let ended = session(serde_json::json!({"mcp-run.dev/ended": "ended"}));
         assert_eq!(session_alive(&ended, now), Some(false));
         let expired =
@@ -226,8 +263,8 @@ mod tests {
             "2026-11-23T13:00:00Z",
             "Running",
         );
-        assert!(is_leftover(&mine, &me(), now, min, &none_live));
-        assert!(!is_leftover(&mine, &me(), now, min, &all_live));
+        assert!(is_leftover(&mine, &me(), now, min, &none_live, None));
+        assert!(!is_leftover(&mine, &me(), now, min, &all_live, None));
         // Another replica's running pod: never, until it expired.
         let theirs = pod(
             "gw-b",
@@ -235,14 +272,48 @@ mod tests {
             "2026-11-23T13:00:00Z",
             "Running",
         );
-        assert!(!is_leftover(&theirs, &me(), now, min, &none_live));
+        assert!(!is_leftover(&theirs, &me(), now, min, &none_live, None));
+        // ... unless the EndpointSlices list the replicas (me among them) and not its maker:
+        // that replica is gone for good. Young pods wait (a replica not listed yet).
+        let both: HashSet<String> = ["gw-a".into(), "gw-b".into()].into();
+        let without_b: HashSet<String> = ["gw-a".into()].into();
+        assert!(!is_leftover(
+            &theirs,
+            &me(),
+            now,
+            min,
+            &none_live,
+            Some(&both)
+        ));
+        assert!(is_leftover(
+            &theirs,
+            &me(),
+            now,
+            min,
+            &none_live,
+            Some(&without_b)
+        ));
+        let young_theirs = pod(
+            "gw-b",
+            "2026-11-23T11:58:00Z",
+            "2026-11-23T13:00:00Z",
+            "Running",
+        );
+        assert!(!is_leftover(
+            &young_theirs,
+            &me(),
+            now,
+            min,
+            &none_live,
+            Some(&without_b)
+        ));
         let expired = pod(
             "gw-b",
             "2026-11-23T10:00:00Z",
             "2026-11-23T11:30:00Z",
             "Running",
         );
-        assert!(is_leftover(&expired, &me(), now, min, &none_live));
+        assert!(is_leftover(&expired, &me(), now, min, &none_live, None));
         // Finished: once old enough.
         let done = pod(
             "gw-b",
@@ -250,13 +321,13 @@ mod tests {
             "2026-11-23T13:00:00Z",
             "Failed",
         );
-        assert!(is_leftover(&done, &me(), now, min, &none_live));
+        assert!(is_leftover(&done, &me(), now, min, &none_live, None));
         let young = pod(
             "gw-b",
             "2026-11-23T11:58:00Z",
             "2026-11-23T11:59:00Z",
             "Failed",
         );
-        assert!(!is_leftover(&young, &me(), now, min, &none_live));
+        assert!(!is_leftover(&young, &me(), now, min, &none_live, None));
     }
 }

@@ -15,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::config::{KubernetesConfig, Profile};
+use super::error::KubeError;
 use super::pod::{self, Identity};
 use super::{KubeExecutor, Shared, pool, reaper};
 
@@ -65,6 +66,11 @@ impl KubeExecutor {
         mut self,
         replicas: Option<tokio::sync::watch::Receiver<Vec<String>>>,
     ) -> Self {
+        if replicas.is_some() {
+            self.shared
+                .leaves_sessions
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+        }
         self.replicas = replicas;
         self
     }
@@ -90,9 +96,11 @@ impl KubeExecutor {
         let client = kube::client::ClientBuilder::try_from(kube_config)?
             .with_layer(&super::backoff::retry_after_layer())
             .build();
-        let gateway = std::env::var("MCP_RUN_POD_NAME")
+        let pod_name = std::env::var("MCP_RUN_POD_NAME")
             .ok()
-            .filter(|s| !s.is_empty())
+            .filter(|s| !s.is_empty());
+        let in_pod = pod_name.is_some();
+        let gateway = pod_name
             .or_else(|| {
                 nix::unistd::gethostname()
                     .ok()
@@ -124,6 +132,7 @@ impl KubeExecutor {
                 deletions: TaskTracker::new(),
                 metrics,
                 ping_interval: Duration::from_secs(config.exec_ping_secs),
+                leaves_sessions: in_pod.into(),
             }),
             client,
             permits: Arc::new(Semaphore::new(config.max_concurrent_pods)),
@@ -147,6 +156,7 @@ impl KubeExecutor {
             pods: self.shared.pods.clone(),
             identity: self.shared.identity.clone(),
             min_age: Duration::from_secs(self.config.reaper_min_age_secs),
+            replicas: self.replicas.clone(),
         };
         let live = self.shared.clone();
         let is_live = move |name: &str| live.live.lock().map(|l| l.contains(name)).unwrap_or(true);
@@ -202,7 +212,7 @@ impl KubeExecutor {
     /// SelfSubjectAccessReview for everything the backend calls; logs exactly what is
     /// missing. Returns the missing permissions, or why they could not be checked (then
     /// nothing is logged as checked, and `/readyz` asks again).
-    pub(super) async fn check_permissions(&self) -> Result<Vec<String>, String> {
+    pub(super) async fn check_permissions(&self) -> Result<Vec<String>, KubeError> {
         let ns = self.shared.namespace.clone();
         // Exec over WebSocket is authorized as `get` pods/exec, and from Kubernetes 1.35 as
         // `create` too. The warm pool claims pods with `patch`.
@@ -268,14 +278,18 @@ impl KubeExecutor {
                 }
                 Err(e) => {
                     let why = match e {
-                        super::backoff::Failure::Unreachable(why) => format!(
-                            "the Kubernetes API server at {} is not reachable: {why}",
-                            self.shared.server
-                        ),
-                        super::backoff::Failure::OutOfTime { attempts, last } => {
-                            format!("no answer in {attempts} attempts: {last}")
+                        super::backoff::Failure::Unreachable(why) => {
+                            KubeError::ApiServerUnreachable {
+                                server: self.shared.server.clone(),
+                                why,
+                            }
                         }
-                        super::backoff::Failure::Api(e) => super::backoff::describe(&e),
+                        super::backoff::Failure::OutOfTime { attempts, last } => {
+                            KubeError::NoAnswer { attempts, last }
+                        }
+                        super::backoff::Failure::Api(e) => {
+                            KubeError::Refused(super::backoff::describe(&e))
+                        }
                     };
                     // Unknown, not granted: `/readyz` checks again.
                     tracing::error!(

@@ -15,20 +15,18 @@ use tokio_util::sync::CancellationToken;
 
 use super::backoff::{self, Budget, EXEC_UPGRADE_TIMEOUT, Failure, WatchEnd};
 use super::config::Profile;
+use super::error::KubeError;
+use super::error::api_error;
 use super::guard::{PodGuard, Timings};
 use super::pod::{self, CONTAINER, LABEL_GATEWAY, LABEL_INSTANCE};
 use super::status::{self, PodState, Waiting};
 use super::stream::{Input, supervise};
 use super::{DEADLINE_MARGIN_SECS, KubeExecutor};
-use crate::contract::{ErrorBody, ErrorCode, Phase, RunContext};
+use crate::contract::{ErrorBody, Phase, RunContext};
 use crate::exec::{EVENT_BUFFER, ExecSpec, Execution, Progress, StartOptions};
 
 /// One pod create call may take this long before it is retried.
 const CREATE_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(10);
-
-fn shutting_down() -> ErrorBody {
-    ErrorBody::new(ErrorCode::ShuttingDown, "the gateway is shutting down")
-}
 
 /// A pod whose runner container runs, ready for the command.
 struct RunningPod {
@@ -107,7 +105,7 @@ impl KubeExecutor {
         let guard = PodGuard::arm(self.shared.clone(), name.clone(), permit);
         let created = tokio::select! {
             r = self.create(&manifest, budget_end) => r?,
-            _ = opts.cancel.cancelled() => return Err(shutting_down()),
+            _ = opts.cancel.cancelled() => return Err(KubeError::ShuttingDown.into()),
         };
         timings.mark("created");
         opts.progress
@@ -116,7 +114,7 @@ impl KubeExecutor {
 
         let node = tokio::select! {
             r = self.wait_running(created, budget_end, start_timeout, &mut timings, &opts.progress) => r?,
-            _ = opts.cancel.cancelled() => return Err(shutting_down()),
+            _ = opts.cancel.cancelled() => return Err(KubeError::ShuttingDown.into()),
         };
         self.shared.metrics.observe_pod_start(timings.since_start());
         let pod = RunningPod {
@@ -145,7 +143,7 @@ impl KubeExecutor {
         &self,
         budget_end: Instant,
         opts: &StartOptions,
-    ) -> Result<OwnedSemaphorePermit, ErrorBody> {
+    ) -> Result<OwnedSemaphorePermit, KubeError> {
         use std::sync::atomic::Ordering;
         if let Ok(permit) = self.permits.clone().try_acquire_owned() {
             return Ok(permit);
@@ -160,12 +158,7 @@ impl KubeExecutor {
         }
         let _leave = Leave(&self.queued);
         if ahead >= self.config.max_queued_runs {
-            return Err(ErrorBody::new(
-                ErrorCode::TooManyRequests,
-                format!(
-                    "{max} runner pods are running (kubernetes.max_concurrent_pods) and {ahead} runs wait for one (kubernetes.max_queued_runs); retry later"
-                ),
-            ));
+            return Err(KubeError::QueueFull { max, ahead });
         }
         opts.progress.report(
             Phase::Queued,
@@ -180,16 +173,10 @@ impl KubeExecutor {
                     tracing::debug!(waited_ms = queued_at.elapsed().as_millis() as u64, "pod slot after queueing");
                     Ok(permit)
                 }
-                Ok(Err(_)) => Err(shutting_down()),
-                Err(_) => Err(ErrorBody::new(
-                    ErrorCode::TooManyRequests,
-                    format!(
-                        "no pod slot became free within kubernetes.pod_start_timeout_secs ({}s queued; {max} runner pods at once, kubernetes.max_concurrent_pods); retry later",
-                        queued_at.elapsed().as_secs()
-                    ),
-                )),
+                Ok(Err(_)) => Err(KubeError::ShuttingDown),
+                Err(_) => Err(KubeError::NoSlot { queued_secs: queued_at.elapsed().as_secs(), max }),
             },
-            _ = opts.cancel.cancelled() => Err(shutting_down()),
+            _ = opts.cancel.cancelled() => Err(KubeError::ShuttingDown),
         }
     }
 
@@ -201,7 +188,7 @@ impl KubeExecutor {
         &self,
         manifest: &Pod,
         budget_end: Instant,
-    ) -> Result<Pod, ErrorBody> {
+    ) -> Result<Pod, KubeError> {
         let name = manifest.name_any();
         let mut attempts = 0u32;
         let budget = Budget {
@@ -236,11 +223,11 @@ impl KubeExecutor {
         .map_err(|f| self.start_error("cannot create the runner pod", f))
     }
 
-    fn start_error(&self, what: &str, f: Failure) -> ErrorBody {
+    fn start_error(&self, what: &str, f: Failure) -> KubeError {
         self.shared.start_error(what, f)
     }
 
-    fn unreachable(&self, what: &str, why: &str) -> ErrorBody {
+    fn unreachable(&self, what: &str, why: &str) -> KubeError {
         self.shared.unreachable(what, why)
     }
 
@@ -310,7 +297,7 @@ impl KubeExecutor {
             _ => None,
         };
         guard.timings = Some(timings);
-        exec_command(
+        Ok(exec_command(
             &self.shared,
             command,
             spec.executable,
@@ -321,19 +308,16 @@ impl KubeExecutor {
             budget_end,
             before_exit,
         )
-        .await
+        .await?)
     }
 
-    pub(super) fn profile(&self, name: &str) -> Result<&Profile, ErrorBody> {
-        self.profiles.get(name).ok_or_else(|| {
-            ErrorBody::new(
-                ErrorCode::UnknownProfile,
-                format!(
-                    "unknown profile {name:?}; configured profiles: {}",
-                    self.profiles.keys().cloned().collect::<Vec<_>>().join(", ")
-                ),
-            )
-        })
+    pub(super) fn profile(&self, name: &str) -> Result<&Profile, KubeError> {
+        self.profiles
+            .get(name)
+            .ok_or_else(|| KubeError::UnknownProfile {
+                name: name.to_owned(),
+                profiles: self.profiles.keys().cloned().collect::<Vec<_>>().join(", "),
+            })
     }
 
     /// Watches the pod (kube-runtime's `watch_object`: a watch, not polling, resumed from
@@ -347,7 +331,7 @@ impl KubeExecutor {
         start_timeout: Duration,
         timings: &mut Timings,
         progress: &Progress,
-    ) -> Result<String, ErrorBody> {
+    ) -> Result<String, KubeError> {
         let name = created.name_any();
         let mut watch = Watch {
             last: Waiting {
@@ -360,32 +344,22 @@ impl KubeExecutor {
             scheduled: false,
         };
         let timed_out = |last: &Waiting| match &last.problem {
-            Some(p) => ErrorBody::new(
-                p.code,
-                format!(
-                    "{} (still so after {}s, kubernetes.pod_start_timeout_secs)",
-                    p.message,
-                    start_timeout.as_secs()
-                ),
-            ),
-            None => ErrorBody::new(
-                ErrorCode::PodStartTimeout,
-                format!(
-                    "runner pod {name} was not running after {}s (kubernetes.pod_start_timeout_secs); last state: {}",
-                    start_timeout.as_secs(),
-                    last.what
-                ),
-            ),
+            Some(p) => KubeError::StillSo {
+                problem: p.clone(),
+                secs: start_timeout.as_secs(),
+            },
+            None => KubeError::NotRunning {
+                pod: name.clone(),
+                secs: start_timeout.as_secs(),
+                last: last.what.clone(),
+            },
         };
         if let Some(done) = watch.observe(&created, timings, progress) {
             return done;
         }
         let seen = backoff::watch_pod(&self.shared.pods, &name, budget_end, |pod| match pod {
             Some(p) => watch.observe(&p, timings, progress),
-            None => Some(Err(ErrorBody::new(
-                ErrorCode::PodFailed,
-                format!("runner pod {name} was deleted while it started"),
-            ))),
+            None => Some(Err(KubeError::DeletedWhileStarting(name.clone()))),
         })
         .await;
         match seen {
@@ -443,7 +417,7 @@ pub(super) async fn exec_command(
     context: RunContext,
     budget_end: Instant,
     before_exit: Option<SyncBack>,
-) -> Result<Execution, ErrorBody> {
+) -> Result<Execution, KubeError> {
     let name = guard.name.clone();
     let wants_stdin = command.wants_stdin(opts.stdin.is_some());
     let wrapped = command.header.is_some();
@@ -462,12 +436,7 @@ pub(super) async fn exec_command(
         ))
         .exec(&name, command.argv.clone(), &params)
     };
-    build().map_err(|e| {
-        ErrorBody::new(
-            ErrorCode::StartFailed,
-            format!("cannot build the exec request: {e}"),
-        )
-    })?;
+    build().map_err(|e| KubeError::ExecRequest(e.to_string()))?;
     // The upgrade gets at least one full attempt, even when the pod took most of the
     // start budget; 429/503/504 are retried within it (a 500 is the kubelet's answer).
     let budget = Budget {
@@ -487,7 +456,7 @@ pub(super) async fn exec_command(
     });
     let connection = tokio::select! {
         r = connect => r.map_err(|f| shared.start_error("cannot exec in the runner pod", f))?,
-        _ = opts.cancel.cancelled() => return Err(shutting_down()),
+        _ = opts.cancel.cancelled() => return Err(KubeError::ShuttingDown),
     };
     let can_close = connection.supports_stream_close();
     let mut guard = guard;
@@ -540,7 +509,7 @@ impl Watch {
         pod: &Pod,
         timings: &mut Timings,
         progress: &Progress,
-    ) -> Option<Result<String, ErrorBody>> {
+    ) -> Option<Result<String, KubeError>> {
         if !self.scheduled
             && let Some(node) = pod.spec.as_ref().and_then(|s| s.node_name.as_ref())
         {
@@ -554,7 +523,7 @@ impl Watch {
                 timings.mark("running");
                 Some(Ok(node))
             }
-            PodState::Failed(e) => Some(Err(e)),
+            PodState::Failed(e) => Some(Err(e.into())),
             PodState::Waiting(w) => {
                 // Scheduling → scheduled → pulling → starting: a phase is reported when it
                 // (or its detail) changes, never backwards past Scheduled.
@@ -573,52 +542,5 @@ impl Watch {
                 None
             }
         }
-    }
-}
-
-/// Maps a Kubernetes API failure before the stream started.
-pub(super) fn api_error(what: &str, e: &kube::Error) -> ErrorBody {
-    match e {
-        kube::Error::Api(s) => {
-            let code = match s.code {
-                400 | 422 => ErrorCode::ContainerConfigError,
-                401 | 403 | 404 | 409 => ErrorCode::StartFailed,
-                _ => ErrorCode::BackendUnavailable,
-            };
-            ErrorBody::new(
-                code,
-                format!("{what}: {} ({}, HTTP {})", s.message, s.reason, s.code),
-            )
-        }
-        other => ErrorBody::new(
-            ErrorCode::BackendUnavailable,
-            format!("{what}: {}", backoff::describe(other)),
-        ),
-    }
-}
-
-impl super::Shared {
-    /// The error of a call of the start path that failed for good.
-    pub(super) fn start_error(&self, what: &str, f: Failure) -> ErrorBody {
-        match f {
-            Failure::Api(e) => api_error(what, &e),
-            Failure::OutOfTime { attempts, last } => ErrorBody::new(
-                ErrorCode::BackendUnavailable,
-                format!(
-                    "{what} within kubernetes.pod_start_timeout_secs ({attempts} attempts): {last}"
-                ),
-            ),
-            Failure::Unreachable(why) => self.unreachable(what, &why),
-        }
-    }
-
-    pub(super) fn unreachable(&self, what: &str, why: &str) -> ErrorBody {
-        ErrorBody::new(
-            ErrorCode::BackendUnavailable,
-            format!(
-                "{what}: the Kubernetes API server at {} is not reachable: {why}",
-                self.server
-            ),
-        )
     }
 }

@@ -9,6 +9,48 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Status;
 
 use crate::contract::{ErrorBody, ErrorCode, Phase};
 
+/// Why a starting pod will not run (or, as [`Waiting::problem`], may not).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum PodProblem {
+    #[error("runner pod {0} is being deleted")]
+    Deleting(String),
+    /// The runner container stopped (`stopped`: its reason, exit code and message).
+    #[error(
+        "runner pod {name}: the runner container stopped: {stopped}; its keep-alive command must start and keep running"
+    )]
+    ContainerStopped { name: String, stopped: String },
+    /// The pod's phase is final (`how`: the phase and its reason).
+    #[error("runner pod {name} ended ({how}) before the command ran")]
+    Ended { name: String, how: String },
+    /// An image pull failed (`text`: the pod, the reason and the kubelet's message).
+    #[error("{0}")]
+    ImagePull(String),
+    /// The container as configured cannot start (the same words).
+    #[error("{0}")]
+    Config(String),
+    #[error("runner pod {name}: Unschedulable: {message}")]
+    Unschedulable { name: String, message: String },
+}
+
+impl PodProblem {
+    pub(crate) fn code(&self) -> ErrorCode {
+        match self {
+            PodProblem::Deleting(_) | PodProblem::Ended { .. } => ErrorCode::PodFailed,
+            PodProblem::ContainerStopped { .. } | PodProblem::Config(_) => {
+                ErrorCode::ContainerConfigError
+            }
+            PodProblem::ImagePull(_) => ErrorCode::ImagePullFailed,
+            PodProblem::Unschedulable { .. } => ErrorCode::Unschedulable,
+        }
+    }
+}
+
+impl From<PodProblem> for ErrorBody {
+    fn from(e: PodProblem) -> Self {
+        ErrorBody::new(e.code(), e.to_string())
+    }
+}
+
 /// Where a starting pod is.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum PodState {
@@ -17,7 +59,7 @@ pub(crate) enum PodState {
     /// The runner container is running on `node`.
     Running { node: String },
     /// It will never run: the error to report.
-    Failed(ErrorBody),
+    Failed(PodProblem),
 }
 
 /// A pod on its way: what it waits for, and what would be reported if the start timeout
@@ -30,7 +72,7 @@ pub(crate) struct Waiting {
     pub what: String,
     /// A condition that may still heal (Unschedulable while an autoscaler adds a node, an
     /// image pull failing transiently): the error if it has not healed by the timeout.
-    pub problem: Option<ErrorBody>,
+    pub problem: Option<PodProblem>,
 }
 
 impl Waiting {
@@ -42,7 +84,7 @@ impl Waiting {
         })
     }
 
-    fn troubled(phase: Phase, what: impl Into<String>, problem: ErrorBody) -> PodState {
+    fn troubled(phase: Phase, what: impl Into<String>, problem: PodProblem) -> PodState {
         PodState::Waiting(Waiting {
             phase,
             what: what.into(),
@@ -104,10 +146,7 @@ pub(crate) fn image_error_is_fatal(reason: &str, message: &str) -> bool {
 pub(crate) fn assess(pod: &Pod, container: &str) -> PodState {
     let name = pod.metadata.name.as_deref().unwrap_or("?");
     if pod.metadata.deletion_timestamp.is_some() {
-        return PodState::Failed(ErrorBody::new(
-            ErrorCode::PodFailed,
-            format!("runner pod {name} is being deleted"),
-        ));
+        return PodState::Failed(PodProblem::Deleting(name.to_owned()));
     }
     let Some(status) = &pod.status else {
         return Waiting::state(Phase::Scheduling, "the pod has no status yet");
@@ -122,10 +161,10 @@ pub(crate) fn assess(pod: &Pod, container: &str) -> PodState {
     // A container that ended says best why (StartError, ContainerCannotRun, a keep-alive
     // command missing from the image), even when the pod's phase already says Failed.
     if let Some(t) = state.and_then(|s| s.terminated.as_ref()) {
-        return PodState::Failed(ErrorBody::new(
-            ErrorCode::ContainerConfigError,
-            format!(
-                "runner pod {name}: the runner container stopped: {} (exit code {}){}; its keep-alive command must start and keep running",
+        return PodState::Failed(PodProblem::ContainerStopped {
+            name: name.to_owned(),
+            stopped: format!(
+                "{} (exit code {}){}",
                 t.reason.as_deref().unwrap_or("Terminated"),
                 t.exit_code,
                 t.message
@@ -133,7 +172,7 @@ pub(crate) fn assess(pod: &Pod, container: &str) -> PodState {
                     .map(|m| format!(": {}", m.trim()))
                     .unwrap_or_default()
             ),
-        ));
+        });
     }
     if matches!(phase, "Failed" | "Succeeded") {
         let why = [status.reason.as_deref(), status.message.as_deref()]
@@ -141,13 +180,10 @@ pub(crate) fn assess(pod: &Pod, container: &str) -> PodState {
             .flatten()
             .collect::<Vec<_>>()
             .join(": ");
-        return PodState::Failed(ErrorBody::new(
-            ErrorCode::PodFailed,
-            format!(
-                "runner pod {name} ended ({phase}{}{why}) before the command ran",
-                if why.is_empty() { "" } else { ": " }
-            ),
-        ));
+        return PodState::Failed(PodProblem::Ended {
+            name: name.to_owned(),
+            how: format!("{phase}{}{why}", if why.is_empty() { "" } else { ": " }),
+        });
     }
     let node = pod.spec.as_ref().and_then(|s| s.node_name.clone());
     if let Some(w) = state.and_then(|s| s.waiting.as_ref()) {
@@ -155,14 +191,14 @@ pub(crate) fn assess(pod: &Pod, container: &str) -> PodState {
         let message = w.message.as_deref().unwrap_or("");
         let text = format!("runner pod {name}: {reason}: {message}");
         if IMAGE_REASONS.contains(&reason) {
-            let e = ErrorBody::new(ErrorCode::ImagePullFailed, text.clone());
+            let e = PodProblem::ImagePull(text);
             if image_error_is_fatal(reason, message) {
                 return PodState::Failed(e);
             }
             return Waiting::troubled(Phase::PullingImage, format!("{reason}: {message}"), e);
         }
         if CONFIG_REASONS.contains(&reason) {
-            return PodState::Failed(ErrorBody::new(ErrorCode::ContainerConfigError, text));
+            return PodState::Failed(PodProblem::Config(text));
         }
         let image = cs.map(|c| c.image.as_str()).unwrap_or("");
         // The kubelet says ContainerCreating while it pulls the image and while it creates
@@ -206,10 +242,10 @@ pub(crate) fn assess(pod: &Pod, container: &str) -> PodState {
                 return Waiting::troubled(
                     Phase::Scheduling,
                     what,
-                    ErrorBody::new(
-                        ErrorCode::Unschedulable,
-                        format!("runner pod {name}: Unschedulable: {message}"),
-                    ),
+                    PodProblem::Unschedulable {
+                        name: name.to_owned(),
+                        message: message.to_owned(),
+                    },
                 );
             }
             return Waiting::state(Phase::Scheduling, what);
@@ -388,6 +424,7 @@ mod tests {
         ] {
             match assess(&waiting_pod(reason, message), "runner") {
                 PodState::Failed(e) => {
+                    let e = ErrorBody::from(e);
                     assert_eq!(e.code, code, "{reason}");
                     assert!(
                         e.message.contains(reason) && e.message.contains("nope:1"),
@@ -412,7 +449,7 @@ mod tests {
             match assess(&waiting_pod(reason, message), "runner") {
                 PodState::Waiting(w) => {
                     assert_eq!(w.phase, Phase::PullingImage);
-                    let p = w.problem.expect("reported if it does not heal");
+                    let p = ErrorBody::from(w.problem.expect("reported if it does not heal"));
                     assert_eq!(p.code, ErrorCode::ImagePullFailed);
                     assert!(p.message.contains(reason), "{}", p.message);
                 }
@@ -440,7 +477,7 @@ mod tests {
             PodState::Waiting(w) => {
                 assert_eq!(w.phase, Phase::Scheduling);
                 assert!(w.what.contains("big-1"), "{}", w.what);
-                let e = w.problem.unwrap();
+                let e = ErrorBody::from(w.problem.unwrap());
                 assert_eq!(e.code, ErrorCode::Unschedulable);
                 assert!(e.message.contains("Insufficient cpu"));
             }
@@ -451,7 +488,7 @@ mod tests {
             "status": {"phase": "Failed", "reason": "DeadlineExceeded", "message": "Pod was active on the node longer than the specified deadline"}
         }));
         assert!(
-            matches!(assess(&p, "runner"), PodState::Failed(e) if e.code == ErrorCode::PodFailed && e.message.contains("DeadlineExceeded"))
+            matches!(assess(&p, "runner"), PodState::Failed(e) if e.code() == ErrorCode::PodFailed && e.to_string().contains("DeadlineExceeded"))
         );
         let p = pod(serde_json::json!({
             "metadata": {"name": "p"},
@@ -459,7 +496,7 @@ mod tests {
             "status": {"phase": "Running", "containerStatuses": [{"name": "runner", "image": "i", "imageID": "", "ready": false, "restartCount": 0, "state": {"terminated": {"exitCode": 127, "reason": "Error", "message": "sleep: not found"}}}]}
         }));
         assert!(
-            matches!(assess(&p, "runner"), PodState::Failed(e) if e.code == ErrorCode::ContainerConfigError && e.message.contains("keep-alive"))
+            matches!(assess(&p, "runner"), PodState::Failed(e) if e.code() == ErrorCode::ContainerConfigError && e.to_string().contains("keep-alive"))
         );
         // A container that never started: the runtime's reason and message, even once the
         // pod's phase is Failed.
@@ -470,6 +507,7 @@ mod tests {
         }));
         match assess(&p, "runner") {
             PodState::Failed(e) => {
+                let e = ErrorBody::from(e);
                 assert_eq!(e.code, ErrorCode::ContainerConfigError);
                 assert!(
                     e.message.contains("StartError")

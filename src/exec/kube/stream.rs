@@ -422,7 +422,7 @@ pub(super) fn fate(p: &k8s_openapi::api::core::v1::Pod) -> Option<String> {
         return Some(format!("runner pod {name} was deleted"));
     }
     match status::assess(p, CONTAINER) {
-        PodState::Failed(e) => Some(e.message),
+        PodState::Failed(e) => Some(e.to_string()),
         _ => None,
     }
 }

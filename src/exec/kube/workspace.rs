@@ -19,23 +19,19 @@ use tokio_util::sync::CancellationToken;
 
 use super::Shared;
 use super::config::Profile;
+use super::error::KubeError;
 use super::pod::CONTAINER;
-use crate::contract::{ChangedFile, ErrorBody, ErrorCode, Event};
+use crate::contract::{ChangedFile, ErrorBody, Event};
 use crate::workspace::WorkspaceRun;
 
 /// The most of `tar`'s stderr kept for an error message.
 const MAX_STDERR: u64 = 16 * 1024;
 
 /// The profile's workspace path, or why it takes no workspace.
-pub(super) fn workspace_path<'a>(profile_name: &str, p: &'a Profile) -> Result<&'a str, ErrorBody> {
-    p.workspace_path.as_deref().ok_or_else(|| {
-        ErrorBody::new(
-            ErrorCode::InvalidRequest,
-            format!(
-                "profile {profile_name:?} takes no workspace: set profiles.{profile_name}.workspace_path (docs/workspaces.md)"
-            ),
-        )
-    })
+pub(super) fn workspace_path<'a>(profile_name: &str, p: &'a Profile) -> Result<&'a str, KubeError> {
+    p.workspace_path
+        .as_deref()
+        .ok_or_else(|| KubeError::NoWorkspacePath(profile_name.to_owned()))
 }
 
 impl Shared {
@@ -50,11 +46,13 @@ impl Shared {
         cancel: &CancellationToken,
     ) -> Result<String, ErrorBody> {
         let pin = run.store.pin(&run.workspace)?;
-        let failed = |m: String| {
-            ErrorBody::new(
-                ErrorCode::StartFailed,
-                format!("cannot write the workspace into runner pod {pod} at {path}: {m}"),
-            )
+        let failed = |why: String| -> ErrorBody {
+            KubeError::PlaceWorkspace {
+                pod: pod.to_owned(),
+                path: path.to_owned(),
+                why,
+            }
+            .into()
         };
         let (tx, rx) = tokio::sync::mpsc::channel::<std::io::Result<bytes::Bytes>>(4);
         let producer_run = run.clone();
@@ -79,9 +77,7 @@ impl Shared {
             fed,
             ..
         } = fed.map_err(|e| match e {
-            FedError::Cancelled => {
-                ErrorBody::new(ErrorCode::ShuttingDown, "the gateway is shutting down")
-            }
+            FedError::Cancelled => KubeError::ShuttingDown.into(),
             FedError::Exec(e) => failed(format!("cannot exec tar: {e}")),
         })?;
         let ok = status.as_ref().and_then(|s| s.status.as_deref()) == Some("Success");
@@ -97,7 +93,7 @@ impl Shared {
             return Err(failed(format!("{}{hint}: {}", why.trim(), err_text.trim())));
         }
         if let Err(e) = fed {
-            return Err(failed(e));
+            return Err(failed(e.to_string()));
         }
         if let Err(e) = produced {
             return Err(failed(format!("reading the cache: {e}")));
@@ -120,7 +116,20 @@ pub(super) struct Fed {
     pub(super) stdout: Vec<u8>,
     pub(super) stdout_cut: bool,
     /// Whether the whole input was sent, or why not.
-    pub(super) fed: Result<(), String>,
+    pub(super) fed: Result<(), FeedError>,
+}
+
+/// Why an exec's input was not all sent.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum FeedError {
+    #[error("reading the cache: {0}")]
+    Cache(std::io::Error),
+    #[error("writing to stdin: {0}")]
+    Write(tokio_tungstenite::tungstenite::Error),
+    #[error("closing stdin: {0}")]
+    Close(tokio_tungstenite::tungstenite::Error),
+    #[error("it ended before it read all of its input")]
+    Unread,
 }
 
 pub(super) enum FedError {
@@ -201,17 +210,17 @@ impl Shared {
         };
         let feed = async {
             while let Some(chunk) = input.recv().await {
-                let chunk = chunk.map_err(|e| format!("reading the cache: {e}"))?;
+                let chunk = chunk.map_err(FeedError::Cache)?;
                 sink.send(frame(STDIN, &chunk))
                     .await
-                    .map_err(|e| format!("writing to stdin: {e}"))?;
+                    .map_err(FeedError::Write)?;
             }
             if can_close {
                 sink.send(Message::Binary(vec![CLOSE, STDIN].into()))
                     .await
-                    .map_err(|e| format!("closing stdin: {e}"))?;
+                    .map_err(FeedError::Close)?;
             }
-            Ok::<_, String>(())
+            Ok::<_, FeedError>(())
         };
         let read = async {
             let (mut status, mut stderr) = (None, Vec::new());
@@ -253,7 +262,7 @@ impl Shared {
                 _ = cancel.cancelled() => return Err(FedError::Cancelled),
             }
         };
-        let fed = fed.unwrap_or_else(|| Err("it ended before it read all of its input".to_owned()));
+        let fed = fed.unwrap_or(Err(FeedError::Unread));
         Ok(Fed {
             status,
             stderr,

@@ -19,7 +19,8 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use futures_util::future::BoxFuture;
 
-use crate::contract::{ErrorBody, ErrorCode, RunContext};
+use super::LocalError;
+use crate::contract::{ErrorBody, RunContext};
 use crate::exec::{ExecSpec, Execution, Gone, KeptRunner, Progress, StartOptions};
 
 /// The budget and its bound (`workspaces.max_local_inodes`).
@@ -46,7 +47,7 @@ struct Held {
 impl SessionBudget {
     /// The share of the session in `dir` (just made): refused when the budget has no room
     /// for even its empty directories.
-    pub(super) fn open(dir: PathBuf, pool: Option<Pool>) -> Result<Arc<Self>, ErrorBody> {
+    pub(super) fn open(dir: PathBuf, pool: Option<Pool>) -> Result<Arc<Self>, LocalError> {
         let me = Arc::new(Self {
             dir,
             pool,
@@ -60,7 +61,7 @@ impl SessionBudget {
 
     /// Before a call: the last count is within what the session holds, or the budget gives
     /// the rest now.
-    pub(super) fn check(&self) -> Result<(), ErrorBody> {
+    pub(super) fn check(&self) -> Result<(), LocalError> {
         let Some(pool) = &self.pool else {
             return Ok(());
         };
@@ -71,23 +72,11 @@ impl SessionBudget {
         }
         let n = held.counted;
         if n > pool.max {
-            return Err(ErrorBody::new(
-                ErrorCode::PayloadTooLarge,
-                format!(
-                    "the session's directory holds {n} files and directories, more than the {} this gateway's runs and sessions may hold at once (workspaces.max_local_inodes): end the session",
-                    pool.max
-                ),
-            ));
+            return Err(LocalError::SessionTooLarge { n, max: pool.max });
         }
         match grow(pool, &mut held.permit, n - have) {
             true => Ok(()),
-            false => Err(ErrorBody::new(
-                ErrorCode::TooManyRequests,
-                format!(
-                    "the session's directory holds {n} files and directories, and runs in progress and other sessions hold the rest of the {} this gateway allows at once (workspaces.max_local_inodes): retry when they end, or end the session",
-                    pool.max
-                ),
-            )),
+            false => Err(LocalError::SessionBudgetFull { n, max: pool.max }),
         }
     }
 
@@ -179,7 +168,7 @@ impl Budgeted {
     pub(super) fn new(
         inner: super::kept::LocalKept,
         pool: Option<Pool>,
-    ) -> Result<Self, ErrorBody> {
+    ) -> Result<Self, LocalError> {
         let budget = match SessionBudget::open(inner.dir().to_owned(), pool) {
             Ok(b) => b,
             Err(e) => {
@@ -252,6 +241,7 @@ impl KeptRunner for Budgeted {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::contract::ErrorCode;
 
     #[test]
     fn a_session_holds_what_its_directory_holds_and_gives_it_back() {
@@ -275,7 +265,7 @@ mod tests {
             std::fs::write(dir.path().join(format!("f{i}")), "x").unwrap();
         }
         s.settle(count(dir.path()));
-        let e = s.check().unwrap_err();
+        let e = ErrorBody::from(s.check().unwrap_err());
         assert_eq!(e.code, ErrorCode::TooManyRequests, "{}", e.message);
         assert!(
             e.message.contains("workspaces.max_local_inodes"),
@@ -290,7 +280,10 @@ mod tests {
             std::fs::write(dir.path().join(format!("f{i}")), "x").unwrap();
         }
         s.settle(count(dir.path()));
-        assert_eq!(s.check().unwrap_err().code, ErrorCode::PayloadTooLarge);
+        assert_eq!(
+            ErrorBody::from(s.check().unwrap_err()).code,
+            ErrorCode::PayloadTooLarge
+        );
         // Files removed: the share shrinks.
         for i in 0..12 {
             std::fs::remove_file(dir.path().join(format!("f{i}"))).unwrap();

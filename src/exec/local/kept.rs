@@ -15,8 +15,8 @@ use std::sync::{Arc, Mutex};
 use futures_util::future::BoxFuture;
 use tokio::sync::mpsc;
 
-use super::LocalExecutor;
-use crate::contract::{ErrorBody, ErrorCode, Event, RunContext};
+use super::{LocalError, LocalExecutor};
+use crate::contract::{ErrorBody, Event, RunContext};
 use crate::exec::{EVENT_BUFFER, ExecSpec, Execution, KeptRunner, StartOptions};
 use crate::workspace::kept::KeptTree;
 
@@ -67,17 +67,12 @@ fn sweep(base: &std::path::Path) {
 
 impl LocalExecutor {
     /// A new kept runner: a fresh private directory.
-    pub(super) fn keep_local(&self) -> Result<LocalKept, ErrorBody> {
+    pub(super) fn keep_local(&self) -> Result<LocalKept, LocalError> {
         use std::os::unix::fs::DirBuilderExt as _;
         let base = base();
-        let failed = |e: std::io::Error| {
-            ErrorBody::new(
-                ErrorCode::StartFailed,
-                format!(
-                    "cannot make the session's directory in {}: {e}",
-                    base.display()
-                ),
-            )
+        let failed = |source| LocalError::SessionDir {
+            base: base.clone(),
+            source,
         };
         std::fs::DirBuilder::new()
             .recursive(true)
@@ -137,14 +132,19 @@ impl KeptRunner for LocalKept {
         Box::pin(async move {
             let cancel = opts.cancel.child_token();
             if !spec.env.contains_key("TMPDIR") {
-                let tmp = self.tmp.to_str().ok_or_else(not_utf8)?;
+                let tmp = self.tmp.to_str().ok_or(LocalError::SessionNotUtf8)?;
                 spec.env.insert("TMPDIR".into(), tmp.to_owned());
             }
             let Some(run) = spec.workspace.take() else {
                 if spec.cwd.is_none() {
-                    spec.cwd = Some(self.work.to_str().ok_or_else(not_utf8)?.to_owned());
+                    spec.cwd = Some(
+                        self.work
+                            .to_str()
+                            .ok_or(LocalError::SessionNotUtf8)?
+                            .to_owned(),
+                    );
                 }
-                return self.spawner.spawn(&spec, cancel, opts.stdin, None);
+                return Ok(self.spawner.spawn(&spec, cancel, opts.stdin, None)?);
             };
             if sync_tree {
                 let tree = self.tree.clone();
@@ -154,7 +154,7 @@ impl KeptRunner for LocalKept {
                     tree.sync(&r)
                 })
                 .await
-                .map_err(|e| ErrorBody::new(ErrorCode::Internal, format!("sync failed: {e}")))??;
+                .map_err(LocalError::Syncing)??;
                 tracing::debug!(
                     workspace = run.workspace.id,
                     kept = stats.kept,
@@ -164,7 +164,11 @@ impl KeptRunner for LocalKept {
                 );
             }
             let cwd = self.work.join(&run.cwd);
-            spec.cwd = Some(cwd.to_str().map(str::to_owned).ok_or_else(not_utf8)?);
+            spec.cwd = Some(
+                cwd.to_str()
+                    .map(str::to_owned)
+                    .ok_or(LocalError::SessionNotUtf8)?,
+            );
             let inner = self
                 .spawner
                 .spawn(&spec, cancel.clone(), opts.stdin, None)?;
@@ -203,13 +207,6 @@ impl KeptRunner for LocalKept {
                 .await;
         })
     }
-}
-
-fn not_utf8() -> ErrorBody {
-    ErrorBody::new(
-        ErrorCode::StartFailed,
-        "the session's directory is not valid UTF-8 (TMPDIR)",
-    )
 }
 
 /// Passes `inner`'s events on under `context`; with a sync-back, reports the changed files

@@ -220,9 +220,9 @@ async fn relay_changes(
                 let stored = match &rules {
                     Ok(rules) => match rules.check(&f) {
                         Ok(()) => store_result(&client, &run, &f).await,
-                        Err(why) => Err(ErrorBody::new(ErrorCode::ProtocolError, why)),
+                        Err(why) => Err(ErrorBody::new(ErrorCode::ProtocolError, why.to_string())),
                     },
-                    Err(e) => Err(ErrorBody::new(ErrorCode::InvalidRequest, e.clone())),
+                    Err(e) => Err(ErrorBody::new(ErrorCode::InvalidRequest, e.to_string())),
                 };
                 match stored {
                     Ok(()) => kept.push(ChangedFile {

@@ -56,15 +56,6 @@ impl Identity {
             self.instance
         )
     }
-
-    /// The label selector of the runner pods this gateway (or its previous run) created.
-    pub(crate) fn gateway_selector(&self) -> String {
-        format!(
-            "{},{LABEL_GATEWAY}={}",
-            self.instance_selector(),
-            self.gateway
-        )
-    }
 }
 
 /// Turns a host or pod name into a label value (at most 63 characters, alphanumeric ends).
