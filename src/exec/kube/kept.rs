@@ -539,6 +539,15 @@ impl KubeKept {
     }
 
     /// Reads the pod again (after a conflict).
+    /// Reads the pod when the fate watch has not reported it yet (just made, a loaded
+    /// machine): holds are judged and given back by what was seen, and an unseen pod would
+    /// look unheld (an unconditional take) and its opening hold never given back.
+    async fn seen_once(&self) {
+        if lock(&self.seen).rv.is_none() {
+            let _ = self.refresh().await;
+        }
+    }
+
     async fn refresh(&self) -> Result<(), ErrorBody> {
         self.shared.throttle.acquire().await;
         match self.shared.pods.get(&self.name).await {
@@ -823,6 +832,7 @@ impl KeptRunner for KubeKept {
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
                 + 1;
             let hold = format!("{}-{n}", self.id);
+            self.seen_once().await;
             let mut queued = false;
             loop {
                 let changed = self.changed.notified();
@@ -913,6 +923,7 @@ impl KeptRunner for KubeKept {
     fn end_call(&self, hold: Option<String>) -> BoxFuture<'_, ()> {
         Box::pin(async move {
             let Some(hold) = hold else { return };
+            self.seen_once().await;
             for _ in 0..8 {
                 let rv = {
                     let s = lock(&self.seen);
@@ -988,6 +999,7 @@ impl KeptRunner for KubeKept {
             if !self.shared_session || !leaves || lock(&self.lost).is_some() {
                 return false;
             }
+            self.seen_once().await;
             let (over, hold) = {
                 let s = lock(&self.seen);
                 let now = k8s_openapi::jiff::Timestamp::now();
