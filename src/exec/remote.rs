@@ -78,6 +78,60 @@ pub enum SetupError {
 
 const URL_HINT: &str = "it must be a full URL such as http://127.0.0.1:8080/raw";
 
+/// Why a call to the upstream gateway failed on this side. What the upstream itself
+/// answers (its error body, an `error` event) is relayed as the `ErrorBody` it is.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum RemoteError {
+    /// `chain`: the error and its causes; `retry`: nothing was sent (no connection), so a
+    /// retry cannot run the command twice.
+    #[error("cannot reach the gateway at {url}: {chain}")]
+    Unreachable {
+        url: String,
+        chain: String,
+        retry: bool,
+    },
+    #[error("the gateway's answer from {url} is not what was expected: {source}")]
+    BadAnswer {
+        url: String,
+        source: serde_json::Error,
+    },
+    #[error("cannot encode the request: {0}")]
+    Encode(serde_json::Error),
+    #[error("cancelled")]
+    Cancelled,
+    /// The first event (Debug).
+    #[error("the gateway's stream did not begin with `started` but with {0}")]
+    NotStarted(String),
+    #[error("an event line from the gateway is too long")]
+    LineTooLong,
+    #[error("the gateway's stream ended mid-line")]
+    MidLine,
+    #[error("the connection to the gateway broke: {0}")]
+    Broke(String),
+    #[error("malformed event from the gateway: {0}")]
+    Malformed(String),
+}
+
+impl From<RemoteError> for ErrorBody {
+    fn from(e: RemoteError) -> Self {
+        let code = match e {
+            RemoteError::Unreachable { retry, .. } => {
+                let err = ErrorBody::new(ErrorCode::GatewayUnreachable, e.to_string());
+                return if retry { err.retry_after(1) } else { err };
+            }
+            RemoteError::Encode(_) => ErrorCode::InvalidRequest,
+            RemoteError::Cancelled => ErrorCode::ShuttingDown,
+            RemoteError::BadAnswer { .. }
+            | RemoteError::NotStarted(_)
+            | RemoteError::LineTooLong
+            | RemoteError::MidLine
+            | RemoteError::Broke(_)
+            | RemoteError::Malformed(_) => ErrorCode::ProtocolError,
+        };
+        ErrorBody::new(code, e.to_string())
+    }
+}
+
 /// Checks that `server` is a full `http(s)://host[:port]/path` URL.
 pub(crate) fn parse_server_url(server: &str) -> Result<reqwest::Url, SetupError> {
     let url = reqwest::Url::parse(server).map_err(|e| SetupError::Unparsable {
@@ -177,11 +231,10 @@ impl RemoteExecutor {
         if let Some(token) = &self.token {
             builder = builder.bearer_auth(token);
         }
-        let resp = builder.send().await.map_err(|e| {
-            ErrorBody::new(
-                ErrorCode::GatewayUnreachable,
-                format!("cannot reach the gateway at {url}: {}", error_chain(&e)),
-            )
+        let resp = builder.send().await.map_err(|e| RemoteError::Unreachable {
+            url: url.to_string(),
+            chain: error_chain(&e),
+            retry: false,
         })?;
         let status = resp.status();
         let body = resp.text().await.unwrap_or_default();
@@ -191,11 +244,12 @@ impl RemoteExecutor {
         if status == reqwest::StatusCode::NO_CONTENT {
             return Ok(None);
         }
-        serde_json::from_str(&body).map(Some).map_err(|e| {
-            ErrorBody::new(
-                ErrorCode::ProtocolError,
-                format!("the gateway's answer from {url} is not what was expected: {e}"),
-            )
+        serde_json::from_str(&body).map(Some).map_err(|source| {
+            RemoteError::BadAnswer {
+                url: url.to_string(),
+                source,
+            }
+            .into()
         })
     }
 
@@ -236,12 +290,7 @@ impl RemoteExecutor {
             progress,
             stdin,
         } = opts;
-        let mut head = serde_json::to_vec(req).map_err(|e| {
-            ErrorBody::new(
-                ErrorCode::InvalidRequest,
-                format!("cannot encode the request: {e}"),
-            )
-        })?;
+        let mut head = serde_json::to_vec(req).map_err(RemoteError::Encode)?;
         let mut builder = self
             .client
             .post(self.url.clone())
@@ -273,16 +322,14 @@ impl RemoteExecutor {
             builder = builder.bearer_auth(token);
         }
         let resp = tokio::select! {
-            r = builder.send() => r.map_err(|e| {
-                let err = ErrorBody::new(
-                    ErrorCode::GatewayUnreachable,
-                    format!("cannot reach the gateway at {}: {}", self.url, error_chain(&e)),
-                );
-                // No connection, so nothing was sent: a retry cannot run the command twice
-                // (one that timed out already waited long enough).
-                if e.is_connect() && !e.is_timeout() { err.retry_after(1) } else { err }
+            r = builder.send() => r.map_err(|e| RemoteError::Unreachable {
+                url: self.url.to_string(),
+                chain: error_chain(&e),
+                // No connection, so nothing was sent (one that timed out already waited
+                // long enough).
+                retry: e.is_connect() && !e.is_timeout(),
             })?,
-            _ = cancel.cancelled() => return Err(ErrorBody::new(ErrorCode::ShuttingDown, "cancelled")),
+            _ = cancel.cancelled() => return Err(RemoteError::Cancelled.into()),
         };
         let status = resp.status();
         if !status.is_success() {
@@ -305,22 +352,18 @@ impl RemoteExecutor {
         let context = loop {
             let next = tokio::select! {
                 n = lines.next() => n,
-                _ = cancel.cancelled() => return Err(ErrorBody::new(ErrorCode::ShuttingDown, "cancelled")),
+                _ = cancel.cancelled() => return Err(RemoteError::Cancelled.into()),
             };
             match next {
                 Ok(Some(Event::Started { context })) => break context,
                 Ok(Some(Event::Phase { phase, message })) => progress.report(phase, message),
                 Ok(Some(Event::Keepalive | Event::Unknown)) => {}
+                // The upstream's own error: relayed as it is.
                 Ok(Some(Event::Error { code, message })) => {
                     return Err(ErrorBody::new(code, message));
                 }
                 Ok(other) => {
-                    return Err(ErrorBody::new(
-                        ErrorCode::ProtocolError,
-                        format!(
-                            "the gateway's stream did not begin with `started` but with {other:?}"
-                        ),
-                    ));
+                    return Err(RemoteError::NotStarted(format!("{other:?}")).into());
                 }
                 Err(e) => return Err(e),
             }
@@ -391,16 +434,10 @@ impl Lines {
                 Some(Ok(line)) => line,
                 None => return Ok(None),
                 Some(Err(LineError::TooLong(_))) => {
-                    return Err(ErrorBody::new(
-                        ErrorCode::ProtocolError,
-                        "an event line from the gateway is too long",
-                    ));
+                    return Err(RemoteError::LineTooLong.into());
                 }
                 Some(Err(LineError::Unterminated(_))) => {
-                    return Err(ErrorBody::new(
-                        ErrorCode::ProtocolError,
-                        "the gateway's stream ended mid-line",
-                    ));
+                    return Err(RemoteError::MidLine.into());
                 }
                 Some(Err(LineError::Io(e))) => {
                     // The reqwest error inside: its message and causes, as before the wrapping.
@@ -408,21 +445,15 @@ impl Lines {
                         Some(inner) => error_chain(inner),
                         None => error_chain(&e),
                     };
-                    return Err(ErrorBody::new(
-                        ErrorCode::ProtocolError,
-                        format!("the connection to the gateway broke: {chain}"),
-                    ));
+                    return Err(RemoteError::Broke(chain).into());
                 }
             };
             if line.iter().all(u8::is_ascii_whitespace) {
                 continue;
             }
-            return Event::from_line_mut(line).map(Some).map_err(|e| {
-                ErrorBody::new(
-                    ErrorCode::ProtocolError,
-                    format!("malformed event from the gateway: {e}"),
-                )
-            });
+            return Event::from_line_mut(line)
+                .map(Some)
+                .map_err(|e| RemoteError::Malformed(e.to_string()).into());
         }
     }
 }

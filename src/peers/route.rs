@@ -87,14 +87,35 @@ fn encode_caller(caller: &Caller) -> HeaderValue {
     HeaderValue::from_str(&crate::workspace::hex(&json)).unwrap_or(HeaderValue::from_static(""))
 }
 
+/// Why a request could not be routed to the caller's home replica.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum RouteError {
+    #[error("a forwarded request needs a valid {CALLER_HEADER} header")]
+    BadCallerHeader,
+    #[error(
+        "replica {tag} of this gateway, which holds this caller's workspaces and sessions, did not answer ({why}); retry: the next replica takes over (its workspaces are posted again, its sessions start afresh)"
+    )]
+    HomeGone { tag: String, why: String },
+    #[error("cannot relay the answer: {0}")]
+    Relay(axum::http::Error),
+}
+
+impl From<RouteError> for ErrorBody {
+    fn from(e: RouteError) -> Self {
+        let code = match e {
+            RouteError::BadCallerHeader => ErrorCode::InvalidRequest,
+            RouteError::HomeGone { .. } => {
+                return ErrorBody::new(ErrorCode::BackendUnavailable, e.to_string()).retry_after(1);
+            }
+            RouteError::Relay(_) => ErrorCode::Internal,
+        };
+        ErrorBody::new(code, e.to_string())
+    }
+}
+
 /// The caller a forwarded request acts for, from its headers.
 pub(crate) fn decode_caller(headers: &HeaderMap) -> Result<Caller, ErrorBody> {
-    let bad = || {
-        ErrorBody::new(
-            ErrorCode::InvalidRequest,
-            format!("a forwarded request needs a valid {CALLER_HEADER} header"),
-        )
-    };
+    let bad = || ErrorBody::from(RouteError::BadCallerHeader);
     let text = headers
         .get(CALLER_HEADER)
         .and_then(|v| v.to_str().ok())
@@ -215,13 +236,11 @@ impl Peers {
 
     /// The error of a home that does not answer.
     fn home_gone(tag: &str, why: &str) -> ErrorBody {
-        ErrorBody::new(
-            ErrorCode::BackendUnavailable,
-            format!(
-                "replica {tag} of this gateway, which holds this caller's workspaces and sessions, did not answer ({why}); retry: the next replica takes over (its workspaces are posted again, its sessions start afresh)"
-            ),
-        )
-        .retry_after(1)
+        RouteError::HomeGone {
+            tag: tag.to_owned(),
+            why: why.to_owned(),
+        }
+        .into()
     }
 
     /// Starts `req` on the replica tagged `tag` as `caller`: its events stream back as the
@@ -332,10 +351,7 @@ impl Peers {
         }
         Ok(answer
             .body(Body::from_stream(resp.bytes_stream()))
-            .unwrap_or_else(|e| {
-                ErrorBody::new(ErrorCode::Internal, format!("cannot relay the answer: {e}"))
-                    .into_response()
-            }))
+            .unwrap_or_else(|e| ErrorBody::from(RouteError::Relay(e)).into_response()))
     }
 
     /// A bodiless request (`GET /sessions`, `DELETE /sessions/{name}`) for `caller`'s state,

@@ -42,7 +42,46 @@ pub struct Synced {
     pub uploaded_bytes: u64,
 }
 
-fn unreachable(url: &reqwest::Url, e: &reqwest::Error) -> ErrorBody {
+/// Why sending a workspace failed on this side (what the gateway answers is relayed as its
+/// `ErrorBody`).
+#[derive(Debug, thiserror::Error)]
+enum SendError {
+    /// `chain`: the error and its causes.
+    #[error("cannot reach the gateway at {url}: {chain}")]
+    Unreachable { url: String, chain: String },
+    #[error("the gateway asked for {0}, which is not in the manifest")]
+    NotInManifest(String),
+    /// `what`: the request answered.
+    #[error("invalid answer to {what}: {source}")]
+    BadAnswer {
+        what: &'static str,
+        source: AnswerError,
+    },
+    #[error("{0}")]
+    Encode(serde_json::Error),
+    #[error("{0}")]
+    Compress(std::io::Error),
+    #[error("{0}")]
+    Join(tokio::task::JoinError),
+    #[error("cannot read a workspace file: {0}")]
+    ReadFile(std::io::Error),
+}
+
+impl From<SendError> for ErrorBody {
+    fn from(e: SendError) -> Self {
+        let code = match e {
+            SendError::Unreachable { .. } => ErrorCode::GatewayUnreachable,
+            SendError::NotInManifest(_) | SendError::BadAnswer { .. } => ErrorCode::ProtocolError,
+            SendError::Encode(_)
+            | SendError::Compress(_)
+            | SendError::Join(_)
+            | SendError::ReadFile(_) => ErrorCode::Internal,
+        };
+        ErrorBody::new(code, e.to_string())
+    }
+}
+
+fn unreachable(url: &reqwest::Url, e: &reqwest::Error) -> SendError {
     let mut s = e.to_string();
     let mut src = std::error::Error::source(e);
     while let Some(c) = src {
@@ -50,10 +89,10 @@ fn unreachable(url: &reqwest::Url, e: &reqwest::Error) -> ErrorBody {
         s.push_str(&c.to_string());
         src = c.source();
     }
-    ErrorBody::new(
-        ErrorCode::GatewayUnreachable,
-        format!("cannot reach the gateway at {url}: {s}"),
-    )
+    SendError::Unreachable {
+        url: url.to_string(),
+        chain: s,
+    }
 }
 
 /// The error body of a failed answer, or a protocol error naming the status.
@@ -170,10 +209,7 @@ impl WorkspaceClient {
         let mut missing: Vec<(String, PathBuf, u64)> = Vec::new();
         for hash in &posted.missing {
             let Some(path) = walked.sources.get(hash) else {
-                return Err(ErrorBody::new(
-                    ErrorCode::ProtocolError,
-                    format!("the gateway asked for {hash}, which is not in the manifest"),
-                ));
+                return Err(SendError::NotInManifest(hash.clone()).into());
             };
             let size = walked
                 .manifest
@@ -219,15 +255,14 @@ impl WorkspaceClient {
     }
 
     async fn post(&self, walked: &Walked) -> Result<PostResponse, ErrorBody> {
-        let text = serde_json::to_vec(&walked.manifest)
-            .map_err(|e| ErrorBody::new(ErrorCode::Internal, e.to_string()))?;
+        let text = serde_json::to_vec(&walked.manifest).map_err(SendError::Encode)?;
         let body = tokio::task::spawn_blocking(move || {
             let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
             gz.write_all(&text).and_then(|()| gz.finish())
         })
         .await
-        .map_err(|e| ErrorBody::new(ErrorCode::Internal, e.to_string()))?
-        .map_err(|e| ErrorBody::new(ErrorCode::Internal, e.to_string()))?;
+        .map_err(SendError::Join)?
+        .map_err(SendError::Compress)?;
         let url = self.url("/workspaces");
         let resp = self
             .auth(self.http.post(url.clone()))
@@ -240,11 +275,12 @@ impl WorkspaceClient {
         if !resp.status().is_success() {
             return Err(error_of(resp).await);
         }
-        json::<PostResponse>(resp).await.map_err(|e| {
-            ErrorBody::new(
-                ErrorCode::ProtocolError,
-                format!("invalid answer to POST /workspaces: {e}"),
-            )
+        json::<PostResponse>(resp).await.map_err(|source| {
+            SendError::BadAnswer {
+                what: "POST /workspaces",
+                source,
+            }
+            .into()
         })
     }
 
@@ -293,18 +329,16 @@ impl WorkspaceClient {
         match produced {
             Ok(Ok(())) => {}
             Ok(Err(e)) => {
-                return Err(ErrorBody::new(
-                    ErrorCode::Internal,
-                    format!("cannot read a workspace file: {e}"),
-                ));
+                return Err(SendError::ReadFile(e).into());
             }
-            Err(e) => return Err(ErrorBody::new(ErrorCode::Internal, e.to_string())),
+            Err(e) => return Err(SendError::Join(e).into()),
         }
-        json::<UploadResponse>(resp).await.map_err(|e| {
-            ErrorBody::new(
-                ErrorCode::ProtocolError,
-                format!("invalid answer to an upload: {e}"),
-            )
+        json::<UploadResponse>(resp).await.map_err(|source| {
+            SendError::BadAnswer {
+                what: "an upload",
+                source,
+            }
+            .into()
         })
     }
 

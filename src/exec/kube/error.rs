@@ -62,6 +62,23 @@ pub(crate) enum KubeError {
     },
     #[error("cannot build the exec request: {0}")]
     ExecRequest(String),
+    /// A session pod's API call failed (`what`: which, `why`: the error, described).
+    #[error("{what}: {why}")]
+    SessionPod { what: String, why: String },
+    #[error("its pod {0} was deleted")]
+    SessionPodDeleted(String),
+    /// The session's pod was lost (the reason, as its fate watch recorded it).
+    #[error("{0}")]
+    SessionLost(String),
+    /// Another replica's call holds the session pod (its holder).
+    #[error(
+        "another call of the session is running (through another gateway replica, {0}); the request asked not to wait: session_busy is fail"
+    )]
+    SessionBusyFail(String),
+    #[error(
+        "another call of the session was still running (through another gateway replica) when this call's timeout ran out"
+    )]
+    SessionBusyTimeout,
     /// Bringing a session pod's tree to the workspace failed (`why`: the step and its cause).
     #[error("cannot bring the tree in session pod {pod} at {root} to the workspace: {why}")]
     SyncKeptTree {
@@ -110,6 +127,9 @@ impl KubeError {
     pub(crate) fn code(&self) -> ErrorCode {
         match self {
             KubeError::ShuttingDown => ErrorCode::ShuttingDown,
+            KubeError::SessionPod { .. } => ErrorCode::BackendError,
+            KubeError::SessionPodDeleted(_) | KubeError::SessionLost(_) => ErrorCode::SessionLost,
+            KubeError::SessionBusyFail(_) | KubeError::SessionBusyTimeout => ErrorCode::SessionBusy,
             KubeError::QueueFull { .. } | KubeError::NoSlot { .. } => ErrorCode::TooManyRequests,
             KubeError::UnknownProfile { .. } => ErrorCode::UnknownProfile,
             KubeError::Pod(p) | KubeError::StillSo { problem: p, .. } => p.code(),

@@ -32,10 +32,11 @@ use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
+use super::error::KubeError;
 use super::guard::{PodGuard, Timings};
 use super::pod::{self, ANNOTATION_EXPIRES, CONTAINER, LABEL_SESSION, LABEL_SESSION_OWNER};
 use super::{DEADLINE_MARGIN_SECS, KubeExecutor, Shared};
-use crate::contract::{ErrorBody, ErrorCode, Phase, RunContext};
+use crate::contract::{ErrorBody, Phase, RunContext};
 use crate::exec::{
     ExecSpec, Execution, FoundRunner, Gone, KeepFor, KeptRunner, KeptSession, StartOptions,
 };
@@ -292,14 +293,9 @@ impl KubeExecutor {
             .pods
             .list(&kube::api::ListParams::default().labels(&selector))
             .await
-            .map_err(|e| {
-                ErrorBody::new(
-                    ErrorCode::BackendError,
-                    format!(
-                        "cannot look for the session's pod: {}",
-                        super::backoff::describe(&e)
-                    ),
-                )
+            .map_err(|e| KubeError::SessionPod {
+                what: "cannot look for the session's pod".into(),
+                why: super::backoff::describe(&e),
             })?;
         let now = k8s_openapi::jiff::Timestamp::now();
         let Some(p) = pods.items.into_iter().find(|p| {
@@ -414,14 +410,9 @@ impl KubeExecutor {
             .pods
             .list(&kube::api::ListParams::default().labels(&selector))
             .await
-            .map_err(|e| {
-                ErrorBody::new(
-                    ErrorCode::BackendError,
-                    format!(
-                        "cannot list the sessions' pods: {}",
-                        super::backoff::describe(&e)
-                    ),
-                )
+            .map_err(|e| KubeError::SessionPod {
+                what: "cannot list the sessions' pods".into(),
+                why: super::backoff::describe(&e),
             })?;
         let now = k8s_openapi::jiff::Timestamp::now();
         let mut out = Vec::new();
@@ -555,18 +546,14 @@ impl KubeKept {
                 lock(&self.seen).update(&p);
                 Ok(())
             }
-            Err(kube::Error::Api(s)) if s.code == 404 => Err(ErrorBody::new(
-                ErrorCode::SessionLost,
-                format!("its pod {} was deleted", self.name),
-            )),
-            Err(e) => Err(ErrorBody::new(
-                ErrorCode::BackendError,
-                format!(
-                    "cannot read session pod {}: {}",
-                    self.name,
-                    super::backoff::describe(&e)
-                ),
-            )),
+            Err(kube::Error::Api(s)) if s.code == 404 => {
+                Err(KubeError::SessionPodDeleted(self.name.clone()).into())
+            }
+            Err(e) => Err(KubeError::SessionPod {
+                what: format!("cannot read session pod {}", self.name),
+                why: super::backoff::describe(&e),
+            }
+            .into()),
         }
     }
 }
@@ -637,7 +624,7 @@ struct Fate {
 }
 
 fn shutting_down() -> ErrorBody {
-    super::error::KubeError::ShuttingDown.into()
+    KubeError::ShuttingDown.into()
 }
 
 /// Watches the kept pod until the runner closes; records the first thing that happened to
@@ -697,14 +684,15 @@ impl KeptRunner for KubeKept {
     ) -> BoxFuture<'_, Result<Execution, ErrorBody>> {
         Box::pin(async move {
             if let Some(why) = lock(&self.lost).clone() {
-                return Err(ErrorBody::new(ErrorCode::SessionLost, why));
+                return Err(KubeError::SessionLost(why).into());
             }
             let mut spec = spec;
             let mut workspace = None;
             if let Some(run) = spec.workspace.take() {
-                let root = self.workspace_path.clone().ok_or_else(|| {
-                    super::error::KubeError::NoWorkspacePath(self.profile.clone())
-                })?;
+                let root = self
+                    .workspace_path
+                    .clone()
+                    .ok_or_else(|| KubeError::NoWorkspacePath(self.profile.clone()))?;
                 let cwd = if sync_tree {
                     opts.progress.report(
                         Phase::Starting,
@@ -851,11 +839,8 @@ impl KeptRunner for KubeKept {
                 let me = process_prefix(&self.shared.identity.gateway);
                 let stale = |h: &str| h.starts_with(&gateway) && !h.starts_with(&me);
                 if let Some(h) = holder.filter(|h| !h.starts_with(&self.id) && !stale(h)) {
-                    let busy = |m: &str| ErrorBody::new(ErrorCode::SessionBusy, m.to_owned());
                     if fail {
-                        return Err(busy(&format!(
-                            "another call of the session is running (through another gateway replica, {h}); the request asked not to wait: session_busy is fail"
-                        )));
+                        return Err(KubeError::SessionBusyFail(h).into());
                     }
                     if !queued {
                         queued = true;
@@ -869,7 +854,7 @@ impl KeptRunner for KubeKept {
                         // A hold past its time frees the pod without a change.
                         _ = tokio::time::sleep(Duration::from_secs(1)) => {}
                         _ = tokio::time::sleep_until(deadline) => {
-                            return Err(busy("another call of the session was still running (through another gateway replica) when this call's timeout ran out"));
+                            return Err(KubeError::SessionBusyTimeout.into());
                         }
                     }
                     continue;
@@ -889,10 +874,7 @@ impl KeptRunner for KubeKept {
                     // Changed meanwhile (another replica took it, or a status update): look again.
                     Err(kube::Error::Api(s)) if s.code == 409 => self.refresh().await?,
                     Err(kube::Error::Api(s)) if s.code == 404 => {
-                        return Err(ErrorBody::new(
-                            ErrorCode::SessionLost,
-                            format!("its pod {} was deleted", self.name),
-                        ));
+                        return Err(KubeError::SessionPodDeleted(self.name.clone()).into());
                     }
                     // No `patch` on pods (a Role made for one replica without a warm pool):
                     // calls are one at a time on this replica only.
@@ -906,14 +888,11 @@ impl KeptRunner for KubeKept {
                         return Ok(None);
                     }
                     Err(e) => {
-                        return Err(ErrorBody::new(
-                            ErrorCode::BackendError,
-                            format!(
-                                "cannot take session pod {}: {}",
-                                self.name,
-                                super::backoff::describe(&e)
-                            ),
-                        ));
+                        return Err(KubeError::SessionPod {
+                            what: format!("cannot take session pod {}", self.name),
+                            why: super::backoff::describe(&e),
+                        }
+                        .into());
                     }
                 }
             }
