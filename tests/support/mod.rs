@@ -272,10 +272,31 @@ pub async fn raw(gw: &Gateway, body: serde_json::Value) -> RawRun {
     raw_bytes(gw, serde_json::to_vec(&body).unwrap(), "application/json").await
 }
 
+/// [`raw`] through `client` (one [`http`] client per request: each is a connection of its own).
+pub async fn raw_with(client: &reqwest::Client, gw: &Gateway, body: serde_json::Value) -> RawRun {
+    raw_bytes_with(
+        client,
+        gw,
+        serde_json::to_vec(&body).unwrap(),
+        "application/json",
+    )
+    .await
+}
+
 /// POSTs raw bytes with a content type to `/raw` and collects the answer.
 pub async fn raw_bytes(gw: &Gateway, body: Vec<u8>, content_type: &str) -> RawRun {
+    raw_bytes_with(&http(), gw, body, content_type).await
+}
+
+/// [`raw_bytes`] through `client`.
+pub async fn raw_bytes_with(
+    client: &reqwest::Client,
+    gw: &Gateway,
+    body: Vec<u8>,
+    content_type: &str,
+) -> RawRun {
     let resp = gw
-        .authorized(http().post(gw.raw_url()))
+        .authorized(client.post(gw.raw_url()))
         .header("content-type", content_type)
         .body(body)
         .send()
