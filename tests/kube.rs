@@ -522,10 +522,15 @@ async fn warm_pool_claims_are_exclusive_across_replicas() {
     );
     let pool_pods: Vec<String> = double.pod_names(NS);
 
-    let runs = (0..24).map(|i| {
+    // The clients are built before any request starts: a client takes up to a few hundred ms
+    // to build on a loaded machine, and a connection that sends nothing for 10 s is closed
+    // (suite::concurrent_requests says more).
+    let clients: Vec<reqwest::Client> = (0..24).map(|_| support::http()).collect();
+    let runs = clients.iter().enumerate().map(|(i, client)| {
         let gw = if i % 2 == 0 { &a } else { &b };
         async move {
-            raw(
+            support::raw_with(
+                client,
                 gw,
                 json!({"executable": "sh", "args": ["-c", "echo $MCP_RUN_X; sleep 1"], "env": {"MCP_RUN_X": format!("run{i}")}}),
             )
