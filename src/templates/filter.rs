@@ -110,9 +110,6 @@ fn compile(pattern: &str) -> Regex {
     Regex::new(pattern).unwrap_or_else(|e| unreachable!("built-in regex: {e}"))
 }
 
-static ERROR_RE: LazyLock<Regex> = LazyLock::new(|| compile(ERROR_SHAPED));
-static DIAGNOSTIC_RE: LazyLock<Regex> = LazyLock::new(|| compile(DIAGNOSTIC));
-static SUMMARY_RE: LazyLock<Regex> = LazyLock::new(|| compile(SUMMARY));
 static CARET_RE: LazyLock<Regex> = LazyLock::new(|| compile(CARET));
 
 /// Everything a line can match to be looked at more closely, with a template's own pattern
@@ -125,22 +122,19 @@ pub(super) fn any_pattern(include: &str) -> String {
 }
 
 /// Lines that say where a failure is: a path with a line number in the usual notations.
-static LOCATION: LazyLock<Regex> = LazyLock::new(|| {
-    compile(concat!(
-        r"^\s*-->\s",
-        r#"|^\s*File "[^"]+", line \d+"#,
-        r"|[\w./\\-]+\.\w+:\d+",
-        r"|[\w./\\-]+\.\w+\(\d+,\d+\)",
-        r"|[\w./\\-]+\.\w+:\[\d+,\d+\]",
-        r"|^\s*at .*[:(]\d+",
-        r"|^\s*>\s*\d+\s*\|",
-        r"|^\s*location: ",
-    ))
-});
+const LOCATION_PATTERN: &str = concat!(
+    r"^\s*-->\s",
+    r#"|^\s*File "[^"]+", line \d+"#,
+    r"|[\w./\\-]+\.\w+:\d+",
+    r"|[\w./\\-]+\.\w+\(\d+,\d+\)",
+    r"|[\w./\\-]+\.\w+:\[\d+,\d+\]",
+    r"|^\s*at .*[:(]\d+",
+    r"|^\s*>\s*\d+\s*\|",
+    r"|^\s*location: ",
+);
 
 /// Lines of an expected/actual diff under a failure (`- [1, 2, 3]`, `+   'b',`, `-7`).
-static DIFF: LazyLock<Regex> =
-    LazyLock::new(|| compile(r"^\s*[-+](?:\s+\S|\d|\[|\{|')|^\s*(?:expected|actual):"));
+const DIFF_PATTERN: &str = r"^\s*[-+](?:\s+\S|\d|\[|\{|')|^\s*(?:expected|actual):";
 
 /// How many lines after an error-shaped line are searched for its location lines.
 const LOCATION_WINDOW: usize = 12;
@@ -219,11 +213,8 @@ fn is_blank(line: &[u8]) -> bool {
 
 /// A line of a code frame under a diagnostic: `  |`, `12 |`, `-->`, `= note:`, `...`, and
 /// the `---` that opens a TAP failure's YAML block.
-static FRAME: LazyLock<Regex> = LazyLock::new(|| {
-    compile(
-        r"^\s*(\d+\s*)?\||^\s*-->\s|^\s*= \w|^\s*\.\.\.\s*$|^\s*(help|note)(\[\w+\])?:|^\s*---\s*$",
-    )
-});
+const FRAME_PATTERN: &str =
+    r"^\s*(\d+\s*)?\||^\s*-->\s|^\s*= \w|^\s*\.\.\.\s*$|^\s*(help|note)(\[\w+\])?:|^\s*---\s*$";
 
 /// A stack frame inside a library or the runtime (`at ... (node_modules/...)`,
 /// `at java.base/...`, a Python frame in site-packages): not one of the project's, so not
@@ -238,13 +229,33 @@ static LIBRARY_FRAME: LazyLock<Regex> = LazyLock::new(|| {
 
 /// Runtime noise: never kept, whatever is around it (the fields Node's assert adds to every
 /// failure, TAP's timings, frames inside Node itself).
-static NOISE: LazyLock<Regex> = LazyLock::new(|| {
-    compile(concat!(
-        r"^\s*(?:generatedMessage: (?:true|false),?|operator: '\w+',?|code: 'ERR_[A-Z_]+',?",
-        r"|failureType: '\w+'|duration_ms: [\d.]+|type: '(?:test|suite)')\s*$",
-        r"|\(node:[\w/]+:\d+:\d+\)\s*$",
-    ))
+const NOISE_PATTERN: &str = concat!(
+    r"^\s*(?:generatedMessage: (?:true|false),?|operator: '\w+',?|code: 'ERR_[A-Z_]+',?",
+    r"|failureType: '\w+'|duration_ms: [\d.]+|type: '(?:test|suite)')\s*$",
+    r"|\(node:[\w/]+:\d+:\d+\)\s*$",
+);
+
+/// The rules every judged line is tried against, in one pass: the same patterns as their
+/// single regexes (the index of each is its `RULE_*` constant).
+static RULES: LazyLock<regex::bytes::RegexSet> = LazyLock::new(|| {
+    regex::bytes::RegexSet::new([
+        NOISE_PATTERN,
+        SUMMARY,
+        DIAGNOSTIC,
+        ERROR_SHAPED,
+        LOCATION_PATTERN,
+        FRAME_PATTERN,
+        DIFF_PATTERN,
+    ])
+    .unwrap_or_else(|e| unreachable!("built-in regex: {e}"))
 });
+const RULE_NOISE: usize = 0;
+const RULE_SUMMARY: usize = 1;
+const RULE_DIAGNOSTIC: usize = 2;
+const RULE_ERROR: usize = 3;
+const RULE_LOCATION: usize = 4;
+const RULE_FRAME: usize = 5;
+const RULE_DIFF: usize = 6;
 
 /// A source line of a code frame (`  12 | code`, `> 12 | code`, `  12| code`): the program's
 /// text, not a report, so never error-shaped itself (`throw new Error(...)`) and never "the
@@ -634,17 +645,19 @@ impl StreamFilter {
         let trimmed = text.trim_ascii_start();
         let library = (trimmed.starts_with(b"at ") || trimmed.starts_with(b"File \""))
             && LIBRARY_FRAME.is_match(text);
-        let noise = NOISE.is_match(text);
-        let summary = !code && SUMMARY_RE.is_match(text);
-        let diagnostic = !code && !summary && DIAGNOSTIC_RE.is_match(text);
-        let failure = !code && !library && !summary && ERROR_RE.is_match(text);
+        // One pass for all the rules; each bit is what its own regex would say.
+        let rules = RULES.matches(text);
+        let noise = rules.matched(RULE_NOISE);
+        let summary = !code && rules.matched(RULE_SUMMARY);
+        let diagnostic = !code && !summary && rules.matched(RULE_DIAGNOSTIC);
+        let failure = !code && !library && !summary && rules.matched(RULE_ERROR);
         if summary {
             why = Some(Why::Always);
             self.saw_summary = true;
         }
         // Locations matter only near a failure: most lines skip the pattern.
         let near = self.window > 0 || self.block > 0 || self.after_failure || self.traceback;
-        let location = !failure && near && LOCATION.is_match(text);
+        let location = !failure && near && rules.matched(RULE_LOCATION);
         // Lines kept for the header before them: always for a diagnostic's, else on failure.
         let context = if self.context_always {
             Why::Always
@@ -664,7 +677,7 @@ impl StreamFilter {
                 self.block -= 1;
                 keep = Some(Why::Failure);
             }
-        } else if self.after_failure && !blank && FRAME.is_match(text) {
+        } else if self.after_failure && !blank && rules.matched(RULE_FRAME) {
             // An error line followed by its code frame: the block up to the next blank line
             // is one diagnostic (rustc's labels under the source excerpt); a TAP failure's
             // YAML block up to its `...`.
@@ -692,7 +705,7 @@ impl StreamFilter {
             self.window -= 1;
             if location {
                 keep = Some(context);
-            } else if !failure && !context_is_always(context) && DIFF.is_match(text) {
+            } else if !failure && !context_is_always(context) && rules.matched(RULE_DIFF) {
                 keep = Some(Why::Failure);
                 // A long diff: the location comes after it.
                 self.window = self.window.max(DIFF_WINDOW);
@@ -709,7 +722,7 @@ impl StreamFilter {
         if self.after_location
             && !blank
             && !code
-            && !FRAME.is_match(text)
+            && !rules.matched(RULE_FRAME)
             && text.first().is_some_and(|b| *b == b' ' || *b == b'\t')
         {
             // The source line under a location (`test_x.py:1: in <module>` / `    import x`).
