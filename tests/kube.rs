@@ -1467,8 +1467,20 @@ async fn kube_sessions_outlive_a_replica_s_graceful_exit_and_end_at_their_expiry
     let status = b.terminate().expect("B exits");
     assert!(status.success(), "{status:?}");
     assert!(double.pod(NS, &brief_pod).is_some(), "left by B");
-    // Its idle TTL (2 s, from its last use) passes while nobody runs.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Its idle TTL passes while nobody runs: wait for the idle deadline its pod records
+    // (`last-used` + `idle-ttl-secs`), past the whole second the reaper compares in.
+    let a = double
+        .pod(NS, &brief_pod)
+        .unwrap()
+        .metadata
+        .annotations
+        .unwrap();
+    let last_used: k8s_openapi::jiff::Timestamp = a["mcp-run.dev/last-used"].parse().unwrap();
+    let ttl: i64 = a["mcp-run.dev/idle-ttl-secs"].parse().unwrap();
+    let idle_deadline = last_used + k8s_openapi::jiff::SignedDuration::from_secs(ttl + 1);
+    assert!(wait_until(Duration::from_secs(10), || {
+        k8s_openapi::jiff::Timestamp::now() > idle_deadline
+    }));
     let c = replica_with(&double, "gw-c", &cfg);
     assert!(
         wait_until(Duration::from_secs(20), || double
