@@ -275,6 +275,36 @@ impl KubeExecutor {
         })
     }
 
+    /// This gateway's session pods matching `selector` (besides its instance) that are
+    /// running, not being deleted, and whose session is still alive by their annotations.
+    async fn live_session_pods(
+        &self,
+        selector: &str,
+        what: &str,
+    ) -> Result<Vec<k8s_openapi::api::core::v1::Pod>, ErrorBody> {
+        let selector = format!("{},{selector}", self.shared.identity.instance_selector());
+        self.shared.throttle.acquire().await;
+        let pods = self
+            .shared
+            .pods
+            .list(&kube::api::ListParams::default().labels(&selector))
+            .await
+            .map_err(|e| KubeError::SessionPod {
+                what: what.into(),
+                why: super::backoff::describe(&e),
+            })?;
+        let now = k8s_openapi::jiff::Timestamp::now();
+        Ok(pods
+            .items
+            .into_iter()
+            .filter(|p| {
+                p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+                    && p.metadata.deletion_timestamp.is_none()
+                    && session_alive(p, now) == Some(true)
+            })
+            .collect())
+    }
+
     /// The session pod of `owner`'s session `name` (hashes), made by any replica, still
     /// live: a runner for this replica's calls, and what its annotations say.
     pub(super) async fn find_session_pod(
@@ -283,27 +313,15 @@ impl KubeExecutor {
         name: &str,
     ) -> Result<Option<FoundRunner>, ErrorBody> {
         use kube::ResourceExt as _;
-        let selector = format!(
-            "{},{LABEL_SESSION_OWNER}={owner},{LABEL_SESSION}={name}",
-            self.shared.identity.instance_selector()
-        );
-        self.shared.throttle.acquire().await;
-        let pods = self
-            .shared
-            .pods
-            .list(&kube::api::ListParams::default().labels(&selector))
-            .await
-            .map_err(|e| KubeError::SessionPod {
-                what: "cannot look for the session's pod".into(),
-                why: super::backoff::describe(&e),
-            })?;
-        let now = k8s_openapi::jiff::Timestamp::now();
-        let Some(p) = pods.items.into_iter().find(|p| {
-            let running = p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
-            running
-                && p.metadata.deletion_timestamp.is_none()
-                && session_alive(p, now) == Some(true)
-        }) else {
+        let Some(p) = self
+            .live_session_pods(
+                &format!("{LABEL_SESSION_OWNER}={owner},{LABEL_SESSION}={name}"),
+                "cannot look for the session's pod",
+            )
+            .await?
+            .into_iter()
+            .next()
+        else {
             return Ok(None);
         };
         let pod_name = p.name_any();
@@ -400,30 +418,14 @@ impl KubeExecutor {
         owner: &str,
     ) -> Result<Vec<KeptSession>, ErrorBody> {
         use kube::ResourceExt as _;
-        let selector = format!(
-            "{},{LABEL_SESSION_OWNER}={owner}",
-            self.shared.identity.instance_selector()
-        );
-        self.shared.throttle.acquire().await;
         let pods = self
-            .shared
-            .pods
-            .list(&kube::api::ListParams::default().labels(&selector))
-            .await
-            .map_err(|e| KubeError::SessionPod {
-                what: "cannot list the sessions' pods".into(),
-                why: super::backoff::describe(&e),
-            })?;
-        let now = k8s_openapi::jiff::Timestamp::now();
+            .live_session_pods(
+                &format!("{LABEL_SESSION_OWNER}={owner}"),
+                "cannot list the sessions' pods",
+            )
+            .await?;
         let mut out = Vec::new();
-        for p in pods.items {
-            let running = p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
-            if !running
-                || p.metadata.deletion_timestamp.is_some()
-                || session_alive(&p, now) != Some(true)
-            {
-                continue;
-            }
+        for p in pods {
             let (ann, labels) = (p.annotations(), p.labels());
             let (Some(name), Some(hash), Some(profile)) = (
                 ann.get(ANNOTATION_SESSION_NAME),
