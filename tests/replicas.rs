@@ -1285,6 +1285,36 @@ async fn workspaces_and_sessions_follow_the_callers_home_replica() {
     }
 }
 
+/// Gateways on the kube backend against `double`, one per pod name (`MCP_RUN_POD_NAME`), each
+/// with its peer port from `peer_ports` and the shared peer secret.
+fn kube_replicas(
+    double: &crate::kube_double::KubeDouble,
+    config: &std::path::Path,
+    pods: &[&str],
+    peer_ports: &[u16],
+) -> Vec<Gateway> {
+    let kubeconfig = double.kubeconfig();
+    pods.iter()
+        .zip(peer_ports)
+        .map(|(pod, port)| {
+            let peer_listen = format!("127.0.0.1:{port}");
+            Gateway::start_with_env(
+                &[
+                    "--backend",
+                    "kube",
+                    "--kubeconfig",
+                    kubeconfig.to_str().unwrap(),
+                    "--config",
+                    config.to_str().unwrap(),
+                    "--peer-listen",
+                    &peer_listen,
+                ],
+                &[("MCP_RUN_PEER_SECRET", SECRET), ("MCP_RUN_POD_NAME", pod)],
+            )
+        })
+        .collect()
+}
+
 /// The EndpointSlice of one replica, as the EndpointSlice controller writes it for the
 /// chart's headless peer Service (one slice per replica here: the replicas share an address,
 /// so their peer ports differ, and a slice has one port set).
@@ -1333,29 +1363,9 @@ async fn kube_replicas_find_each_other_from_endpointslices_behind_a_round_robin_
             ws.path().display()
         ),
     );
-    let kubeconfig = double.kubeconfig();
     let pods = ["gw-0", "gw-1", "gw-2"];
     let peer_ports: Vec<u16> = pods.iter().map(|_| free_port()).collect();
-    let mut gws: Vec<Gateway> = pods
-        .iter()
-        .zip(&peer_ports)
-        .map(|(pod, port)| {
-            let peer_listen = format!("127.0.0.1:{port}");
-            Gateway::start_with_env(
-                &[
-                    "--backend",
-                    "kube",
-                    "--kubeconfig",
-                    kubeconfig.to_str().unwrap(),
-                    "--config",
-                    config.to_str().unwrap(),
-                    "--peer-listen",
-                    &peer_listen,
-                ],
-                &[("MCP_RUN_PEER_SECRET", SECRET), ("MCP_RUN_POD_NAME", pod)],
-            )
-        })
-        .collect();
+    let mut gws = kube_replicas(&double, &config, &pods, &peer_ports);
     let (base, p) = proxy(gws.iter().map(|g| g.base.clone()).collect()).await;
     let c = ()
         .serve(StreamableHttpClientTransport::from_uri(format!(
@@ -1670,29 +1680,9 @@ async fn kube_replicas_share_one_warm_pool_and_never_take_or_reap_each_others_po
          kubernetes:\n  reaper_interval_secs: 1\n  reaper_min_age_secs: 0\n\
          profiles:\n  default:\n    image: busybox:1.36\n    warm_pool:\n      size: 3\n",
     );
-    let kubeconfig = double.kubeconfig();
     let pods = ["gw-a", "gw-b"];
     let peer_ports: Vec<u16> = pods.iter().map(|_| free_port()).collect();
-    let gws: Vec<Gateway> = pods
-        .iter()
-        .zip(&peer_ports)
-        .map(|(pod, port)| {
-            let peer_listen = format!("127.0.0.1:{port}");
-            Gateway::start_with_env(
-                &[
-                    "--backend",
-                    "kube",
-                    "--kubeconfig",
-                    kubeconfig.to_str().unwrap(),
-                    "--config",
-                    config.to_str().unwrap(),
-                    "--peer-listen",
-                    &peer_listen,
-                ],
-                &[("MCP_RUN_PEER_SECRET", SECRET), ("MCP_RUN_POD_NAME", pod)],
-            )
-        })
-        .collect();
+    let gws = kube_replicas(&double, &config, &pods, &peer_ports);
     // Alone (no EndpointSlice lists the other), each keeps the whole pool.
     let both_full = support::wait_until(Duration::from_secs(30), || {
         idle_by_gateway(&double)
